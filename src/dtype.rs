@@ -1,0 +1,90 @@
+//! Element types kiln's kernels are specialised for.
+
+use std::fmt;
+
+/// The floating-point element types. f16 and bf16 are stored as `half::f16` / `half::bf16` on the
+/// host and as 16-bit words on the device; kernels accumulate in f32.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum DType {
+    F32,
+    F16,
+    BF16,
+}
+
+impl DType {
+    pub const ALL: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+
+    /// Bytes per element.
+    pub const fn size(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::F16 | DType::BF16 => 2,
+        }
+    }
+
+    /// The short name used in specs, cache listings and the CLI.
+    pub const fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+        }
+    }
+
+    /// The device-side type the templates use (defined in `templates/prelude.cuh`).
+    pub const fn cuda_type(self) -> &'static str {
+        match self {
+            DType::F32 => "float",
+            DType::F16 => "kiln_f16",
+            DType::BF16 => "kiln_bf16",
+        }
+    }
+
+    /// Elements in one 16-byte vector load.
+    pub const fn vec_width(self) -> usize {
+        16 / self.size()
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Host element types that map to a [`DType`].
+pub trait Element: Copy + Send + Sync + 'static {
+    const DTYPE: DType;
+    fn to_f64(self) -> f64;
+    fn from_f64(v: f64) -> Self;
+}
+
+impl Element for f32 {
+    const DTYPE: DType = DType::F32;
+    fn to_f64(self) -> f64 {
+        self as f64
+    }
+    fn from_f64(v: f64) -> Self {
+        v as f32
+    }
+}
+
+impl Element for half::f16 {
+    const DTYPE: DType = DType::F16;
+    fn to_f64(self) -> f64 {
+        self.to_f64()
+    }
+    fn from_f64(v: f64) -> Self {
+        half::f16::from_f64(v)
+    }
+}
+
+impl Element for half::bf16 {
+    const DTYPE: DType = DType::BF16;
+    fn to_f64(self) -> f64 {
+        self.to_f64()
+    }
+    fn from_f64(v: f64) -> Self {
+        half::bf16::from_f64(v)
+    }
+}

@@ -1,0 +1,262 @@
+//! Every environment variable kiln reads, parsed in one place.
+//!
+//! Parsing takes a lookup function so that tests can feed it a map instead of the process
+//! environment.
+
+use std::path::PathBuf;
+
+use crate::error::{Error, Result};
+
+/// `KILN_CACHE`: whether the disk cache is used.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CacheMode {
+    /// Read and write (the default).
+    On,
+    /// Memory only: no disk access at all.
+    Off,
+    /// Read existing entries, never write, evict or delete.
+    ReadOnly,
+}
+
+impl CacheMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            CacheMode::On => "on",
+            CacheMode::Off => "off",
+            CacheMode::ReadOnly => "ro",
+        }
+    }
+}
+
+pub const DEFAULT_CACHE_MAX_BYTES: u64 = 1 << 30;
+pub const DEFAULT_GRAPH_CACHE_SIZE: usize = 400;
+pub const DEFAULT_CONV_CACHE_SIZE: usize = 128;
+
+/// The settings kiln takes from the environment.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Config {
+    /// `KILN_CACHE_DIR`; `None` means the platform cache directory.
+    pub cache_dir: Option<PathBuf>,
+    /// `KILN_CACHE` = on | off | ro.
+    pub cache_mode: CacheMode,
+    /// `KILN_CACHE_MAX_BYTES`: size cap of the disk cache (suffixes K, M, G accepted).
+    pub cache_max_bytes: u64,
+    /// `KILN_NVRTC_LIB`: an explicit path to libnvrtc.
+    pub nvrtc_lib: Option<PathBuf>,
+    /// `MLX_USE_CUDA_GRAPHS` (default true).
+    pub use_cuda_graphs: bool,
+    /// `MLX_CUDA_GRAPH_CACHE_SIZE` (default 400).
+    pub graph_cache_size: usize,
+    /// `MLX_MAX_OPS_PER_BUFFER`; `None` means the per-architecture default.
+    pub max_ops_per_buffer: Option<usize>,
+    /// `MLX_MAX_MB_PER_BUFFER`; `None` means the per-architecture default.
+    pub max_mb_per_buffer: Option<usize>,
+    /// `MLX_CUDA_CONV_CACHE_SIZE` (default 128).
+    pub conv_cache_size: usize,
+}
+
+/// Every variable kiln reads, for `kiln info`.
+pub const VARIABLES: &[&str] = &[
+    "KILN_CACHE_DIR",
+    "KILN_CACHE",
+    "KILN_CACHE_MAX_BYTES",
+    "KILN_NVRTC_LIB",
+    "KILN_REQUIRE_GPU",
+    "KILN_LOG",
+    "MLX_USE_CUDA_GRAPHS",
+    "MLX_CUDA_GRAPH_CACHE_SIZE",
+    "MLX_MAX_OPS_PER_BUFFER",
+    "MLX_MAX_MB_PER_BUFFER",
+    "MLX_CUDA_CONV_CACHE_SIZE",
+];
+
+impl Config {
+    /// Reads the process environment.
+    pub fn from_env() -> Result<Config> {
+        Config::from_lookup(|name| std::env::var(name).ok())
+    }
+
+    /// Reads settings through `get`, which returns a variable's value if it is set.
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Config> {
+        let set = |name: &str| get(name).filter(|v| !v.trim().is_empty());
+        Ok(Config {
+            cache_dir: set("KILN_CACHE_DIR").map(PathBuf::from),
+            cache_mode: match set("KILN_CACHE") {
+                None => CacheMode::On,
+                Some(v) => parse_cache_mode(&v)?,
+            },
+            cache_max_bytes: match set("KILN_CACHE_MAX_BYTES") {
+                None => DEFAULT_CACHE_MAX_BYTES,
+                Some(v) => parse_bytes("KILN_CACHE_MAX_BYTES", &v)?,
+            },
+            nvrtc_lib: set("KILN_NVRTC_LIB").map(PathBuf::from),
+            use_cuda_graphs: match set("MLX_USE_CUDA_GRAPHS") {
+                None => true,
+                Some(v) => parse_bool("MLX_USE_CUDA_GRAPHS", &v)?,
+            },
+            graph_cache_size: match set("MLX_CUDA_GRAPH_CACHE_SIZE") {
+                None => DEFAULT_GRAPH_CACHE_SIZE,
+                Some(v) => parse_count("MLX_CUDA_GRAPH_CACHE_SIZE", &v)?,
+            },
+            max_ops_per_buffer: set("MLX_MAX_OPS_PER_BUFFER")
+                .map(|v| parse_count("MLX_MAX_OPS_PER_BUFFER", &v))
+                .transpose()?,
+            max_mb_per_buffer: set("MLX_MAX_MB_PER_BUFFER")
+                .map(|v| parse_count("MLX_MAX_MB_PER_BUFFER", &v))
+                .transpose()?,
+            conv_cache_size: match set("MLX_CUDA_CONV_CACHE_SIZE") {
+                None => DEFAULT_CONV_CACHE_SIZE,
+                Some(v) => parse_count("MLX_CUDA_CONV_CACHE_SIZE", &v)?,
+            },
+        })
+    }
+}
+
+/// True when `KILN_REQUIRE_GPU` asks for a GPU (GPU tests then fail instead of skipping).
+pub fn require_gpu() -> bool {
+    std::env::var("KILN_REQUIRE_GPU")
+        .ok()
+        .and_then(|v| parse_bool("KILN_REQUIRE_GPU", &v).ok())
+        .unwrap_or(false)
+}
+
+fn parse_cache_mode(v: &str) -> Result<CacheMode> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "on" | "1" | "true" | "rw" => Ok(CacheMode::On),
+        "off" | "0" | "false" => Ok(CacheMode::Off),
+        "ro" | "readonly" | "read-only" => Ok(CacheMode::ReadOnly),
+        _ => Err(Error::Env {
+            var: "KILN_CACHE",
+            value: v.to_string(),
+            expected: "on, off or ro",
+        }),
+    }
+}
+
+fn parse_bool(var: &'static str, v: &str) -> Result<bool> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "on" | "yes" => Ok(true),
+        "0" | "false" | "off" | "no" => Ok(false),
+        _ => Err(Error::Env {
+            var,
+            value: v.to_string(),
+            expected: "0 or 1",
+        }),
+    }
+}
+
+fn parse_count(var: &'static str, v: &str) -> Result<usize> {
+    match v.trim().parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(Error::Env {
+            var,
+            value: v.to_string(),
+            expected: "a positive integer",
+        }),
+    }
+}
+
+/// Parses a byte count: a plain integer or one with a K, M or G suffix (powers of 1024; "KiB",
+/// "MB" and the like are accepted too).
+pub fn parse_bytes(var: &'static str, v: &str) -> Result<u64> {
+    let bad = || Error::Env {
+        var,
+        value: v.to_string(),
+        expected: "a byte count such as 1073741824, 512M or 2G",
+    };
+    let t = v.trim().to_ascii_uppercase();
+    let t = t.trim_end_matches('B').trim_end_matches('I');
+    let (digits, shift) = match t.chars().last() {
+        Some('K') => (&t[..t.len() - 1], 10),
+        Some('M') => (&t[..t.len() - 1], 20),
+        Some('G') => (&t[..t.len() - 1], 30),
+        Some('T') => (&t[..t.len() - 1], 40),
+        _ => (t, 0),
+    };
+    let n: u64 = digits.trim().parse().map_err(|_| bad())?;
+    n.checked_mul(1u64 << shift).ok_or_else(bad)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn config(vars: &[(&str, &str)]) -> Result<Config> {
+        let map: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        Config::from_lookup(|k| map.get(k).cloned())
+    }
+
+    #[test]
+    fn defaults_when_nothing_is_set() {
+        let c = config(&[]).unwrap();
+        assert_eq!(c.cache_mode, CacheMode::On);
+        assert_eq!(c.cache_max_bytes, DEFAULT_CACHE_MAX_BYTES);
+        assert_eq!(c.cache_dir, None);
+        assert!(c.use_cuda_graphs);
+        assert_eq!(c.graph_cache_size, 400);
+        assert_eq!(c.conv_cache_size, 128);
+        assert_eq!(c.max_ops_per_buffer, None);
+    }
+
+    #[test]
+    fn parses_every_variable() {
+        let c = config(&[
+            ("KILN_CACHE_DIR", "/tmp/k"),
+            ("KILN_CACHE", "ro"),
+            ("KILN_CACHE_MAX_BYTES", "512M"),
+            ("MLX_USE_CUDA_GRAPHS", "0"),
+            ("MLX_CUDA_GRAPH_CACHE_SIZE", "2"),
+            ("MLX_MAX_OPS_PER_BUFFER", "20"),
+            ("MLX_MAX_MB_PER_BUFFER", "100"),
+            ("MLX_CUDA_CONV_CACHE_SIZE", "7"),
+        ])
+        .unwrap();
+        assert_eq!(c.cache_dir, Some(PathBuf::from("/tmp/k")));
+        assert_eq!(c.cache_mode, CacheMode::ReadOnly);
+        assert_eq!(c.cache_max_bytes, 512 << 20);
+        assert!(!c.use_cuda_graphs);
+        assert_eq!(c.graph_cache_size, 2);
+        assert_eq!(c.max_ops_per_buffer, Some(20));
+        assert_eq!(c.max_mb_per_buffer, Some(100));
+        assert_eq!(c.conv_cache_size, 7);
+    }
+
+    #[test]
+    fn byte_suffixes() {
+        assert_eq!(parse_bytes("X", "4096").unwrap(), 4096);
+        assert_eq!(parse_bytes("X", "2G").unwrap(), 2 << 30);
+        assert_eq!(parse_bytes("X", "3kib").unwrap(), 3 << 10);
+        assert_eq!(parse_bytes("X", "10MB").unwrap(), 10 << 20);
+        assert!(parse_bytes("X", "lots").is_err());
+        assert!(parse_bytes("X", "-1").is_err());
+    }
+
+    #[test]
+    fn bad_values_name_the_variable() {
+        for (var, value) in [
+            ("KILN_CACHE", "maybe"),
+            ("MLX_USE_CUDA_GRAPHS", "2"),
+            ("MLX_CUDA_GRAPH_CACHE_SIZE", "0"),
+            ("MLX_MAX_OPS_PER_BUFFER", "x"),
+            ("KILN_CACHE_MAX_BYTES", "1Q"),
+        ] {
+            let err = config(&[(var, value)]).unwrap_err().to_string();
+            assert!(err.contains(var), "{err}");
+        }
+    }
+
+    #[test]
+    fn cache_modes() {
+        for (v, m) in [
+            ("on", CacheMode::On),
+            ("OFF", CacheMode::Off),
+            ("ro", CacheMode::ReadOnly),
+        ] {
+            assert_eq!(config(&[("KILN_CACHE", v)]).unwrap().cache_mode, m);
+        }
+    }
+}

@@ -1,0 +1,79 @@
+//! kiln's one error type.
+
+use std::path::PathBuf;
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(
+        "NVRTC was not found. kiln looked in:\n  {}\nInstall it with `pip install nvidia-cuda-nvrtc` \
+         (kiln finds it in the active Python environment), install the CUDA toolkit, or point \
+         KILN_NVRTC_LIB at libnvrtc.so",
+        searched.join("\n  ")
+    )]
+    NvrtcNotFound { searched: Vec<String> },
+
+    /// NVRTC failed to load earlier in this process; the message says why.
+    #[error("{0}")]
+    NvrtcUnavailable(String),
+
+    #[error("could not load NVRTC from {path}: {reason}")]
+    NvrtcLoad { path: PathBuf, reason: String },
+
+    #[error("NVRTC call {call} failed: {message}")]
+    Nvrtc { call: &'static str, message: String },
+
+    #[error("compiling {spec} for {target} failed; source: {}\n{log}",
+        source_path.as_ref().map_or("(not saved)".to_string(), |p| p.display().to_string()))]
+    Compile {
+        spec: String,
+        target: String,
+        log: String,
+        source_path: Option<PathBuf>,
+    },
+
+    #[error("rendering template {template} failed: {message}")]
+    Template { template: String, message: String },
+
+    #[error("invalid target {0:?}: expected sm_XY, sm_XYa or compute_XY, for example sm_90")]
+    InvalidTarget(String),
+
+    #[error("environment variable {var}={value:?} is invalid: expected {expected}")]
+    Env {
+        var: &'static str,
+        value: String,
+        expected: &'static str,
+    },
+
+    #[error("{context}: {path}: {source}")]
+    Io {
+        context: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+
+    #[error("no CUDA driver: {0}")]
+    NoDriver(String),
+
+    #[error("CUDA driver call failed: {0}")]
+    Driver(#[from] cudarc::driver::DriverError),
+
+    #[error("invalid argument `{arg}`: {reason}")]
+    InvalidArgument { arg: &'static str, reason: String },
+}
+
+impl Error {
+    pub(crate) fn io(
+        context: &'static str,
+        path: impl Into<PathBuf>,
+        source: std::io::Error,
+    ) -> Self {
+        Error::Io {
+            context,
+            path: path.into(),
+            source,
+        }
+    }
+}

@@ -1,0 +1,220 @@
+//! The JIT's front door: spec + target -> rendered source -> key -> disk cache or NVRTC.
+//!
+//! Compiles of different specs run in parallel on the caller's threads; concurrent requests for
+//! the same key wait for one compile (single flight) and share its result.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Instant;
+
+use dashmap::DashMap;
+
+use super::disk_cache::{DiskCache, Lookup};
+use super::entry::{Entry, ImageKind};
+use super::key::{CacheKey, KeyParts};
+use super::nvrtc::Nvrtc;
+use super::spec::KernelSpec;
+use super::target::{Target, TargetKind};
+use super::template;
+use crate::env::Config;
+use crate::error::{Error, Result};
+
+/// NVRTC options every kiln kernel is compiled with (the target is added separately).
+pub const BASE_OPTIONS: &[&str] = &["--std=c++17", "--fmad=true"];
+
+pub const PRODUCER: &str = concat!("kiln ", env!("CARGO_PKG_VERSION"));
+
+/// Where a compiled module came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Origin {
+    /// Already compiled earlier in this process.
+    Memory,
+    /// Read from the disk cache.
+    Disk,
+    /// Compiled by NVRTC now.
+    Compiled,
+}
+
+/// A compiled module and where it came from.
+#[derive(Clone, Debug)]
+pub struct Compiled {
+    pub entry: Arc<Entry>,
+    pub origin: Origin,
+}
+
+pub struct Jit {
+    config: Config,
+    cache: DiskCache,
+    /// One slot per key: holds the module once compiled; its lock is the single flight.
+    modules: DashMap<CacheKey, Arc<Mutex<Option<Arc<Entry>>>>>,
+}
+
+impl Jit {
+    /// The process-wide JIT, configured from the environment on first use.
+    pub fn global() -> Result<&'static Jit> {
+        static GLOBAL: OnceLock<std::result::Result<Jit, String>> = OnceLock::new();
+        GLOBAL
+            .get_or_init(|| Config::from_env().map(Jit::new).map_err(|e| e.to_string()))
+            .as_ref()
+            .map_err(|e| Error::InvalidArgument {
+                arg: "environment",
+                reason: e.clone(),
+            })
+    }
+
+    pub fn new(config: Config) -> Jit {
+        let dir = config.cache_dir.clone().unwrap_or_else(default_cache_dir);
+        let cache = DiskCache::open(&dir, config.cache_mode, config.cache_max_bytes);
+        Jit {
+            config,
+            cache,
+            modules: DashMap::new(),
+        }
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    pub fn disk_cache(&self) -> &DiskCache {
+        &self.cache
+    }
+
+    pub fn nvrtc(&self) -> Result<&'static Nvrtc> {
+        Nvrtc::get(self.config.nvrtc_lib.as_deref())
+    }
+
+    /// The target actually compiled for when `requested` is asked for `spec`: the arch-specific
+    /// variant where the family needs it, and PTX for the newest architecture this NVRTC knows
+    /// when it cannot emit SASS for the requested one.
+    pub fn resolve_target(&self, spec: &KernelSpec, requested: Target) -> Result<Target> {
+        let nvrtc = self.nvrtc()?;
+        let mut target = requested;
+        if target.kind != TargetKind::Ptx && !nvrtc.supports_sass(target.arch) {
+            let best = nvrtc
+                .supported_archs
+                .iter()
+                .copied()
+                .filter(|&a| a <= target.arch)
+                .max()
+                .ok_or_else(|| Error::InvalidArgument {
+                    arg: "target",
+                    reason: format!(
+                        "NVRTC {} supports none of the architectures up to {requested}",
+                        nvrtc.version_string()
+                    ),
+                })?;
+            target = Target::ptx(best);
+        }
+        if spec.template.arch_specific {
+            target = target.arch_specific();
+        }
+        Ok(target)
+    }
+
+    /// The key parts for `spec` on exactly `target` (no target resolution).
+    pub fn key_parts(&self, spec: &KernelSpec, target: Target) -> Result<KeyParts> {
+        let rendered = template::render(spec)?;
+        Ok(KeyParts {
+            source: rendered.source,
+            headers: Vec::new(),
+            name_expressions: rendered.name_expressions,
+            options: BASE_OPTIONS.iter().map(|s| s.to_string()).collect(),
+            target: target.to_string(),
+            nvrtc_version: self.nvrtc()?.version_string(),
+        })
+    }
+
+    /// Returns the module for `spec` on `requested`, from memory, disk, or a fresh compile.
+    pub fn compile(&self, spec: &KernelSpec, requested: Target) -> Result<Compiled> {
+        let target = self.resolve_target(spec, requested)?;
+        let parts = self.key_parts(spec, target)?;
+        let key = parts.key();
+        let slot = self.modules.entry(key).or_default().clone();
+        let mut slot = slot.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(entry) = slot.as_ref() {
+            return Ok(Compiled {
+                entry: entry.clone(),
+                origin: Origin::Memory,
+            });
+        }
+        let compiled = self.load_or_compile(spec, target, key, parts)?;
+        *slot = Some(compiled.entry.clone());
+        Ok(compiled)
+    }
+
+    fn load_or_compile(
+        &self,
+        spec: &KernelSpec,
+        target: Target,
+        key: CacheKey,
+        parts: KeyParts,
+    ) -> Result<Compiled> {
+        match self.cache.load(&key) {
+            Lookup::Hit(entry) => {
+                return Ok(Compiled {
+                    entry: Arc::new(*entry),
+                    origin: Origin::Disk,
+                })
+            }
+            Lookup::Corrupt(why) => {
+                tracing::warn!(%spec, %target, reason = %why, "recompiling a corrupt cache entry");
+            }
+            Lookup::Miss => {}
+        }
+        let nvrtc = self.nvrtc()?;
+        let mut options = parts.options.clone();
+        options.push(target.nvrtc_option());
+        let started = Instant::now();
+        let span = tracing::info_span!("kiln.compile", %spec, %target);
+        let _enter = span.enter();
+        let output = nvrtc.compile(
+            spec.template.name,
+            &parts.source,
+            &parts.name_expressions,
+            &options,
+            target.is_ptx(),
+        )?;
+        let output = match output {
+            Ok(o) => o,
+            Err(failure) => {
+                let source_path: Option<PathBuf> =
+                    self.cache.save_failed_source(&key, &parts.source);
+                return Err(Error::Compile {
+                    spec: spec.to_string(),
+                    target: target.to_string(),
+                    log: failure.log,
+                    source_path,
+                });
+            }
+        };
+        tracing::debug!(ms = started.elapsed().as_secs_f64() * 1e3, "compiled");
+        let entry = Entry {
+            key,
+            parts,
+            spec: spec.to_string(),
+            producer: PRODUCER.to_string(),
+            image_kind: if target.is_ptx() {
+                ImageKind::Ptx
+            } else {
+                ImageKind::Cubin
+            },
+            lowered_names: output.lowered_names,
+            image: output.image,
+        };
+        self.cache.store(&entry);
+        Ok(Compiled {
+            entry: Arc::new(entry),
+            origin: Origin::Compiled,
+        })
+    }
+}
+
+/// The platform cache directory (e.g. `~/.cache/kiln` on Linux), or `./.kiln-cache` if the
+/// platform has none.
+pub fn default_cache_dir() -> PathBuf {
+    directories::ProjectDirs::from("", "", "kiln")
+        .map(|d| d.cache_dir().to_path_buf())
+        .unwrap_or_else(|| PathBuf::from(".kiln-cache"))
+}

@@ -1,0 +1,97 @@
+//! The in-memory kernel table: loaded functions keyed by (device ordinal, spec). A hit is one
+//! `DashMap` lookup: no rendering, hashing, allocation or file access.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
+use cudarc::nvrtc::Ptx;
+use dashmap::DashMap;
+
+use super::compiler::{Jit, Origin};
+use super::entry::ImageKind;
+use super::key::CacheKey;
+use super::spec::KernelSpec;
+use super::target::Target;
+use crate::error::{Error, Result};
+
+/// A kernel loaded into one device's context.
+#[derive(Debug)]
+pub struct LoadedKernel {
+    pub function: CudaFunction,
+    pub module: Arc<CudaModule>,
+    pub key: CacheKey,
+    /// Where its module came from when it was loaded.
+    pub origin: Origin,
+}
+
+#[derive(Default)]
+pub struct KernelTable {
+    map: DashMap<(usize, KernelSpec), Arc<LoadedKernel>>,
+}
+
+impl KernelTable {
+    pub fn new() -> KernelTable {
+        KernelTable::default()
+    }
+
+    /// The fast path: the kernel if it is already loaded on device `ordinal`.
+    #[inline]
+    pub fn get(&self, ordinal: usize, spec: &KernelSpec) -> Option<Arc<LoadedKernel>> {
+        self.map.get(&(ordinal, *spec)).map(|k| k.value().clone())
+    }
+
+    /// Returns the loaded kernel, compiling (or reading from disk) and loading it on a miss.
+    pub fn get_or_load(
+        &self,
+        jit: &Jit,
+        ctx: &Arc<CudaContext>,
+        target: Target,
+        spec: &KernelSpec,
+    ) -> Result<Arc<LoadedKernel>> {
+        let ordinal = ctx.ordinal();
+        if let Some(k) = self.get(ordinal, spec) {
+            return Ok(k);
+        }
+        let compiled = jit.compile(spec, target)?;
+        let entry = &compiled.entry;
+        let span = tracing::debug_span!("kiln.load", %spec);
+        let _enter = span.enter();
+        let image = match entry.image_kind {
+            ImageKind::Cubin => Ptx::from_binary(entry.image.clone()),
+            ImageKind::Ptx => {
+                let text = entry.image.split(|&b| b == 0).next().unwrap_or(&[]);
+                Ptx::from_src(String::from_utf8_lossy(text).into_owned())
+            }
+        };
+        let module = ctx.load_module(image)?;
+        let name = entry
+            .lowered_names
+            .first()
+            .ok_or_else(|| Error::InvalidArgument {
+                arg: "spec",
+                reason: format!("{spec} names no kernel"),
+            })?;
+        let function = module.load_function(name)?;
+        let loaded = Arc::new(LoadedKernel {
+            function,
+            module,
+            key: entry.key,
+            origin: compiled.origin,
+        });
+        // Two threads may load the same kernel at once; the first insert wins, both are valid.
+        Ok(self
+            .map
+            .entry((ordinal, *spec))
+            .or_insert(loaded)
+            .value()
+            .clone())
+    }
+
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+}

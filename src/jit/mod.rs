@@ -1,0 +1,17 @@
+//! The JIT: kernel specs, template rendering, NVRTC, the disk cache and the in-memory table.
+
+pub mod compiler;
+pub mod disk_cache;
+pub mod entry;
+pub mod kernels;
+pub mod key;
+pub mod nvrtc;
+pub mod spec;
+pub mod target;
+pub mod template;
+
+pub use compiler::{Compiled, Jit, Origin};
+pub use kernels::{KernelTable, LoadedKernel};
+pub use key::CacheKey;
+pub use spec::{KernelSpec, TemplateDef};
+pub use target::Target;

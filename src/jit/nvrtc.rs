@@ -1,0 +1,414 @@
+//! Finding, loading and calling NVRTC.
+//!
+//! cudarc loads libnvrtc by library name through the dynamic linker. kiln first finds a concrete
+//! file (an explicit path, a CUDA install, the linker path, or a Python environment with the
+//! `nvidia-cuda-nvrtc` wheel) and opens it; the dynamic linker then hands cudarc that same,
+//! already-loaded library when it asks for it by soname. kiln checks that both agree on the
+//! version, so a second, different libnvrtc on the linker path is an error instead of a surprise.
+
+use std::ffi::{c_char, c_int, CStr, CString};
+use std::path::{Path, PathBuf};
+use std::ptr;
+use std::sync::OnceLock;
+
+use cudarc::nvrtc::sys;
+
+use crate::error::{Error, Result};
+
+/// The library file names kiln tries, newest first. cudarc asks the linker for these sonames.
+const SONAMES: &[&str] = &["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"];
+
+/// A loaded NVRTC.
+#[derive(Debug)]
+pub struct Nvrtc {
+    /// Where the library was found ("(linker path)" plus the name when dlopen found it by name).
+    pub path: String,
+    pub version: (i32, i32),
+    /// Virtual architectures this NVRTC can emit SASS for (e.g. 80, 86, 89, 90, 100, ...).
+    pub supported_archs: Vec<u32>,
+}
+
+/// What NVRTC produced for one program.
+pub struct Output {
+    pub image: Vec<u8>,
+    /// Lowered names, one per name expression, in order.
+    pub lowered_names: Vec<String>,
+    pub log: String,
+}
+
+/// A failed compile: the NVRTC log.
+pub struct CompileFailure {
+    pub log: String,
+}
+
+static NVRTC: OnceLock<std::result::Result<Nvrtc, String>> = OnceLock::new();
+static LIBRARY: OnceLock<libloading::Library> = OnceLock::new();
+
+impl Nvrtc {
+    /// Finds and loads NVRTC once per process. `explicit` is `KILN_NVRTC_LIB`.
+    pub fn get(explicit: Option<&Path>) -> Result<&'static Nvrtc> {
+        let loaded = NVRTC.get_or_init(|| load(explicit).map_err(|e| e.to_string()));
+        match loaded {
+            Ok(n) => Ok(n),
+            Err(message) => Err(Error::NvrtcUnavailable(message.clone())),
+        }
+    }
+
+    pub fn version_string(&self) -> String {
+        format!("{}.{}", self.version.0, self.version.1)
+    }
+
+    /// Whether this NVRTC can emit SASS for architecture `arch` (e.g. 90).
+    pub fn supports_sass(&self, arch: u32) -> bool {
+        self.supported_archs.contains(&arch)
+    }
+
+    /// Compiles `source`; the image is a cubin unless the options name a `compute_XY` target.
+    pub fn compile(
+        &self,
+        program_name: &str,
+        source: &str,
+        name_expressions: &[String],
+        options: &[String],
+        ptx: bool,
+    ) -> Result<std::result::Result<Output, CompileFailure>> {
+        let c_source = cstring(source, "source")?;
+        let c_name = cstring(program_name, "program name")?;
+        let mut prog: sys::nvrtcProgram = ptr::null_mut();
+        // SAFETY: all pointers are valid NUL-terminated strings for the duration of the call; no
+        // headers are passed (counts 0, null arrays).
+        check("nvrtcCreateProgram", unsafe {
+            sys::nvrtcCreateProgram(
+                &mut prog,
+                c_source.as_ptr(),
+                c_name.as_ptr(),
+                0,
+                ptr::null(),
+                ptr::null(),
+            )
+        })?;
+        let program = Program(prog);
+        let c_names = name_expressions
+            .iter()
+            .map(|n| cstring(n, "name expression"))
+            .collect::<Result<Vec<_>>>()?;
+        for n in &c_names {
+            // SAFETY: `program` is live; the string outlives the program (NVRTC copies it anyway).
+            check("nvrtcAddNameExpression", unsafe {
+                sys::nvrtcAddNameExpression(program.0, n.as_ptr())
+            })?;
+        }
+        let c_options = options
+            .iter()
+            .map(|o| cstring(o, "option"))
+            .collect::<Result<Vec<_>>>()?;
+        let option_ptrs: Vec<*const c_char> = c_options.iter().map(|o| o.as_ptr()).collect();
+        // SAFETY: the option array and its strings are live for the call.
+        let status = unsafe {
+            sys::nvrtcCompileProgram(program.0, option_ptrs.len() as c_int, option_ptrs.as_ptr())
+        };
+        let log = program.log()?;
+        if status == sys::nvrtcResult::NVRTC_ERROR_COMPILATION {
+            return Ok(Err(CompileFailure { log }));
+        }
+        check("nvrtcCompileProgram", status)?;
+        let image = if ptx {
+            program.ptx()?
+        } else {
+            program.cubin()?
+        };
+        let mut lowered_names = Vec::with_capacity(c_names.len());
+        for n in &c_names {
+            let mut lowered: *const c_char = ptr::null();
+            // SAFETY: the program compiled with this name expression added; NVRTC owns the
+            // returned string until the program is destroyed, and we copy it out at once.
+            check("nvrtcGetLoweredName", unsafe {
+                sys::nvrtcGetLoweredName(program.0, n.as_ptr(), &mut lowered)
+            })?;
+            let name = unsafe { CStr::from_ptr(lowered) };
+            lowered_names.push(name.to_string_lossy().into_owned());
+        }
+        Ok(Ok(Output {
+            image,
+            lowered_names,
+            log,
+        }))
+    }
+}
+
+/// Destroys the NVRTC program on every path out of `compile`.
+struct Program(sys::nvrtcProgram);
+
+impl Program {
+    fn log(&self) -> Result<String> {
+        let mut size = 0usize;
+        check("nvrtcGetProgramLogSize", unsafe {
+            sys::nvrtcGetProgramLogSize(self.0, &mut size)
+        })?;
+        let mut buf = vec![0u8; size.max(1)];
+        check("nvrtcGetProgramLog", unsafe {
+            sys::nvrtcGetProgramLog(self.0, buf.as_mut_ptr().cast())
+        })?;
+        Ok(c_buffer_to_string(buf))
+    }
+
+    fn cubin(&self) -> Result<Vec<u8>> {
+        let mut size = 0usize;
+        check("nvrtcGetCUBINSize", unsafe {
+            sys::nvrtcGetCUBINSize(self.0, &mut size)
+        })?;
+        let mut buf = vec![0u8; size];
+        check("nvrtcGetCUBIN", unsafe {
+            sys::nvrtcGetCUBIN(self.0, buf.as_mut_ptr().cast())
+        })?;
+        Ok(buf)
+    }
+
+    /// PTX text, kept with its NUL terminator so it can be passed to the driver as is.
+    fn ptx(&self) -> Result<Vec<u8>> {
+        let mut size = 0usize;
+        check("nvrtcGetPTXSize", unsafe {
+            sys::nvrtcGetPTXSize(self.0, &mut size)
+        })?;
+        let mut buf = vec![0u8; size];
+        check("nvrtcGetPTX", unsafe {
+            sys::nvrtcGetPTX(self.0, buf.as_mut_ptr().cast())
+        })?;
+        Ok(buf)
+    }
+}
+
+impl Drop for Program {
+    fn drop(&mut self) {
+        // SAFETY: created by nvrtcCreateProgram and destroyed only here.
+        unsafe {
+            sys::nvrtcDestroyProgram(&mut self.0);
+        }
+    }
+}
+
+fn c_buffer_to_string(mut buf: Vec<u8>) -> String {
+    if let Some(end) = buf.iter().position(|&b| b == 0) {
+        buf.truncate(end);
+    }
+    String::from_utf8_lossy(&buf).trim_end().to_string()
+}
+
+fn cstring(s: &str, what: &'static str) -> Result<CString> {
+    CString::new(s).map_err(|_| Error::InvalidArgument {
+        arg: what,
+        reason: "contains a NUL byte".into(),
+    })
+}
+
+fn check(call: &'static str, status: sys::nvrtcResult) -> Result<()> {
+    if status == sys::nvrtcResult::NVRTC_SUCCESS {
+        return Ok(());
+    }
+    // SAFETY: nvrtcGetErrorString returns a static string for any status.
+    let message = unsafe { CStr::from_ptr(sys::nvrtcGetErrorString(status)) }
+        .to_string_lossy()
+        .into_owned();
+    Err(Error::Nvrtc { call, message })
+}
+
+/// Every place kiln looks for libnvrtc, in order. Directory entries are searched for
+/// [`SONAMES`]; bare sonames are handed to the dynamic linker.
+pub fn search_locations(explicit: Option<&Path>) -> Vec<Location> {
+    let mut out = Vec::new();
+    if let Some(p) = explicit {
+        out.push(Location::File(p.to_path_buf()));
+        return out; // an explicit choice is never second-guessed
+    }
+    for var in ["CUDA_HOME", "CUDA_PATH"] {
+        if let Some(root) = std::env::var_os(var).filter(|v| !v.is_empty()) {
+            let root = PathBuf::from(root);
+            out.push(Location::Dir(root.join("lib64")));
+            out.push(Location::Dir(root.join("lib")));
+        }
+    }
+    out.push(Location::Dir(PathBuf::from("/usr/local/cuda/lib64")));
+    out.push(Location::Linker);
+    for dir in python_library_dirs() {
+        out.push(Location::Dir(dir));
+    }
+    out
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Location {
+    File(PathBuf),
+    Dir(PathBuf),
+    Linker,
+}
+
+impl std::fmt::Display for Location {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Location::File(p) => write!(f, "{} (KILN_NVRTC_LIB)", p.display()),
+            Location::Dir(p) => write!(f, "{}", p.display()),
+            Location::Linker => write!(f, "the dynamic linker's path ({})", SONAMES.join(", ")),
+        }
+    }
+}
+
+/// Library folders of the `nvidia-cuda-nvrtc` wheel in the Python environments kiln can see: the
+/// active virtual or conda environment, then the site-packages of `python3` on the PATH.
+fn python_library_dirs() -> Vec<PathBuf> {
+    let mut prefixes: Vec<PathBuf> = ["VIRTUAL_ENV", "CONDA_PREFIX"]
+        .iter()
+        .filter_map(|v| std::env::var_os(v).filter(|v| !v.is_empty()))
+        .map(PathBuf::from)
+        .collect();
+    let mut site_dirs: Vec<PathBuf> = Vec::new();
+    for prefix in prefixes.drain(..) {
+        for lib in ["lib", "lib64"] {
+            if let Ok(entries) = std::fs::read_dir(prefix.join(lib)) {
+                for e in entries.flatten() {
+                    if e.file_name().to_string_lossy().starts_with("python") {
+                        site_dirs.push(e.path().join("site-packages"));
+                    }
+                }
+            }
+        }
+    }
+    site_dirs.extend(python_sys_path());
+    let mut out = Vec::new();
+    for site in site_dirs {
+        // cu13 wheels put the library in nvidia/cu13/lib, cu12 wheels in nvidia/cuda_nvrtc/lib.
+        for sub in [
+            "nvidia/cu13/lib",
+            "nvidia/cuda_nvrtc/lib",
+            "nvidia/cu12/lib",
+        ] {
+            let dir = site.join(sub);
+            if dir.is_dir() && !out.contains(&dir) {
+                out.push(dir);
+            }
+        }
+    }
+    out
+}
+
+/// `sys.path` of `python3` on the PATH, if there is one (asked only when nothing else was found).
+fn python_sys_path() -> Vec<PathBuf> {
+    let output = std::process::Command::new("python3")
+        .args([
+            "-c",
+            "import sys; print('\\n'.join(p for p in sys.path if p))",
+        ])
+        .stderr(std::process::Stdio::null())
+        .output();
+    match output {
+        Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .map(PathBuf::from)
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+fn open(path: &Path) -> std::result::Result<libloading::Library, String> {
+    // SAFETY: loading libnvrtc runs its initialisers, which have no preconditions.
+    unsafe { libloading::Library::new(path) }.map_err(|e| e.to_string())
+}
+
+/// Opens the first libnvrtc found, without consulting later locations lazily: directories are
+/// cheap to probe, and the Python probe runs only when everything before it failed.
+fn find_and_open(explicit: Option<&Path>) -> Result<(String, libloading::Library)> {
+    let mut searched = Vec::new();
+    let mut try_locations = |locations: Vec<Location>| -> Option<(String, libloading::Library)> {
+        for loc in locations {
+            searched.push(loc.to_string());
+            match &loc {
+                Location::File(p) => {
+                    if let Ok(lib) = open(p) {
+                        return Some((p.display().to_string(), lib));
+                    }
+                }
+                Location::Dir(d) => {
+                    for name in SONAMES {
+                        let p = d.join(name);
+                        if p.exists() {
+                            if let Ok(lib) = open(&p) {
+                                return Some((p.display().to_string(), lib));
+                            }
+                        }
+                    }
+                }
+                Location::Linker => {
+                    for name in SONAMES {
+                        if let Ok(lib) = open(Path::new(name)) {
+                            return Some((format!("{name} (dynamic linker path)"), lib));
+                        }
+                    }
+                }
+            }
+        }
+        None
+    };
+    if let Some(found) = try_locations(search_locations(explicit)) {
+        return Ok(found);
+    }
+    if let Some(p) = explicit {
+        return Err(Error::NvrtcLoad {
+            path: p.to_path_buf(),
+            reason: "KILN_NVRTC_LIB names a file that could not be loaded as a library".into(),
+        });
+    }
+    Err(Error::NvrtcNotFound { searched })
+}
+
+fn load(explicit: Option<&Path>) -> Result<Nvrtc> {
+    let (path, lib) = find_and_open(explicit)?;
+    let version = {
+        type VersionFn = unsafe extern "C" fn(*mut c_int, *mut c_int) -> sys::nvrtcResult;
+        // SAFETY: nvrtcVersion has this signature in every NVRTC release.
+        let f: libloading::Symbol<VersionFn> =
+            unsafe { lib.get(b"nvrtcVersion\0") }.map_err(|e| Error::NvrtcLoad {
+                path: PathBuf::from(&path),
+                reason: format!("not an NVRTC library: {e}"),
+            })?;
+        let (mut major, mut minor) = (0, 0);
+        check("nvrtcVersion", unsafe { f(&mut major, &mut minor) })?;
+        (major, minor)
+    };
+    // Keep our handle open for the life of the process, so cudarc's lookup by soname finds it.
+    let _ = LIBRARY.set(lib);
+    // SAFETY: is_culib_present only tries to dlopen the candidate names.
+    if !unsafe { sys::is_culib_present() } {
+        return Err(Error::NvrtcLoad {
+            path: PathBuf::from(&path),
+            reason: "its soname is not one cudarc looks for (libnvrtc.so.12 or .13 expected)"
+                .into(),
+        });
+    }
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: cudarc resolves the library we just checked for.
+    check("nvrtcVersion", unsafe {
+        sys::nvrtcVersion(&mut major, &mut minor)
+    })?;
+    if (major, minor) != version {
+        return Err(Error::NvrtcLoad {
+            path: PathBuf::from(&path),
+            reason: format!(
+                "the dynamic linker resolves a different libnvrtc ({major}.{minor}) than the one \
+                 kiln found ({}.{}); set KILN_NVRTC_LIB or fix LD_LIBRARY_PATH",
+                version.0, version.1
+            ),
+        });
+    }
+    let mut count: c_int = 0;
+    check("nvrtcGetNumSupportedArchs", unsafe {
+        sys::nvrtcGetNumSupportedArchs(&mut count)
+    })?;
+    let mut archs = vec![0 as c_int; count.max(0) as usize];
+    check("nvrtcGetSupportedArchs", unsafe {
+        sys::nvrtcGetSupportedArchs(archs.as_mut_ptr())
+    })?;
+    Ok(Nvrtc {
+        path,
+        version,
+        supported_archs: archs.into_iter().map(|a| a as u32).collect(),
+    })
+}

@@ -1,0 +1,102 @@
+//! What an op asks the JIT for: a template family and its specialisation.
+
+use std::fmt;
+use std::hash::{Hash, Hasher};
+
+use crate::dtype::DType;
+
+/// The most named constants one template family may take.
+pub const MAX_CONSTS: usize = 4;
+
+/// A kernel family: one handlebars CUDA source in `templates/`, embedded at compile time.
+///
+/// Families are identified by `name`, which must be unique (the registry test checks it); hashing
+/// and comparing by name keeps [`KernelSpec`] a small `Copy` value.
+#[derive(Debug)]
+pub struct TemplateDef {
+    /// Unique family name, also the template's name in the handlebars registry.
+    pub name: &'static str,
+    /// The template text (`include_str!` of a file under `templates/`).
+    pub source: &'static str,
+    /// The `__global__` function the module exposes (an NVRTC name expression).
+    pub kernel: &'static str,
+    /// Names of the specialisation constants, in the order of [`KernelSpec::consts`].
+    pub const_names: &'static [&'static str],
+    /// Whether the family needs the arch-specific target (`sm_90a`) to compile.
+    pub arch_specific: bool,
+}
+
+impl PartialEq for TemplateDef {
+    fn eq(&self, other: &Self) -> bool {
+        self.name == other.name
+    }
+}
+impl Eq for TemplateDef {}
+impl Hash for TemplateDef {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.name.hash(state)
+    }
+}
+
+/// One specialisation of a template family. This is the in-memory key of a kernel: small, `Copy`
+/// and hashable, never a formatted string.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct KernelSpec {
+    pub template: &'static TemplateDef,
+    pub dtype: DType,
+    pub block_dim: u16,
+    /// Elements each thread reads per step (a 16-byte vector is `dtype.vec_width()`).
+    pub n_reads: u8,
+    /// Values of the family's named constants, in `template.const_names` order; unused slots 0.
+    pub consts: [i32; MAX_CONSTS],
+}
+
+impl KernelSpec {
+    pub fn new(
+        template: &'static TemplateDef,
+        dtype: DType,
+        block_dim: u16,
+        n_reads: u8,
+        consts: &[i32],
+    ) -> KernelSpec {
+        assert_eq!(
+            consts.len(),
+            template.const_names.len(),
+            "{} takes constants {:?}",
+            template.name,
+            template.const_names
+        );
+        let mut values = [0; MAX_CONSTS];
+        values[..consts.len()].copy_from_slice(consts);
+        KernelSpec {
+            template,
+            dtype,
+            block_dim,
+            n_reads,
+            consts: values,
+        }
+    }
+
+    /// (name, value) of each named constant.
+    pub fn named_consts(&self) -> impl Iterator<Item = (&'static str, i32)> + '_ {
+        self.template
+            .const_names
+            .iter()
+            .copied()
+            .zip(self.consts.iter().copied())
+    }
+}
+
+impl fmt::Display for KernelSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} {} block={} n_reads={}",
+            self.template.name, self.dtype, self.block_dim, self.n_reads
+        )?;
+        for (name, value) in self.named_consts() {
+            write!(f, " {name}={value}")?;
+        }
+        Ok(())
+    }
+}

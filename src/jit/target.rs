@@ -1,0 +1,154 @@
+//! The exact compilation target: `sm_90` (SASS), `sm_90a` (SASS with arch-specific features) or
+//! `compute_90` (PTX, for a device the NVRTC in use cannot emit SASS for).
+
+use std::fmt;
+use std::str::FromStr;
+
+use crate::error::{Error, Result};
+
+/// The oldest architecture kiln's templates support (bf16 conversions and mma.sync need sm_80).
+pub const MIN_ARCH: u32 = 80;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum TargetKind {
+    /// SASS for exactly this architecture (`sm_XY`).
+    Sass,
+    /// SASS with the arch-specific feature set (`sm_XYa`), e.g. for wgmma on sm_90a.
+    SassArchSpecific,
+    /// PTX for the driver to compile (`compute_XY`).
+    Ptx,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Target {
+    /// Compute capability times ten plus minor, e.g. 90 for 9.0.
+    pub arch: u32,
+    pub kind: TargetKind,
+}
+
+impl Target {
+    pub const fn sass(arch: u32) -> Target {
+        Target {
+            arch,
+            kind: TargetKind::Sass,
+        }
+    }
+
+    pub const fn ptx(arch: u32) -> Target {
+        Target {
+            arch,
+            kind: TargetKind::Ptx,
+        }
+    }
+
+    /// The target for a device of compute capability `major.minor`.
+    pub fn for_compute_capability(major: u32, minor: u32) -> Target {
+        Target::sass(major * 10 + minor)
+    }
+
+    /// The same architecture with its arch-specific features (`sm_90` -> `sm_90a`).
+    pub fn arch_specific(self) -> Target {
+        match self.kind {
+            TargetKind::Ptx => self,
+            _ => Target {
+                arch: self.arch,
+                kind: TargetKind::SassArchSpecific,
+            },
+        }
+    }
+
+    pub fn is_ptx(self) -> bool {
+        self.kind == TargetKind::Ptx
+    }
+
+    /// The NVRTC option that selects this target.
+    pub fn nvrtc_option(self) -> String {
+        format!("--gpu-architecture={self}")
+    }
+}
+
+impl fmt::Display for Target {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.kind {
+            TargetKind::Sass => write!(f, "sm_{}", self.arch),
+            TargetKind::SassArchSpecific => write!(f, "sm_{}a", self.arch),
+            TargetKind::Ptx => write!(f, "compute_{}", self.arch),
+        }
+    }
+}
+
+impl FromStr for Target {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Target> {
+        let bad = || Error::InvalidTarget(s.to_string());
+        let t = s.trim().to_ascii_lowercase();
+        let (kind, digits) = if let Some(rest) = t.strip_prefix("sm_") {
+            match rest.strip_suffix('a') {
+                Some(d) => (TargetKind::SassArchSpecific, d.to_string()),
+                None => (TargetKind::Sass, rest.to_string()),
+            }
+        } else if let Some(rest) = t.strip_prefix("compute_") {
+            (TargetKind::Ptx, rest.to_string())
+        } else {
+            return Err(bad());
+        };
+        if digits.len() < 2 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(bad());
+        }
+        let arch: u32 = digits.parse().map_err(|_| bad())?;
+        if arch < MIN_ARCH {
+            return Err(Error::InvalidArgument {
+                arg: "target",
+                reason: format!("{s} is older than kiln's minimum, sm_{MIN_ARCH}"),
+            });
+        }
+        Ok(Target { arch, kind })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trips() {
+        for s in [
+            "sm_80",
+            "sm_90",
+            "sm_90a",
+            "compute_90",
+            "sm_100",
+            "sm_120a",
+        ] {
+            assert_eq!(s.parse::<Target>().unwrap().to_string(), s);
+        }
+    }
+
+    #[test]
+    fn rejects_malformed_and_old_targets() {
+        for s in [
+            "",
+            "sm90",
+            "sm_",
+            "sm_9x",
+            "gfx90a",
+            "sm_75",
+            "compute_70",
+            "sm_9",
+        ] {
+            assert!(s.parse::<Target>().is_err(), "{s} parsed");
+        }
+    }
+
+    #[test]
+    fn exact_targets_are_distinct() {
+        let a: Target = "sm_90".parse().unwrap();
+        assert_ne!(a, a.arch_specific());
+        assert_ne!(a, Target::ptx(90));
+        assert_eq!(
+            a.arch_specific().nvrtc_option(),
+            "--gpu-architecture=sm_90a"
+        );
+    }
+}

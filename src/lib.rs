@@ -1,0 +1,13 @@
+//! kiln: a JIT-first CUDA runtime. Kernels are handlebars CUDA templates, specialised per dtype,
+//! block dim and N_READS, compiled at run time with NVRTC into a content-addressed disk cache and
+//! loaded once per device.
+
+pub mod dtype;
+pub mod env;
+pub mod error;
+pub mod jit;
+pub mod ops;
+pub mod runtime;
+
+pub use dtype::{DType, Element};
+pub use error::{Error, Result};

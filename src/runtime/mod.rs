@@ -1,0 +1,63 @@
+//! The runtime layer. So far: finding the GPUs (the CUDA driver is loaded only when present).
+
+use cudarc::driver::{result, sys};
+
+use crate::error::{Error, Result};
+use crate::jit::Target;
+
+/// One GPU as the driver reports it.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct GpuInfo {
+    pub ordinal: usize,
+    pub name: String,
+    pub compute_capability: (u32, u32),
+    pub multiprocessors: u32,
+    pub memory_bytes: u64,
+}
+
+impl GpuInfo {
+    /// The exact target kiln compiles for on this GPU.
+    pub fn target(&self) -> Target {
+        Target::for_compute_capability(self.compute_capability.0, self.compute_capability.1)
+    }
+}
+
+/// Whether the CUDA driver library can be loaded at all (it never is on a machine without one).
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to dlopen the driver's library names.
+    unsafe { sys::is_culib_present() }
+}
+
+/// Initialises the driver, or says clearly why it cannot be used.
+pub fn init_driver() -> Result<()> {
+    if !driver_present() {
+        return Err(Error::NoDriver(
+            "libcuda.so was not found (no NVIDIA driver on this machine)".into(),
+        ));
+    }
+    result::init().map_err(|e| Error::NoDriver(format!("cuInit failed: {e}")))
+}
+
+/// The GPUs on this machine; an error when there is no usable driver.
+pub fn gpus() -> Result<Vec<GpuInfo>> {
+    init_driver()?;
+    let count = result::device::get_count()?;
+    let mut out = Vec::with_capacity(count.max(0) as usize);
+    for ordinal in 0..count {
+        let dev = result::device::get(ordinal)?;
+        let attr = |a| unsafe { result::device::get_attribute(dev, a) };
+        out.push(GpuInfo {
+            ordinal: ordinal as usize,
+            name: result::device::get_name(dev)?,
+            compute_capability: (
+                attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)? as u32,
+                attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)? as u32,
+            ),
+            multiprocessors: attr(
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )? as u32,
+            memory_bytes: unsafe { result::device::total_mem(dev) }? as u64,
+        });
+    }
+    Ok(out)
+}

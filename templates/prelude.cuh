@@ -1,0 +1,85 @@
+// kiln prelude: shared by every template. Self-contained on purpose: including cuda_fp16.h or
+// cuda_bf16.h costs tens of milliseconds per NVRTC compile, and these few lines do the same job.
+
+// 16-bit floats as bit patterns; conversions go through inline PTX (sm_80 and newer).
+struct kiln_f16 { unsigned short bits; };
+struct kiln_bf16 { unsigned short bits; };
+
+__device__ __forceinline__ float kiln_to_float(float v) { return v; }
+__device__ __forceinline__ float kiln_to_float(kiln_f16 v) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.bits));
+  return f;
+}
+__device__ __forceinline__ float kiln_to_float(kiln_bf16 v) {
+  // bf16 is the top half of an f32: widening is a shift.
+  return __uint_as_float(((unsigned int)v.bits) << 16);
+}
+
+template <typename T> __device__ __forceinline__ T kiln_from_float(float f);
+template <> __device__ __forceinline__ float kiln_from_float<float>(float f) { return f; }
+template <> __device__ __forceinline__ kiln_f16 kiln_from_float<kiln_f16>(float f) {
+  kiln_f16 r;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(f));
+  return r;
+}
+template <> __device__ __forceinline__ kiln_bf16 kiln_from_float<kiln_bf16>(float f) {
+  kiln_bf16 r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r.bits) : "f"(f));
+  return r;
+}
+
+// N elements moved as one aligned access: 16 bytes when N * sizeof(T) == 16.
+template <typename T, int N> struct alignas(sizeof(T) * N) kiln_vec { T v[N]; };
+
+// Loads N elements starting at p[i] as floats; elements at or past n read as 0. The vector path
+// needs p + i aligned to N elements, which the op guarantees when it picks N > 1.
+template <int N, typename T>
+__device__ __forceinline__ void kiln_load_floats(const T* p, int i, int n, float (&out)[N]) {
+  if (i + N <= n) {
+    kiln_vec<T, N> v = *reinterpret_cast<const kiln_vec<T, N>*>(p + i);
+#pragma unroll
+    for (int k = 0; k < N; ++k) out[k] = kiln_to_float(v.v[k]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; ++k) out[k] = (i + k < n) ? kiln_to_float(p[i + k]) : 0.0f;
+  }
+}
+
+// Stores N floats to p[i..i+N), dropping elements at or past n.
+template <int N, typename T>
+__device__ __forceinline__ void kiln_store_floats(T* p, int i, int n, const float (&in)[N]) {
+  if (i + N <= n) {
+    kiln_vec<T, N> v;
+#pragma unroll
+    for (int k = 0; k < N; ++k) v.v[k] = kiln_from_float<T>(in[k]);
+    *reinterpret_cast<kiln_vec<T, N>*>(p + i) = v;
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; ++k)
+      if (i + k < n) p[i + k] = kiln_from_float<T>(in[k]);
+  }
+}
+
+__device__ __forceinline__ float kiln_warp_sum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+// Sum over the block, returned to every thread. `scratch` holds one float per warp; the
+// trailing barrier lets the caller reuse it at once.
+template <int BLOCK_DIM>
+__device__ __forceinline__ float kiln_block_sum(float v, float* scratch) {
+  static_assert(BLOCK_DIM % 32 == 0 && BLOCK_DIM <= 1024, "block dim must be a multiple of 32");
+  constexpr int WARPS = BLOCK_DIM / 32;
+  v = kiln_warp_sum(v);
+  if (WARPS == 1) return v;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < WARPS ? scratch[lane] : 0.0f;
+  v = kiln_warp_sum(v);
+  __syncthreads();
+  return v;
+}
