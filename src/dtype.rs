@@ -88,3 +88,48 @@ impl Element for half::bf16 {
         half::bf16::from_f64(v)
     }
 }
+
+/// Encodes f64 values as `dtype` elements, little-endian (rounding to nearest).
+pub fn encode(dtype: DType, values: &[f64]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(values.len() * dtype.size());
+    for &v in values {
+        match dtype {
+            DType::F32 => out.extend_from_slice(&(v as f32).to_le_bytes()),
+            DType::F16 => out.extend_from_slice(&half::f16::from_f64(v).to_le_bytes()),
+            DType::BF16 => out.extend_from_slice(&half::bf16::from_f64(v).to_le_bytes()),
+        }
+    }
+    out
+}
+
+/// Decodes little-endian `dtype` elements to f64.
+pub fn decode(dtype: DType, bytes: &[u8]) -> Vec<f64> {
+    bytes
+        .chunks_exact(dtype.size())
+        .map(|c| match dtype {
+            DType::F32 => f32::from_le_bytes(c.try_into().unwrap()) as f64,
+            DType::F16 => half::f16::from_le_bytes(c.try_into().unwrap()).to_f64(),
+            DType::BF16 => half::bf16::from_le_bytes(c.try_into().unwrap()).to_f64(),
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codec_round_trips_representable_values() {
+        let values = [0.0, 1.0, -2.5, 0.125, 65504.0];
+        for dtype in DType::ALL {
+            assert_eq!(decode(dtype, &encode(dtype, &values)), values, "{dtype}");
+        }
+    }
+
+    #[test]
+    fn vector_width_is_sixteen_bytes() {
+        for dtype in DType::ALL {
+            assert_eq!(dtype.vec_width() * dtype.size(), 16);
+        }
+    }
+}

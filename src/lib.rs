@@ -8,6 +8,7 @@ pub mod error;
 pub mod jit;
 pub mod ops;
 pub mod runtime;
+pub mod selfcheck;
 
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};

@@ -212,8 +212,8 @@ fn check(call: &'static str, status: sys::nvrtcResult) -> Result<()> {
     Err(Error::Nvrtc { call, message })
 }
 
-/// Every place kiln looks for libnvrtc, in order. Directory entries are searched for
-/// [`SONAMES`]; bare sonames are handed to the dynamic linker.
+/// The places kiln looks for libnvrtc before any Python environment, in order. Directory
+/// entries are searched for [`SONAMES`]; the linker entry hands bare sonames to the dynamic linker.
 pub fn search_locations(explicit: Option<&Path>) -> Vec<Location> {
     let mut out = Vec::new();
     if let Some(p) = explicit {
@@ -229,10 +229,17 @@ pub fn search_locations(explicit: Option<&Path>) -> Vec<Location> {
     }
     out.push(Location::Dir(PathBuf::from("/usr/local/cuda/lib64")));
     out.push(Location::Linker);
-    for dir in python_library_dirs() {
-        out.push(Location::Dir(dir));
-    }
     out
+}
+
+/// The last resort, asked only when [`search_locations`] found nothing: library folders of the
+/// `nvidia-cuda-nvrtc` wheel in the Python environments kiln can see.
+fn python_locations() -> Vec<Location> {
+    let dirs = python_library_dirs();
+    if dirs.is_empty() {
+        return vec![Location::NoWheel];
+    }
+    dirs.into_iter().map(Location::Dir).collect()
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -240,6 +247,8 @@ pub enum Location {
     File(PathBuf),
     Dir(PathBuf),
     Linker,
+    /// No Python environment with the wheel was found (listed so the error says so).
+    NoWheel,
 }
 
 impl std::fmt::Display for Location {
@@ -248,6 +257,11 @@ impl std::fmt::Display for Location {
             Location::File(p) => write!(f, "{} (KILN_NVRTC_LIB)", p.display()),
             Location::Dir(p) => write!(f, "{}", p.display()),
             Location::Linker => write!(f, "the dynamic linker's path ({})", SONAMES.join(", ")),
+            Location::NoWheel => write!(
+                f,
+                "Python environments (VIRTUAL_ENV, CONDA_PREFIX, python3's sys.path): \
+                 no nvidia-cuda-nvrtc wheel"
+            ),
         }
     }
 }
@@ -313,8 +327,8 @@ fn open(path: &Path) -> std::result::Result<libloading::Library, String> {
     unsafe { libloading::Library::new(path) }.map_err(|e| e.to_string())
 }
 
-/// Opens the first libnvrtc found, without consulting later locations lazily: directories are
-/// cheap to probe, and the Python probe runs only when everything before it failed.
+/// Opens the first libnvrtc found. The Python probe (which may start `python3`) runs only when
+/// everything before it failed.
 fn find_and_open(explicit: Option<&Path>) -> Result<(String, libloading::Library)> {
     let mut searched = Vec::new();
     let mut try_locations = |locations: Vec<Location>| -> Option<(String, libloading::Library)> {
@@ -343,12 +357,18 @@ fn find_and_open(explicit: Option<&Path>) -> Result<(String, libloading::Library
                         }
                     }
                 }
+                Location::NoWheel => {}
             }
         }
         None
     };
     if let Some(found) = try_locations(search_locations(explicit)) {
         return Ok(found);
+    }
+    if explicit.is_none() {
+        if let Some(found) = try_locations(python_locations()) {
+            return Ok(found);
+        }
     }
     if let Some(p) = explicit {
         return Err(Error::NvrtcLoad {

@@ -63,6 +63,18 @@ mod tests {
     use super::*;
 
     #[test]
+    fn reference_normalises_rows() {
+        let x = [1.0, 2.0, 3.0, 4.0, 10.0, 10.0, 10.0, 10.0];
+        let y = reference_forward(&x, Some(&[2.0; 4]), Some(&[1.0; 4]), 4, 0.0);
+        let rstd = 1.0 / 1.25f64.sqrt();
+        let want = [-1.5 * rstd, -0.5 * rstd, 0.5 * rstd, 1.5 * rstd];
+        for j in 0..4 {
+            assert!((y[j] - (want[j] * 2.0 + 1.0)).abs() < 1e-12);
+            assert_eq!(y[4 + j], 1.0); // constant row: zero variance, only the bias
+        }
+    }
+
+    #[test]
     fn every_chosen_spec_is_registered() {
         let registered = specs();
         for dtype in DType::ALL {
@@ -92,4 +104,31 @@ mod tests {
             }
         }
     }
+}
+
+/// The f64 CPU reference: `x` is `rows x d` row-major, `w` and `b` have `d` elements.
+pub fn reference_forward(
+    x: &[f64],
+    w: Option<&[f64]>,
+    b: Option<&[f64]>,
+    d: usize,
+    eps: f64,
+) -> Vec<f64> {
+    let mut y = Vec::with_capacity(x.len());
+    for row in x.chunks(d.max(1)) {
+        let mean = row.iter().sum::<f64>() / d as f64;
+        let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / d as f64;
+        let rstd = 1.0 / (var + eps).sqrt();
+        for (j, v) in row.iter().enumerate() {
+            let mut o = (v - mean) * rstd;
+            if let Some(w) = w {
+                o *= w[j];
+            }
+            if let Some(b) = b {
+                o += b[j];
+            }
+            y.push(o);
+        }
+    }
+    y
 }
