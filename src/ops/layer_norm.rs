@@ -58,6 +58,33 @@ pub fn specs() -> Vec<KernelSpec> {
     out
 }
 
+/// The f64 CPU reference: `x` is `rows x d` row-major, `w` and `b` have `d` elements.
+pub fn reference_forward(
+    x: &[f64],
+    w: Option<&[f64]>,
+    b: Option<&[f64]>,
+    d: usize,
+    eps: f64,
+) -> Vec<f64> {
+    let mut y = Vec::with_capacity(x.len());
+    for row in x.chunks(d.max(1)) {
+        let mean = row.iter().sum::<f64>() / d as f64;
+        let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / d as f64;
+        let rstd = 1.0 / (var + eps).sqrt();
+        for (j, v) in row.iter().enumerate() {
+            let mut o = (v - mean) * rstd;
+            if let Some(w) = w {
+                o *= w[j];
+            }
+            if let Some(b) = b {
+                o += b[j];
+            }
+            y.push(o);
+        }
+    }
+    y
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -104,31 +131,4 @@ mod tests {
             }
         }
     }
-}
-
-/// The f64 CPU reference: `x` is `rows x d` row-major, `w` and `b` have `d` elements.
-pub fn reference_forward(
-    x: &[f64],
-    w: Option<&[f64]>,
-    b: Option<&[f64]>,
-    d: usize,
-    eps: f64,
-) -> Vec<f64> {
-    let mut y = Vec::with_capacity(x.len());
-    for row in x.chunks(d.max(1)) {
-        let mean = row.iter().sum::<f64>() / d as f64;
-        let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / d as f64;
-        let rstd = 1.0 / (var + eps).sqrt();
-        for (j, v) in row.iter().enumerate() {
-            let mut o = (v - mean) * rstd;
-            if let Some(w) = w {
-                o *= w[j];
-            }
-            if let Some(b) = b {
-                o += b[j];
-            }
-            y.push(o);
-        }
-    }
-    y
 }
