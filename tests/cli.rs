@@ -1,0 +1,258 @@
+//! The `kiln` command as a user runs it, on a CPU-only machine or with a GPU.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+/// A subset of the registered specs, to keep each run short.
+const SUBSET: &str = "block=64";
+
+fn kiln(cache: &Path, args: &[&str]) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_kiln"));
+    c.args(args)
+        .env("KILN_CACHE_DIR", cache)
+        .env_remove("KILN_CACHE");
+    c
+}
+
+fn run(cmd: &mut Command) -> Output {
+    let out = cmd.output().expect("kiln runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "kiln panicked: {stderr}");
+    out
+}
+
+/// The JSON object on the last line of stdout.
+fn last_json(out: &Output) -> Value {
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout.lines().last().unwrap_or_default();
+    serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {stdout}"))
+}
+
+fn warm(cache: &Path, extra: &[&str]) -> Value {
+    let mut args = vec!["warm", "--arch", "sm_90", "--only", SUBSET, "--json"];
+    args.extend_from_slice(extra);
+    let out = run(&mut kiln(cache, &args));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    last_json(&out)
+}
+
+fn subset_size() -> u64 {
+    kiln::ops::registered_specs()
+        .iter()
+        .filter(|s| s.to_string().contains(SUBSET))
+        .count() as u64
+}
+
+#[test]
+fn a_second_warm_is_all_hits() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = subset_size();
+    let first = warm(dir.path(), &[]);
+    assert_eq!(first["specs"], n);
+    assert_eq!(first["compiled"], n);
+    assert_eq!(first["failed"], 0);
+    let second = warm(dir.path(), &[]);
+    assert_eq!(second["cached"], n);
+    assert_eq!(second["compiled"], 0);
+}
+
+#[test]
+fn four_concurrent_warms_on_an_empty_cache_all_succeed_and_verify_clean() {
+    let dir = tempfile::tempdir().unwrap();
+    let children: Vec<_> = (0..4)
+        .map(|_| {
+            kiln(
+                dir.path(),
+                &[
+                    "warm", "--arch", "sm_90", "--only", SUBSET, "--jobs", "1", "--json",
+                ],
+            )
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+        })
+        .collect();
+    for child in children {
+        let out = child.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(last_json(&out)["failed"], 0);
+    }
+    let out = run(&mut kiln(dir.path(), &["cache", "verify", "--json"]));
+    assert!(out.status.success());
+    let report = last_json(&out);
+    assert_eq!(report["checked"], subset_size());
+    assert_eq!(report["bad"].as_array().unwrap().len(), 0);
+    // No temp file was left behind.
+    let out = run(&mut kiln(dir.path(), &["cache", "gc", "--json"]));
+    assert_eq!(last_json(&out)["temp_files_removed"], 0);
+}
+
+#[test]
+fn cache_off_ro_and_unwritable_directories_still_warm() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = subset_size();
+
+    let off = run(kiln(
+        dir.path(),
+        &["warm", "--arch", "sm_90", "--only", SUBSET, "--json"],
+    )
+    .env("KILN_CACHE", "off"));
+    assert!(off.status.success());
+    assert_eq!(last_json(&off)["compiled"], n);
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        0,
+        "off wrote files"
+    );
+
+    let ro = run(kiln(
+        dir.path(),
+        &["warm", "--arch", "sm_90", "--only", SUBSET, "--json"],
+    )
+    .env("KILN_CACHE", "ro"));
+    assert!(ro.status.success());
+    assert_eq!(last_json(&ro)["cache_entries"], 0);
+
+    let blocker = dir.path().join("file");
+    std::fs::write(&blocker, b"x").unwrap();
+    let out = run(&mut kiln(
+        &blocker.join("cache"),
+        &["warm", "--arch", "sm_90", "--only", SUBSET, "--json"],
+    ));
+    assert!(out.status.success());
+    let summary = last_json(&out);
+    assert_eq!(summary["compiled"], n);
+    assert_eq!(summary["cache_writable"], false);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        stderr.matches("cannot be written").count(),
+        1,
+        "one warning: {stderr}"
+    );
+}
+
+#[test]
+fn stats_ls_clear_report_the_cache() {
+    let dir = tempfile::tempdir().unwrap();
+    warm(dir.path(), &["--arch", "sm_80"]);
+    let n = subset_size() * 2;
+    let stats = last_json(&run(&mut kiln(dir.path(), &["cache", "stats", "--json"])));
+    assert_eq!(stats["entries"], n);
+    assert!(stats["bytes"].as_u64().unwrap() > 0);
+
+    let ls = run(&mut kiln(dir.path(), &["cache", "ls", "--json"]));
+    let lines: Vec<Value> = String::from_utf8_lossy(&ls.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len() as u64, n);
+    assert!(lines
+        .iter()
+        .all(|l| l["spec"].as_str().unwrap().contains(SUBSET)));
+    assert!(lines.iter().any(|l| l["target"] == "sm_80"));
+
+    let path = run(&mut kiln(dir.path(), &["cache", "path"]));
+    assert!(String::from_utf8_lossy(&path.stdout)
+        .trim()
+        .starts_with(dir.path().to_str().unwrap()));
+
+    let clear = run(&mut kiln(dir.path(), &["cache", "clear"]));
+    assert!(clear.status.success());
+    let stats = last_json(&run(&mut kiln(dir.path(), &["cache", "stats", "--json"])));
+    assert_eq!(stats["entries"], 0);
+}
+
+#[test]
+fn verify_fails_on_a_damaged_entry_and_removes_it() {
+    let dir = tempfile::tempdir().unwrap();
+    warm(dir.path(), &[]);
+    let ls = run(&mut kiln(dir.path(), &["cache", "ls", "--json"]));
+    let first: Value =
+        serde_json::from_str(String::from_utf8_lossy(&ls.stdout).lines().next().unwrap()).unwrap();
+    let key = first["key"].as_str().unwrap();
+    let entry = dir
+        .path()
+        .join("v1")
+        .join(&key[..2])
+        .join(format!("{key}.kiln"));
+    let len = std::fs::metadata(&entry).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&entry)
+        .unwrap()
+        .set_len(len - 10)
+        .unwrap();
+
+    let out = run(&mut kiln(dir.path(), &["cache", "verify", "--json"]));
+    assert!(
+        !out.status.success(),
+        "verify must fail when it finds a bad entry"
+    );
+    assert_eq!(last_json(&out)["bad"].as_array().unwrap().len(), 1);
+    assert!(!entry.exists());
+    // The next warm puts it back.
+    assert_eq!(warm(dir.path(), &[])["compiled"], 1);
+}
+
+#[test]
+fn info_reports_nvrtc_cache_and_environment() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = run(kiln(dir.path(), &["info", "--json"]).env("MLX_MAX_OPS_PER_BUFFER", "40"));
+    assert!(out.status.success());
+    let info = last_json(&out);
+    assert_eq!(info["nvrtc"]["found"], true, "{info}");
+    assert!(info["nvrtc"]["version"].as_str().unwrap().contains('.'));
+    assert!(info["cache"]["dir"]
+        .as_str()
+        .unwrap()
+        .starts_with(dir.path().to_str().unwrap()));
+    assert_eq!(info["env"]["MLX_MAX_OPS_PER_BUFFER"], "40");
+    assert!(info["registered_specs"].as_u64().unwrap() > 0);
+    assert!(info["gpus"].is_array() || info["gpus"]["error"].is_string());
+}
+
+#[test]
+fn a_missing_nvrtc_is_a_clear_error_not_a_panic() {
+    let dir = tempfile::tempdir().unwrap();
+    let out =
+        run(kiln(dir.path(), &["warm"]).env("KILN_NVRTC_LIB", dir.path().join("libnvrtc.so.404")));
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("KILN_NVRTC_LIB"), "{stderr}");
+    assert!(stderr.contains("libnvrtc.so.404"), "{stderr}");
+}
+
+#[test]
+fn bad_arguments_and_environment_are_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = run(&mut kiln(dir.path(), &["warm", "--arch", "sm_75"]));
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("sm_75"));
+    let out = run(kiln(dir.path(), &["cache", "stats"]).env("KILN_CACHE", "sometimes"));
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("KILN_CACHE"));
+}
+
+#[test]
+fn check_without_a_gpu_skips_unless_one_is_required() {
+    if kiln::runtime::gpus().is_ok_and(|g| !g.is_empty()) {
+        return; // covered by the GPU tests
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let out = run(kiln(dir.path(), &["check"]).env_remove("KILN_REQUIRE_GPU"));
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("skipped"));
+    let out = run(kiln(dir.path(), &["check"]).env("KILN_REQUIRE_GPU", "1"));
+    assert!(!out.status.success());
+}

@@ -1,0 +1,197 @@
+//! Every registered spec renders and compiles; keys, single flight, targets, compile errors.
+
+mod common;
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use kiln::env::CacheMode;
+use kiln::jit::entry::ImageKind;
+use kiln::jit::{template, KernelSpec, Origin, Target, TemplateDef};
+use kiln::{DType, Error};
+
+/// Compiles `specs` for `targets` on two threads; returns how many came from each origin.
+fn compile_all(jit: &kiln::jit::Jit, specs: &[KernelSpec], targets: &[Target]) -> [usize; 3] {
+    let work: Vec<_> = targets
+        .iter()
+        .flat_map(|t| specs.iter().map(move |s| (*s, *t)))
+        .collect();
+    let next = AtomicUsize::new(0);
+    let counts = [0, 1, 2].map(|_| AtomicUsize::new(0));
+    std::thread::scope(|scope| {
+        for _ in 0..2 {
+            scope.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some((spec, target)) = work.get(i) else {
+                    break;
+                };
+                let c = jit
+                    .compile(spec, *target)
+                    .unwrap_or_else(|e| panic!("{spec} on {target}: {e}"));
+                assert_eq!(c.entry.parts.target, target.to_string());
+                assert_eq!(c.entry.image_kind, ImageKind::Cubin);
+                assert_eq!(&c.entry.image[..4], b"\x7fELF", "{spec}: not a cubin");
+                assert_eq!(
+                    c.entry.lowered_names,
+                    vec![spec.template.kernel.to_string()]
+                );
+                let slot = match c.origin {
+                    Origin::Memory => 0,
+                    Origin::Disk => 1,
+                    Origin::Compiled => 2,
+                };
+                counts[slot].fetch_add(1, Ordering::Relaxed);
+            });
+        }
+    });
+    counts.map(|c| c.into_inner())
+}
+
+#[test]
+fn every_registered_spec_compiles_for_sm80_and_sm90_then_hits_the_disk() {
+    let dir = tempfile::tempdir().unwrap();
+    let specs = kiln::ops::registered_specs();
+    let targets = [Target::sass(80), Target::sass(90)];
+    let n = specs.len() * targets.len();
+
+    let cold = compile_all(&common::jit_in(dir.path()), &specs, &targets);
+    assert_eq!(
+        cold,
+        [0, 0, n],
+        "[memory, disk, compiled] on an empty cache"
+    );
+
+    // A new JIT (as a new process would have) finds every entry on disk.
+    let warm = compile_all(&common::jit_in(dir.path()), &specs, &targets);
+    assert_eq!(warm, [0, n, 0], "[memory, disk, compiled] on a warm cache");
+}
+
+#[test]
+fn templates_are_self_contained_and_families_unique() {
+    let mut names = HashSet::new();
+    for spec in kiln::ops::registered_specs() {
+        let r = template::render(&spec).unwrap();
+        assert!(!r.source.contains("#include"), "{spec} includes a header");
+        assert!(
+            !r.source.contains("{{"),
+            "{spec} has an unrendered placeholder"
+        );
+        names.insert(spec.template.name);
+    }
+    // Two families may not share a name (the name is their identity in keys and tables).
+    let defs: HashSet<*const TemplateDef> = kiln::ops::registered_specs()
+        .iter()
+        .map(|s| s.template as *const _)
+        .collect();
+    assert_eq!(names.len(), defs.len());
+}
+
+#[test]
+fn different_specs_have_different_keys() {
+    let dir = tempfile::tempdir().unwrap();
+    let jit = common::jit_in(dir.path());
+    let mut keys = HashSet::new();
+    let specs = kiln::ops::registered_specs();
+    for spec in &specs {
+        keys.insert(jit.key_parts(spec, Target::sass(90)).unwrap().key());
+    }
+    assert_eq!(keys.len(), specs.len());
+}
+
+#[test]
+fn concurrent_requests_for_one_spec_compile_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let jit = common::jit_with(dir.path(), CacheMode::Off, 1 << 30);
+    let spec = kiln::ops::layer_norm::forward_spec(DType::BF16, 768, true, true, true);
+    let origins: Vec<Origin> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..8)
+            .map(|_| scope.spawn(|| jit.compile(&spec, Target::sass(90)).unwrap().origin))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let compiled = origins.iter().filter(|o| **o == Origin::Compiled).count();
+    assert_eq!(compiled, 1, "{origins:?}");
+    assert!(origins.iter().all(|o| *o != Origin::Disk));
+}
+
+#[test]
+fn an_architecture_nvrtc_cannot_emit_sass_for_falls_back_to_ptx() {
+    let dir = tempfile::tempdir().unwrap();
+    let jit = common::jit_in(dir.path());
+    let spec = kiln::ops::layer_norm::forward_spec(DType::F32, 1000, false, true, true);
+    // No NVRTC knows sm_990; the newest architecture it knows gets PTX.
+    let c = jit.compile(&spec, Target::sass(990)).unwrap();
+    assert_eq!(c.entry.image_kind, ImageKind::Ptx);
+    assert!(c.entry.parts.target.starts_with("compute_"));
+    let text = String::from_utf8_lossy(&c.entry.image);
+    assert!(
+        text.contains(".entry kiln_layer_norm_fwd"),
+        "not PTX: {}",
+        &text[..200.min(text.len())]
+    );
+}
+
+static ARCH_SPECIFIC: TemplateDef = TemplateDef {
+    name: "test_arch_specific",
+    source: "{{> prelude}}\nextern \"C\" __global__ void {{kernel}}(float* p) { p[threadIdx.x] = {{block_dim}}; }\n",
+    kernel: "test_arch_specific",
+    const_names: &[],
+    arch_specific: true,
+};
+
+#[test]
+fn arch_specific_families_compile_for_the_a_target() {
+    let dir = tempfile::tempdir().unwrap();
+    let jit = common::jit_in(dir.path());
+    let spec = KernelSpec::new(&ARCH_SPECIFIC, DType::F32, 128, 1, &[]);
+    let c = jit.compile(&spec, Target::sass(90)).unwrap();
+    assert_eq!(c.entry.parts.target, "sm_90a");
+    assert_eq!(c.entry.image_kind, ImageKind::Cubin);
+}
+
+static BROKEN: TemplateDef = TemplateDef {
+    name: "test_broken",
+    source: "extern \"C\" __global__ void {{kernel}}(float* p) { p[0] = undeclared_name; }\n",
+    kernel: "test_broken",
+    const_names: &[],
+    arch_specific: false,
+};
+
+#[test]
+fn a_compile_error_returns_the_log_the_spec_and_the_source() {
+    let dir = tempfile::tempdir().unwrap();
+    let jit = common::jit_in(dir.path());
+    let spec = KernelSpec::new(&BROKEN, DType::F16, 64, 1, &[]);
+    match jit.compile(&spec, Target::sass(90)) {
+        Err(Error::Compile {
+            spec: s,
+            target,
+            log,
+            source_path,
+        }) => {
+            assert!(s.contains("test_broken f16 block=64"), "{s}");
+            assert_eq!(target, "sm_90");
+            assert!(log.contains("undeclared_name"), "{log}");
+            let path = source_path.expect("source saved");
+            let saved = std::fs::read_to_string(&path).unwrap();
+            assert!(saved.contains("undeclared_name"));
+        }
+        Err(other) => panic!("expected a compile error, got {other}"),
+        Ok(_) => panic!("a broken kernel compiled"),
+    }
+}
+
+static BAD_TEMPLATE: TemplateDef = TemplateDef {
+    name: "test_bad_template",
+    source: "extern \"C\" __global__ void {{kernel}}() { int x = {{no_such_constant}}; }\n",
+    kernel: "test_bad_template",
+    const_names: &[],
+    arch_specific: false,
+};
+
+#[test]
+fn a_misspelt_template_variable_is_an_error() {
+    let spec = KernelSpec::new(&BAD_TEMPLATE, DType::F32, 32, 1, &[]);
+    let err = template::render(&spec).unwrap_err();
+    assert!(matches!(err, Error::Template { .. }), "{err}");
+}
