@@ -34,7 +34,9 @@ pub struct CheckResult {
     pub origin: Origin,
     /// Time to get the loaded kernel (compile or disk read, plus module load), in ms.
     pub load_ms: f64,
+    /// Largest |out - ref| / (1 + |ref|), and the bound it must stay under.
     pub max_error: f64,
+    pub tolerance: f64,
     pub passed: bool,
 }
 
@@ -147,6 +149,7 @@ fn check_one(
         origin: kernel.origin,
         load_ms,
         max_error,
+        tolerance: tol,
         passed,
     })
 }

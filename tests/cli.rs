@@ -1,5 +1,7 @@
 //! The `kiln` command as a user runs it, on a CPU-only machine or with a GPU.
 
+mod common;
+
 use std::path::Path;
 use std::process::{Command, Output};
 
@@ -9,7 +11,7 @@ use serde_json::Value;
 const SUBSET: &str = "block=64";
 
 fn kiln(cache: &Path, args: &[&str]) -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_kiln"));
+    let mut c = Command::new(common::kiln_bin());
     c.args(args)
         .env("KILN_CACHE_DIR", cache)
         .env_remove("KILN_CACHE");

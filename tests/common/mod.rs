@@ -18,3 +18,39 @@ pub fn jit_with(dir: &Path, mode: CacheMode, max_bytes: u64) -> Jit {
 pub fn jit_in(dir: &Path) -> Jit {
     jit_with(dir, CacheMode::On, 1 << 30)
 }
+
+/// The `kiln` binary: `KILN_BIN`, else cargo's build, else `../bin/kiln` beside the staged test
+/// executable (the layout `.gpu/` uses on the GPU machine).
+pub fn kiln_bin() -> std::path::PathBuf {
+    if let Some(p) = std::env::var_os("KILN_BIN") {
+        return p.into();
+    }
+    let built = std::path::PathBuf::from(env!("CARGO_BIN_EXE_kiln"));
+    if built.exists() {
+        return built;
+    }
+    let exe = std::env::current_exe().expect("test executable path");
+    exe.parent()
+        .and_then(|d| d.parent())
+        .map(|d| d.join("bin").join("kiln"))
+        .expect("staged layout")
+}
+
+/// The GPUs, or `None` after printing that the test is skipped. With `KILN_REQUIRE_GPU=1` a
+/// missing GPU fails the test instead.
+pub fn gpus_or_skip(test: &str) -> Option<Vec<kiln::runtime::GpuInfo>> {
+    match kiln::runtime::gpus() {
+        Ok(g) if !g.is_empty() => Some(g),
+        other => {
+            let why = match other {
+                Ok(_) => "no GPU".to_string(),
+                Err(e) => e.to_string(),
+            };
+            if kiln::env::require_gpu() {
+                panic!("{test}: KILN_REQUIRE_GPU=1 but {why}");
+            }
+            eprintln!("{test}: skipped ({why})");
+            None
+        }
+    }
+}
