@@ -120,7 +120,7 @@ mod tests {
 
     #[test]
     fn codec_round_trips_representable_values() {
-        let values = [0.0, 1.0, -2.5, 0.125, 65504.0];
+        let values = [0.0, 1.0, -2.5, 0.125, 256.0, -0.0078125];
         for dtype in DType::ALL {
             assert_eq!(decode(dtype, &encode(dtype, &values)), values, "{dtype}");
         }

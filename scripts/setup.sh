@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Set-up shared by the README's commands: a project-local Python environment (.venv) with NVRTC
+# from PyPI (the nvidia-cuda-nvrtc wheel). Idempotent: a second run installs nothing.
+# A CUDA toolkit's NVRTC, where there is one, is still preferred by kiln's discovery.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+command -v cargo >/dev/null || { echo "setup: cargo not found; install Rust from rustup.rs" >&2; exit 1; }
+[ -x .venv/bin/python ] || python3 -m venv .venv
+if ! .venv/bin/python -m pip show -q nvidia-cuda-nvrtc >/dev/null 2>&1; then
+  echo "setup: installing NVRTC (nvidia-cuda-nvrtc) into .venv" >&2
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check nvidia-cuda-nvrtc
+fi
