@@ -40,6 +40,15 @@ impl DType {
         }
     }
 
+    /// The code templates use to name a dtype (`kiln_dtype<CODE>::type` in the prelude).
+    pub const fn code(self) -> i32 {
+        match self {
+            DType::F32 => 0,
+            DType::F16 => 1,
+            DType::BF16 => 2,
+        }
+    }
+
     /// Elements in one 16-byte vector load.
     pub const fn vec_width(self) -> usize {
         16 / self.size()

@@ -60,6 +60,16 @@ pub enum Error {
     #[error("CUDA driver call failed: {0}")]
     Driver(#[from] cudarc::driver::DriverError),
 
+    #[error(
+        "out of device memory: {requested} bytes requested, {active} bytes in use, \
+         {cached_released} cached bytes released before the retry"
+    )]
+    OutOfMemory {
+        requested: usize,
+        active: usize,
+        cached_released: usize,
+    },
+
     #[error("invalid argument `{arg}`: {reason}")]
     InvalidArgument { arg: &'static str, reason: String },
 }

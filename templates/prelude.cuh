@@ -83,3 +83,16 @@ __device__ __forceinline__ float kiln_block_sum(float v, float* scratch) {
   __syncthreads();
   return v;
 }
+
+// Dtype codes as DType::code() numbers them, for families with a second dtype.
+template <int CODE> struct kiln_dtype;
+template <> struct kiln_dtype<0> { typedef float type; };
+template <> struct kiln_dtype<1> { typedef kiln_f16 type; };
+template <> struct kiln_dtype<2> { typedef kiln_bf16 type; };
+
+// The most dimensions an array has (runtime::MAX_RANK).
+#define KILN_MAX_RANK 8
+struct kiln_layout {
+  long long shape[KILN_MAX_RANK];
+  long long strides[KILN_MAX_RANK];  // in elements
+};

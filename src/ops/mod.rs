@@ -1,6 +1,8 @@
 //! The ops: argument checks, spec choice and launch geometry. Each op registers every spec it can
 //! choose, so `kiln warm` compiles them all ahead of time.
 
+pub mod axpby;
+pub mod copy;
 pub mod layer_norm;
 
 use crate::jit::KernelSpec;
@@ -9,5 +11,7 @@ use crate::jit::KernelSpec;
 pub fn registered_specs() -> Vec<KernelSpec> {
     let mut out = Vec::new();
     out.extend(layer_norm::specs());
+    out.extend(copy::specs());
+    out.extend(axpby::specs());
     out
 }

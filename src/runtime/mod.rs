@@ -1,4 +1,17 @@
-//! The runtime layer. So far: finding the GPUs (the CUDA driver is loaded only when present).
+//! The runtime layer: GPUs, device memory, arrays and the command encoder.
+
+pub mod allocator;
+pub mod args;
+pub mod array;
+pub mod deps;
+pub mod device;
+pub mod encoder;
+
+pub use allocator::{Allocator, Buffer, MemoryStats};
+pub use args::KernelArgs;
+pub use array::{Array, MAX_RANK};
+pub use device::Device;
+pub use encoder::{CommandEncoder, EncoderStats};
 
 use cudarc::driver::{result, sys};
 

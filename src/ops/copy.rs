@@ -1,0 +1,71 @@
+//! Strided copy with cast: makes any view contiguous and converts between dtypes.
+
+use crate::dtype::DType;
+use crate::error::Result;
+use crate::jit::{KernelSpec, TemplateDef};
+use crate::runtime::{Array, CommandEncoder, KernelArgs, MAX_RANK};
+
+pub static COPY: TemplateDef = TemplateDef {
+    name: "copy",
+    source: include_str!("../../templates/copy.cu"),
+    kernel: "kiln_copy",
+    const_names: &["OUT_DTYPE"],
+    arch_specific: false,
+};
+
+const BLOCK_DIM: u16 = 256;
+
+/// Matches `kiln_layout` in the prelude.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Layout {
+    shape: [i64; MAX_RANK],
+    strides: [i64; MAX_RANK],
+}
+
+pub fn spec(from: DType, to: DType) -> KernelSpec {
+    KernelSpec::new(&COPY, from, BLOCK_DIM, 1, &[to.code()])
+}
+
+pub fn specs() -> Vec<KernelSpec> {
+    DType::ALL
+        .iter()
+        .flat_map(|&from| DType::ALL.iter().map(move |&to| spec(from, to)))
+        .collect()
+}
+
+/// A contiguous copy of `src` as `to`.
+pub fn copy(enc: &mut CommandEncoder, src: &Array, to: DType) -> Result<Array> {
+    let dst = Array::empty(enc.device(), to, src.shape())?;
+    let n = src.size();
+    if n == 0 {
+        return Ok(dst);
+    }
+    let kernel = enc.device().kernel(&spec(src.dtype(), to))?;
+    let mut layout = Layout {
+        shape: [1; MAX_RANK],
+        strides: [0; MAX_RANK],
+    };
+    for (i, (&e, &s)) in src.shape().iter().zip(src.strides()).enumerate() {
+        layout.shape[i] = e as i64;
+        layout.strides[i] = s as i64;
+    }
+    let mut args = KernelArgs::new();
+    args.push(src.device_ptr())
+        .push(dst.device_ptr())
+        .push(n as i64)
+        .push(src.ndim() as i32)
+        .push(layout);
+    let sms = enc.device().info().multiprocessors as usize;
+    let blocks = n.div_ceil(BLOCK_DIM as usize).min(sms * 16).max(1);
+    enc.launch(
+        &kernel,
+        blocks as u32,
+        BLOCK_DIM as u32,
+        0,
+        args,
+        &[src],
+        &[&dst],
+    )?;
+    Ok(dst)
+}

@@ -1,0 +1,147 @@
+//! Kernel arguments passed by value: packed into one aligned byte buffer, with the pointer array
+//! `cuLaunchKernel` and kernel graph nodes take. The driver copies the values at launch or node
+//! creation, so nothing is copied to the device per launch.
+
+use std::ffi::c_void;
+
+/// Up to 512 bytes of arguments (a kernel may take up to 4 KiB; kiln's take far less).
+const CAPACITY_WORDS: usize = 64;
+const MAX_ARGS: usize = 24;
+
+#[derive(Clone)]
+pub struct KernelArgs {
+    /// 8-byte aligned storage for the values.
+    words: [u64; CAPACITY_WORDS],
+    /// Byte offset of each argument in `words`.
+    offsets: [u16; MAX_ARGS],
+    count: usize,
+    used: usize,
+}
+
+impl Default for KernelArgs {
+    fn default() -> Self {
+        KernelArgs {
+            words: [0; CAPACITY_WORDS],
+            offsets: [0; MAX_ARGS],
+            count: 0,
+            used: 0,
+        }
+    }
+}
+
+impl KernelArgs {
+    pub fn new() -> KernelArgs {
+        KernelArgs::default()
+    }
+
+    /// Appends one argument. `T` must have the layout the kernel parameter has (a `#[repr(C)]`
+    /// struct, an integer, a float, or a device address as `u64`).
+    ///
+    /// # Panics
+    /// When the arguments exceed kiln's fixed capacity (512 bytes, 24 arguments): a programming
+    /// error in an op, not a user input.
+    pub fn push<T: Copy + 'static>(&mut self, value: T) -> &mut Self {
+        let size = std::mem::size_of::<T>();
+        let align = std::mem::align_of::<T>();
+        assert!(align <= 8, "kernel arguments are at most 8-byte aligned");
+        let offset = self.used.div_ceil(align) * align;
+        assert!(
+            self.count < MAX_ARGS && offset + size <= CAPACITY_WORDS * 8,
+            "too many kernel arguments"
+        );
+        // SAFETY: the destination range lies inside `words` (checked above); T is Copy.
+        unsafe {
+            let dst = (self.words.as_mut_ptr() as *mut u8).add(offset);
+            std::ptr::copy_nonoverlapping(&value as *const T as *const u8, dst, size);
+        }
+        self.offsets[self.count] = offset as u16;
+        self.count += 1;
+        self.used = offset + size;
+        self
+    }
+
+    pub fn len(&self) -> usize {
+        self.count
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.count == 0
+    }
+
+    /// The bytes of all arguments (for comparing two launches).
+    pub fn bytes(&self) -> &[u8] {
+        // SAFETY: `used` bytes of `words` are initialised.
+        unsafe { std::slice::from_raw_parts(self.words.as_ptr() as *const u8, self.used) }
+    }
+
+    /// The pointer array the driver takes; valid while `self` is neither moved nor changed.
+    pub fn pointers(&mut self) -> [*mut c_void; MAX_ARGS] {
+        let base = self.words.as_mut_ptr() as *mut u8;
+        let mut out = [std::ptr::null_mut(); MAX_ARGS];
+        for (i, p) in out.iter_mut().enumerate().take(self.count) {
+            // SAFETY: every offset lies inside `words`.
+            *p = unsafe { base.add(self.offsets[i] as usize) } as *mut c_void;
+        }
+        out
+    }
+}
+
+impl PartialEq for KernelArgs {
+    fn eq(&self, other: &Self) -> bool {
+        self.count == other.count
+            && self.offsets[..self.count] == other.offsets[..other.count]
+            && self.bytes() == other.bytes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn values_are_aligned_and_readable() {
+        let mut a = KernelArgs::new();
+        a.push(7u8)
+            .push(0x1122_3344_5566_7788u64)
+            .push(2.5f32)
+            .push(-3i32);
+        assert_eq!(a.len(), 4);
+        let p = a.pointers();
+        unsafe {
+            assert_eq!(*(p[0] as *const u8), 7);
+            assert_eq!(p[1] as usize % 8, 0);
+            assert_eq!(*(p[1] as *const u64), 0x1122_3344_5566_7788);
+            assert_eq!(*(p[2] as *const f32), 2.5);
+            assert_eq!(*(p[3] as *const i32), -3);
+        }
+    }
+
+    #[test]
+    fn structs_by_value() {
+        #[repr(C)]
+        #[derive(Clone, Copy)]
+        struct Layout {
+            shape: [i64; 3],
+            rank: i32,
+        }
+        let mut a = KernelArgs::new();
+        a.push(1u32).push(Layout {
+            shape: [4, 5, 6],
+            rank: 3,
+        });
+        let p = a.pointers();
+        let l = unsafe { *(p[1] as *const Layout) };
+        assert_eq!((l.shape, l.rank), ([4, 5, 6], 3));
+    }
+
+    #[test]
+    fn equality_compares_values() {
+        let mut a = KernelArgs::new();
+        a.push(1u64).push(2.0f32);
+        let mut b = KernelArgs::new();
+        b.push(1u64).push(2.0f32);
+        assert!(a == b);
+        b.push(0u8);
+        assert!(a != b);
+    }
+}

@@ -1,0 +1,319 @@
+//! `Array`: a device buffer plus dtype, shape, strides and offset. Views (reshape, transpose,
+//! swapaxes, slice, broadcast) share the buffer; `contiguous` and `astype` copy through the
+//! strided-copy kernel.
+
+use std::sync::Arc;
+
+use cudarc::driver::sys;
+
+use super::allocator::Buffer;
+use super::device::Device;
+use super::encoder::CommandEncoder;
+use crate::dtype::{decode, encode, DType, Element};
+use crate::error::{Error, Result};
+
+/// The most dimensions an array may have (also `KILN_MAX_RANK` in the templates).
+pub const MAX_RANK: usize = 8;
+
+#[derive(Clone)]
+pub struct Array {
+    buffer: Arc<Buffer>,
+    device: Arc<Device>,
+    dtype: DType,
+    shape: Vec<usize>,
+    /// In elements; 0 for a broadcast axis.
+    strides: Vec<isize>,
+    /// In elements, from the buffer's start.
+    offset: usize,
+}
+
+impl std::fmt::Debug for Array {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Array({} {:?} strides {:?} offset {} in {:?})",
+            self.dtype, self.shape, self.strides, self.offset, self.buffer
+        )
+    }
+}
+
+fn invalid(arg: &'static str, reason: String) -> Error {
+    Error::InvalidArgument { arg, reason }
+}
+
+fn check_rank(shape: &[usize]) -> Result<()> {
+    if shape.len() > MAX_RANK {
+        return Err(invalid(
+            "shape",
+            format!("rank {} exceeds kiln's maximum, {MAX_RANK}", shape.len()),
+        ));
+    }
+    Ok(())
+}
+
+/// Row-major strides of a contiguous array of `shape`.
+pub fn contiguous_strides(shape: &[usize]) -> Vec<isize> {
+    let mut strides = vec![0isize; shape.len()];
+    let mut step = 1isize;
+    for (s, &n) in strides.iter_mut().zip(shape).rev() {
+        *s = step;
+        step *= n.max(1) as isize;
+    }
+    strides
+}
+
+impl Array {
+    /// A new contiguous array with undefined contents.
+    pub fn empty(device: &Arc<Device>, dtype: DType, shape: &[usize]) -> Result<Array> {
+        check_rank(shape)?;
+        let n: usize = shape.iter().product();
+        let bytes = n
+            .checked_mul(dtype.size())
+            .ok_or_else(|| invalid("shape", "too large".into()))?;
+        Ok(Array {
+            buffer: device.allocator().alloc(bytes)?,
+            device: device.clone(),
+            dtype,
+            shape: shape.to_vec(),
+            strides: contiguous_strides(shape),
+            offset: 0,
+        })
+    }
+
+    /// Uploads `data` (little-endian `dtype` elements) as a contiguous array on the encoder's
+    /// stream, ordered with its other work.
+    pub fn from_bytes(
+        enc: &mut CommandEncoder,
+        dtype: DType,
+        shape: &[usize],
+        data: &[u8],
+    ) -> Result<Array> {
+        let a = Array::empty(enc.device(), dtype, shape)?;
+        if data.len() != a.nbytes() {
+            return Err(invalid(
+                "data",
+                format!(
+                    "{} bytes for shape {shape:?} of {dtype} ({} bytes)",
+                    data.len(),
+                    a.nbytes()
+                ),
+            ));
+        }
+        enc.upload(&a, data)?;
+        Ok(a)
+    }
+
+    pub fn from_slice<T: Element>(
+        enc: &mut CommandEncoder,
+        data: &[T],
+        shape: &[usize],
+    ) -> Result<Array> {
+        let values: Vec<f64> = data.iter().map(|v| v.to_f64()).collect();
+        Array::from_f64(enc, T::DTYPE, &values, shape)
+    }
+
+    /// Uploads f64 values rounded to `dtype`.
+    pub fn from_f64(
+        enc: &mut CommandEncoder,
+        dtype: DType,
+        values: &[f64],
+        shape: &[usize],
+    ) -> Result<Array> {
+        Array::from_bytes(enc, dtype, shape, &encode(dtype, values))
+    }
+
+    /// Downloads the elements in row-major order (waits for the encoder's work first).
+    pub fn to_bytes(&self, enc: &mut CommandEncoder) -> Result<Vec<u8>> {
+        let c = self.contiguous(enc)?;
+        enc.download(&c)
+    }
+
+    pub fn to_f64(&self, enc: &mut CommandEncoder) -> Result<Vec<f64>> {
+        Ok(decode(self.dtype, &self.to_bytes(enc)?))
+    }
+
+    pub fn to_vec<T: Element>(&self, enc: &mut CommandEncoder) -> Result<Vec<T>> {
+        if T::DTYPE != self.dtype {
+            return Err(invalid(
+                "T",
+                format!("the array holds {}, not {}", self.dtype, T::DTYPE),
+            ));
+        }
+        Ok(self.to_f64(enc)?.into_iter().map(T::from_f64).collect())
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    pub fn strides(&self) -> &[isize] {
+        &self.strides
+    }
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+    pub fn ndim(&self) -> usize {
+        self.shape.len()
+    }
+    pub fn size(&self) -> usize {
+        self.shape.iter().product()
+    }
+    pub fn nbytes(&self) -> usize {
+        self.size() * self.dtype.size()
+    }
+    pub fn device(&self) -> &Arc<Device> {
+        &self.device
+    }
+    pub fn buffer(&self) -> &Arc<Buffer> {
+        &self.buffer
+    }
+    /// The allocation this array lives in: views of one allocation share it.
+    pub fn buffer_id(&self) -> u64 {
+        self.buffer.ptr()
+    }
+    /// Device address of the first element.
+    pub fn device_ptr(&self) -> sys::CUdeviceptr {
+        self.buffer.ptr() + (self.offset * self.dtype.size()) as u64
+    }
+
+    pub fn is_contiguous(&self) -> bool {
+        let want = contiguous_strides(&self.shape);
+        self.shape
+            .iter()
+            .zip(self.strides.iter().zip(&want))
+            .all(|(&n, (s, w))| n <= 1 || s == w)
+    }
+
+    fn view(&self, shape: Vec<usize>, strides: Vec<isize>, offset: usize) -> Array {
+        Array {
+            buffer: self.buffer.clone(),
+            device: self.device.clone(),
+            dtype: self.dtype,
+            shape,
+            strides,
+            offset,
+        }
+    }
+
+    /// A view with a new shape of the same size; the array must be contiguous.
+    pub fn reshape(&self, shape: &[usize]) -> Result<Array> {
+        check_rank(shape)?;
+        if shape.iter().product::<usize>() != self.size() {
+            return Err(invalid(
+                "shape",
+                format!("{shape:?} does not hold {} elements", self.size()),
+            ));
+        }
+        if !self.is_contiguous() {
+            return Err(invalid(
+                "self",
+                "reshape of a non-contiguous view: call contiguous() first".into(),
+            ));
+        }
+        Ok(self.view(shape.to_vec(), contiguous_strides(shape), self.offset))
+    }
+
+    /// A view with the axes permuted: axis i of the result is axis `perm[i]` of `self`.
+    pub fn transpose(&self, perm: &[usize]) -> Result<Array> {
+        let mut seen = vec![false; self.ndim()];
+        if perm.len() != self.ndim()
+            || perm
+                .iter()
+                .any(|&p| p >= self.ndim() || std::mem::replace(&mut seen[p], true))
+        {
+            return Err(invalid(
+                "perm",
+                format!("{perm:?} is not a permutation of {} axes", self.ndim()),
+            ));
+        }
+        let shape = perm.iter().map(|&p| self.shape[p]).collect();
+        let strides = perm.iter().map(|&p| self.strides[p]).collect();
+        Ok(self.view(shape, strides, self.offset))
+    }
+
+    pub fn swapaxes(&self, a: usize, b: usize) -> Result<Array> {
+        if a >= self.ndim() || b >= self.ndim() {
+            return Err(invalid(
+                "axis",
+                format!("axes {a}, {b} of a rank-{} array", self.ndim()),
+            ));
+        }
+        let mut perm: Vec<usize> = (0..self.ndim()).collect();
+        perm.swap(a, b);
+        self.transpose(&perm)
+    }
+
+    /// A view of `start..stop` stepping by `step` along `axis` (`stop` is clamped to the extent).
+    pub fn slice(&self, axis: usize, start: usize, stop: usize, step: usize) -> Result<Array> {
+        if axis >= self.ndim() {
+            return Err(invalid(
+                "axis",
+                format!("axis {axis} of a rank-{} array", self.ndim()),
+            ));
+        }
+        if step == 0 {
+            return Err(invalid("step", "must be positive".into()));
+        }
+        let stop = stop.min(self.shape[axis]);
+        let len = if start >= stop {
+            0
+        } else {
+            (stop - start).div_ceil(step)
+        };
+        let mut shape = self.shape.clone();
+        let mut strides = self.strides.clone();
+        shape[axis] = len;
+        let offset = if len == 0 {
+            self.offset
+        } else {
+            (self.offset as isize + start as isize * self.strides[axis]) as usize
+        };
+        strides[axis] *= step as isize;
+        Ok(self.view(shape, strides, offset))
+    }
+
+    /// A view broadcast to `shape` (NumPy rules: size-1 or missing leading axes get stride 0).
+    pub fn broadcast_to(&self, shape: &[usize]) -> Result<Array> {
+        check_rank(shape)?;
+        if shape.len() < self.ndim() {
+            return Err(invalid(
+                "shape",
+                format!("cannot broadcast {:?} to {shape:?}", self.shape),
+            ));
+        }
+        let lead = shape.len() - self.ndim();
+        let mut strides = vec![0isize; shape.len()];
+        for (i, &n) in shape.iter().enumerate().skip(lead) {
+            let (have, stride) = (self.shape[i - lead], self.strides[i - lead]);
+            strides[i] = if have == n {
+                stride
+            } else if have == 1 {
+                0
+            } else {
+                return Err(invalid(
+                    "shape",
+                    format!("cannot broadcast {:?} to {shape:?}", self.shape),
+                ));
+            };
+        }
+        Ok(self.view(shape.to_vec(), strides, self.offset))
+    }
+
+    /// This array if it is contiguous, else a contiguous copy.
+    pub fn contiguous(&self, enc: &mut CommandEncoder) -> Result<Array> {
+        if self.is_contiguous() {
+            return Ok(self.clone());
+        }
+        crate::ops::copy::copy(enc, self, self.dtype)
+    }
+
+    /// A contiguous copy converted to `dtype`.
+    pub fn astype(&self, enc: &mut CommandEncoder, dtype: DType) -> Result<Array> {
+        if dtype == self.dtype {
+            return self.contiguous(enc);
+        }
+        crate::ops::copy::copy(enc, self, dtype)
+    }
+}
