@@ -151,6 +151,9 @@ impl Allocator {
                 Err(e) => return Err(driver_error(e)),
             },
         };
+        if reused.is_none() {
+            pool.stats.driver_allocs += 1;
+        }
         pool.stats.active += class;
         pool.stats.peak = pool.stats.peak.max(pool.stats.active);
         Ok(Arc::new(Buffer {

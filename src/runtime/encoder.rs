@@ -98,8 +98,41 @@ impl KernelNode {
 enum NodeWork {
     Kernel(KernelNode),
     Empty,
-    /// A captured graph, owned here until the commit (the graph node holds a clone).
-    Child(OwnedGraph),
+    /// A captured graph, owned here until the commit (the graph node holds a clone), and what
+    /// identifies its work, when known (two captures with equal signatures do the same thing).
+    Child(OwnedGraph, Option<CaptureSignature>),
+}
+
+/// Identifies captured work, e.g. a copy's (source, destination, bytes).
+pub type CaptureSignature = [u64; 4];
+
+/// What a cached executable's node currently does, to decide whether it needs an update.
+#[derive(Clone, PartialEq)]
+#[allow(clippy::large_enum_variant)] // as NodeWork
+enum NodeState {
+    Kernel(KernelNode),
+    Empty,
+    Child(Option<CaptureSignature>),
+}
+
+impl NodeState {
+    fn of(work: &NodeWork) -> NodeState {
+        match work {
+            NodeWork::Kernel(k) => NodeState::Kernel(k.clone()),
+            NodeWork::Empty => NodeState::Empty,
+            NodeWork::Child(_, sig) => NodeState::Child(*sig),
+        }
+    }
+
+    /// Whether a node in this state already does `work` (unknown captures never do).
+    fn matches(&self, work: &NodeWork) -> bool {
+        match (self, work) {
+            (NodeState::Kernel(a), NodeWork::Kernel(b)) => a == b,
+            (NodeState::Empty, NodeWork::Empty) => true,
+            (NodeState::Child(Some(a)), NodeWork::Child(_, Some(b))) => a == b,
+            _ => false,
+        }
+    }
 }
 
 struct Node {
@@ -121,9 +154,8 @@ struct CachedExec {
     /// The graph the executable was made from: its node handles address nodes for updates.
     graph: OwnedGraph,
     handles: Vec<sys::CUgraphNode>,
-    /// The kernel parameters each node has now (`None` for other nodes).
-    params: Vec<Option<KernelNode>>,
-    has_children: bool,
+    /// What each node does now.
+    nodes: Vec<NodeState>,
 }
 
 impl Drop for CachedExec {
@@ -316,6 +348,16 @@ impl CommandEncoder {
         writes: &[&Array],
         work: impl FnOnce(sys::CUstream) -> Result<()>,
     ) -> Result<()> {
+        self.add_captured_with(reads, writes, None, work)
+    }
+
+    fn add_captured_with(
+        &mut self,
+        reads: &[&Array],
+        writes: &[&Array],
+        signature: Option<CaptureSignature>,
+        work: impl FnOnce(sys::CUstream) -> Result<()>,
+    ) -> Result<()> {
         if self.use_graphs {
             self.device.bind()?;
             // SAFETY: capture_stream is ours and idle (it is only ever used for capture).
@@ -337,7 +379,7 @@ impl CommandEncoder {
                     .add(NodeKind::Child, &Self::ids(reads), &Self::ids(writes));
             self.nodes.push(Node {
                 deps,
-                work: NodeWork::Child(graph),
+                work: NodeWork::Child(graph, signature),
             });
         } else {
             work(self.stream)?;
@@ -363,7 +405,8 @@ impl CommandEncoder {
             });
         }
         let (from, to, bytes) = (src.device_ptr(), dst.device_ptr(), src.nbytes());
-        self.add_captured(&[src], &[dst], |stream| {
+        let signature = [from, to, bytes as u64, 0];
+        self.add_captured_with(&[src], &[dst], Some(signature), |stream| {
             // SAFETY: both ranges lie inside live allocations of `bytes` bytes.
             check(unsafe { sys::cuMemcpyDtoDAsync_v2(to, from, bytes, stream) })
         })
@@ -523,14 +566,10 @@ impl CommandEncoder {
     fn launch_graph(&mut self) -> Result<()> {
         self.device.bind()?;
         let key = self.tracker.topology_key().to_string();
-        let has_children = self
-            .nodes
-            .iter()
-            .any(|n| matches!(n.work, NodeWork::Child(_)));
         let mut launched = false;
         if let Some(cached) = self.exec_cache.get_mut(&key) {
             self.stats.exec_cache_hits += 1;
-            let fresh = update_cached(cached, &mut self.nodes, has_children, &mut self.stats)?;
+            let fresh = update_cached(cached, &mut self.nodes, &mut self.stats)?;
             if let Some(fresh) = fresh {
                 *cached = fresh;
             }
@@ -539,7 +578,7 @@ impl CommandEncoder {
             launched = true;
         }
         if !launched {
-            let fresh = instantiate(&mut self.nodes, has_children)?;
+            let fresh = instantiate(&mut self.nodes)?;
             self.stats.instantiations += 1;
             // SAFETY: as above.
             check(unsafe { sys::cuGraphLaunch(fresh.exec, self.stream) })?;
@@ -557,87 +596,74 @@ impl CommandEncoder {
 fn update_cached(
     cached: &mut CachedExec,
     nodes: &mut [Node],
-    has_children: bool,
     stats: &mut EncoderStats,
 ) -> Result<Option<CachedExec>> {
-    if !has_children && !cached.has_children {
-        let mut changed = Vec::new();
-        let mut same_functions = true;
-        for (i, node) in nodes.iter().enumerate() {
-            if let (NodeWork::Kernel(k), Some(old)) = (&node.work, &cached.params[i]) {
-                if k != old {
-                    same_functions &= k.function == old.function;
-                    changed.push(i);
-                }
-            }
-        }
-        if changed.is_empty() {
-            stats.exec_reuses += 1;
-            return Ok(None);
-        }
-        if same_functions {
-            let mut ok = true;
-            for &i in &changed {
-                let NodeWork::Kernel(k) = &mut nodes[i].work else {
-                    unreachable!()
-                };
-                let mut pointers = k.args.pointers();
-                let params = k.node_params(&mut pointers);
-                // SAFETY: the handle is a kernel node of the graph this executable came from.
-                let status = unsafe {
-                    sys::cuGraphExecKernelNodeSetParams_v2(cached.exec, cached.handles[i], &params)
-                };
-                if status != sys::cudaError_enum::CUDA_SUCCESS {
-                    ok = false;
-                    break;
-                }
-                cached.params[i] = Some(k.clone());
-            }
-            if ok {
-                stats.updates += 1;
-                return Ok(None);
-            }
-        }
+    let changed: Vec<usize> = (0..nodes.len())
+        .filter(|&i| !cached.nodes[i].matches(&nodes[i].work))
+        .collect();
+    if changed.is_empty() {
+        stats.exec_reuses += 1;
+        return Ok(None);
+    }
+    // Kernel nodes whose function is unchanged can be patched one by one.
+    let patchable = changed
+        .iter()
+        .all(|&i| match (&cached.nodes[i], &nodes[i].work) {
+            (NodeState::Kernel(old), NodeWork::Kernel(new)) => old.function == new.function,
+            _ => false,
+        });
+    if patchable && patch_kernel_nodes(cached, nodes, &changed) {
+        stats.updates += 1;
+        return Ok(None);
     }
     // Whole-graph update; a refusal means re-instantiation.
     let (graph, handles) = build_graph(nodes)?;
+    // SAFETY: a plain C struct the call fills in.
     let mut info: sys::CUgraphExecUpdateResultInfo = unsafe { std::mem::zeroed() };
     // SAFETY: both handles are live; info receives the result.
     let status = unsafe { sys::cuGraphExecUpdate_v2(cached.exec, graph.0, &mut info) };
     if status == sys::cudaError_enum::CUDA_SUCCESS {
         cached.graph = graph;
         cached.handles = handles;
-        cached.params = kernel_params(nodes);
-        cached.has_children = has_children;
+        cached.nodes = nodes.iter().map(|n| NodeState::of(&n.work)).collect();
         stats.updates += 1;
         return Ok(None);
     }
-    let fresh = instantiate_from(graph, handles, nodes, has_children)?;
+    let fresh = instantiate_from(graph, handles, nodes)?;
     stats.instantiations += 1;
     stats.reinstantiations += 1;
     Ok(Some(fresh))
 }
 
-fn kernel_params(nodes: &[Node]) -> Vec<Option<KernelNode>> {
-    nodes
-        .iter()
-        .map(|n| match &n.work {
-            NodeWork::Kernel(k) => Some(k.clone()),
-            _ => None,
-        })
-        .collect()
+/// Sets the parameters of the kernel nodes `changed`; false if the driver refused one.
+fn patch_kernel_nodes(cached: &mut CachedExec, nodes: &mut [Node], changed: &[usize]) -> bool {
+    for &i in changed {
+        let NodeWork::Kernel(k) = &mut nodes[i].work else {
+            return false;
+        };
+        let mut pointers = k.args.pointers();
+        let params = k.node_params(&mut pointers);
+        // SAFETY: the handle is a kernel node of the graph this executable came from.
+        let status = unsafe {
+            sys::cuGraphExecKernelNodeSetParams_v2(cached.exec, cached.handles[i], &params)
+        };
+        if status != sys::cudaError_enum::CUDA_SUCCESS {
+            return false;
+        }
+        cached.nodes[i] = NodeState::Kernel(k.clone());
+    }
+    true
 }
 
-fn instantiate(nodes: &mut [Node], has_children: bool) -> Result<CachedExec> {
+fn instantiate(nodes: &mut [Node]) -> Result<CachedExec> {
     let (graph, handles) = build_graph(nodes)?;
-    instantiate_from(graph, handles, nodes, has_children)
+    instantiate_from(graph, handles, nodes)
 }
 
 fn instantiate_from(
     graph: OwnedGraph,
     handles: Vec<sys::CUgraphNode>,
     nodes: &[Node],
-    has_children: bool,
 ) -> Result<CachedExec> {
     let mut exec = ptr::null_mut();
     // SAFETY: the graph is complete and live.
@@ -646,8 +672,7 @@ fn instantiate_from(
         exec,
         graph,
         handles,
-        params: kernel_params(nodes),
-        has_children,
+        nodes: nodes.iter().map(|n| NodeState::of(&n.work)).collect(),
     })
 }
 
@@ -681,7 +706,7 @@ fn build_graph(nodes: &mut [Node]) -> Result<(OwnedGraph, Vec<sys::CUgraphNode>)
             NodeWork::Empty => unsafe {
                 sys::cuGraphAddEmptyNode(&mut handle, graph.0, deps.as_ptr(), deps.len())
             },
-            NodeWork::Child(child) => unsafe {
+            NodeWork::Child(child, _) => unsafe {
                 sys::cuGraphAddChildGraphNode(
                     &mut handle,
                     graph.0,

@@ -1,0 +1,474 @@
+//! The runtime on a GPU: arrays and views against the CPU, direct and graph mode agreeing bit for
+//! bit on random programs, the executable cache, buffer lifetimes, and out-of-memory.
+//! Skipped without a GPU (unless KILN_REQUIRE_GPU=1).
+
+mod common;
+
+use std::sync::Arc;
+
+use kiln::env::Config;
+use kiln::jit::{KernelSpec, TemplateDef};
+use kiln::ops::axpby::axpby;
+use kiln::runtime::{Array, CommandEncoder, Device, KernelArgs};
+use kiln::selfcheck::TestRng;
+use kiln::{DType, Error};
+
+fn device(test: &str) -> Option<Arc<Device>> {
+    common::gpus_or_skip(test)?;
+    Some(Device::get(0).expect("device 0"))
+}
+
+fn encoder(dev: &Arc<Device>, graphs: bool, max_ops: usize, cache: usize) -> CommandEncoder {
+    let mut config = Config::from_env().unwrap();
+    config.use_cuda_graphs = graphs;
+    config.max_ops_per_buffer = Some(max_ops);
+    config.graph_cache_size = cache;
+    CommandEncoder::with_config(dev, &config).unwrap()
+}
+
+#[test]
+fn views_and_casts_match_the_cpu() {
+    let Some(dev) = device("views_and_casts") else {
+        return;
+    };
+    let mut enc = encoder(&dev, true, 20, 16);
+    let (a, b, c) = (3usize, 4usize, 5usize);
+    let mut rng = TestRng::new(9);
+    let host: Vec<f64> = rng.values(a * b * c, 4.0, 0.0);
+    for from in DType::ALL {
+        let q: Vec<f64> = kiln::dtype::decode(from, &kiln::dtype::encode(from, &host));
+        let x = Array::from_f64(&mut enc, from, &host, &[a, b, c]).unwrap();
+        let at = |i: usize, j: usize, k: usize| q[(i * b + j) * c + k];
+        // transpose (2, 0, 1): out[k][i][j] = x[i][j][k]
+        let t = x.transpose(&[2, 0, 1]).unwrap();
+        assert!(!t.is_contiguous());
+        let mut want = Vec::new();
+        for k in 0..c {
+            for i in 0..a {
+                for j in 0..b {
+                    want.push(at(i, j, k));
+                }
+            }
+        }
+        assert_eq!(t.to_f64(&mut enc).unwrap(), want, "{from} transpose");
+        // slice axis 2 from 1 by 2, then swap axes 0 and 1
+        let s = x.slice(2, 1, 5, 2).unwrap().swapaxes(0, 1).unwrap();
+        let mut want = Vec::new();
+        for j in 0..b {
+            for i in 0..a {
+                for k in [1, 3] {
+                    want.push(at(i, j, k));
+                }
+            }
+        }
+        assert_eq!(s.shape(), &[b, a, 2]);
+        assert_eq!(s.to_f64(&mut enc).unwrap(), want, "{from} slice");
+        // broadcast a row to a matrix
+        let row = x
+            .slice(0, 0, 1, 1)
+            .unwrap()
+            .slice(1, 2, 3, 1)
+            .unwrap()
+            .reshape(&[c]);
+        assert!(row.is_err(), "reshape of a non-contiguous view is refused");
+        let row = x.slice(0, 1, 2, 1).unwrap().slice(1, 2, 3, 1).unwrap(); // [1, 1, c], contiguous
+        let bc = row.reshape(&[c]).unwrap().broadcast_to(&[3, c]).unwrap();
+        let want: Vec<f64> = (0..3).flat_map(|_| (0..c).map(|k| at(1, 2, k))).collect();
+        assert_eq!(bc.to_f64(&mut enc).unwrap(), want, "{from} broadcast");
+        // casts, against the half crate's rounding
+        for to in DType::ALL {
+            let y = t.astype(&mut enc, to).unwrap();
+            assert_eq!(y.dtype(), to);
+            let want: Vec<f64> = {
+                let mut v = Vec::new();
+                for k in 0..c {
+                    for i in 0..a {
+                        for j in 0..b {
+                            v.push(at(i, j, k));
+                        }
+                    }
+                }
+                kiln::dtype::decode(to, &kiln::dtype::encode(to, &v))
+            };
+            assert_eq!(y.to_f64(&mut enc).unwrap(), want, "{from} -> {to}");
+        }
+    }
+    // Empty arrays and rank limits.
+    let e = Array::from_f64(&mut enc, DType::F32, &[], &[0, 3]).unwrap();
+    assert_eq!(e.to_f64(&mut enc).unwrap(), Vec::<f64>::new());
+    assert!(Array::empty(&dev, DType::F32, &[1; 9]).is_err());
+}
+
+/// One op of a random program: out = a*x + b*y, a captured copy, or a concurrent pair.
+#[derive(Clone, Debug)]
+enum Op {
+    Axpby {
+        x: usize,
+        y: usize,
+        out: usize,
+        a: f32,
+        b: f32,
+    },
+    Copy {
+        src: usize,
+        dst: usize,
+    },
+    Concurrent(Vec<(usize, usize, usize, f32, f32)>),
+}
+
+/// Views of 1024 f32: 0..4 in one allocation (disjoint quarters), 4 overlapping the boundary of
+/// 1 and 2, 5 and 6 separate allocations.
+const N: usize = 1024;
+const VIEWS: usize = 7;
+
+fn range(v: usize) -> (usize, usize) {
+    match v {
+        0..=3 => (0, v * N),
+        4 => (0, N + N / 2),
+        _ => (v, 0),
+    }
+}
+
+/// Same allocation and intersecting element ranges, but not the identical view.
+fn partially_overlaps(a: usize, b: usize) -> bool {
+    let ((ba, sa), (bb, sb)) = (range(a), range(b));
+    a != b && ba == bb && sa < sb + N && sb < sa + N
+}
+
+fn random_program(seed: u64, len: usize) -> Vec<Op> {
+    let mut rng = TestRng::new(seed);
+    let mut pick = |n: usize| ((rng.next_f64() + 1.0) / 2.0 * n as f64) as usize % n;
+    let mut ops = Vec::new();
+    while ops.len() < len {
+        let kind = pick(10);
+        let (x, y, out) = (pick(VIEWS), pick(VIEWS), pick(VIEWS));
+        let a = (pick(1000) as f32 / 1000.0 - 0.5) * 1.4;
+        let b = (pick(1000) as f32 / 1000.0 - 0.5) * 1.4;
+        if kind < 7 {
+            // Within one kernel, out must equal or not touch its inputs.
+            if !partially_overlaps(out, x) && !partially_overlaps(out, y) {
+                ops.push(Op::Axpby { x, y, out, a, b });
+            }
+        } else if kind < 9 {
+            if x != out && !partially_overlaps(x, out) {
+                ops.push(Op::Copy { src: x, dst: out });
+            }
+        } else {
+            // Two independent launches: distinct outputs that neither reads.
+            let (o1, o2) = (5, 6);
+            let (i1, i2) = (pick(4), pick(4));
+            ops.push(Op::Concurrent(vec![(i1, i2, o1, a, b), (i2, i1, o2, b, a)]));
+        }
+    }
+    ops
+}
+
+fn make_views(enc: &mut CommandEncoder, seed: u64) -> Vec<Array> {
+    let mut rng = TestRng::new(seed ^ 0xABCD);
+    let big = Array::from_f64(enc, DType::F32, &rng.values(4 * N, 1.0, 0.0), &[4 * N]).unwrap();
+    let mut views: Vec<Array> = (0..4)
+        .map(|i| big.slice(0, i * N, (i + 1) * N, 1).unwrap())
+        .collect();
+    views.push(big.slice(0, N + N / 2, 2 * N + N / 2, 1).unwrap());
+    for _ in 0..2 {
+        views.push(Array::from_f64(enc, DType::F32, &rng.values(N, 1.0, 0.0), &[N]).unwrap());
+    }
+    views
+}
+
+fn run_program(enc: &mut CommandEncoder, views: &[Array], ops: &[Op]) {
+    for op in ops {
+        match op {
+            Op::Axpby { x, y, out, a, b } => {
+                axpby(enc, *a, &views[*x], *b, &views[*y], &views[*out]).unwrap()
+            }
+            Op::Copy { src, dst } => enc.copy_into(&views[*src], &views[*dst]).unwrap(),
+            Op::Concurrent(list) => {
+                enc.begin_concurrent();
+                for (x, y, out, a, b) in list {
+                    axpby(enc, *a, &views[*x], *b, &views[*y], &views[*out]).unwrap();
+                }
+                enc.end_concurrent().unwrap();
+            }
+        }
+    }
+}
+
+fn results(enc: &mut CommandEncoder, views: &[Array]) -> Vec<Vec<u8>> {
+    views.iter().map(|v| v.to_bytes(enc).unwrap()).collect()
+}
+
+/// The CPU's version of the program, in f64.
+fn emulate(seed: u64, ops: &[Op]) -> Vec<Vec<f64>> {
+    let mut rng = TestRng::new(seed ^ 0xABCD);
+    let q = |v: Vec<f64>| kiln::dtype::decode(DType::F32, &kiln::dtype::encode(DType::F32, &v));
+    let mut big = q(rng.values(4 * N, 1.0, 0.0));
+    let mut extra = [q(rng.values(N, 1.0, 0.0)), q(rng.values(N, 1.0, 0.0))];
+    let read = |big: &Vec<f64>, extra: &[Vec<f64>; 2], v: usize| -> Vec<f64> {
+        match range(v) {
+            (0, s) => big[s..s + N].to_vec(),
+            (b, _) => extra[b - 5].clone(),
+        }
+    };
+    let write =
+        |big: &mut Vec<f64>, extra: &mut [Vec<f64>; 2], v: usize, data: Vec<f64>| match range(v) {
+            (0, s) => big[s..s + N].copy_from_slice(&data),
+            (b, _) => extra[b - 5] = data,
+        };
+    let axpby = |big: &mut Vec<f64>, extra: &mut [Vec<f64>; 2], x, y, out, a: f32, b: f32| {
+        let (xv, yv) = (read(big, extra, x), read(big, extra, y));
+        let r = xv
+            .iter()
+            .zip(&yv)
+            .map(|(p, q)| a as f64 * p + b as f64 * q)
+            .collect();
+        write(big, extra, out, r);
+    };
+    for op in ops {
+        match op {
+            Op::Axpby { x, y, out, a, b } => axpby(&mut big, &mut extra, *x, *y, *out, *a, *b),
+            Op::Copy { src, dst } => {
+                let d = read(&big, &extra, *src);
+                write(&mut big, &mut extra, *dst, d);
+            }
+            Op::Concurrent(list) => {
+                for (x, y, out, a, b) in list {
+                    axpby(&mut big, &mut extra, *x, *y, *out, *a, *b);
+                }
+            }
+        }
+    }
+    (0..VIEWS).map(|v| read(&big, &extra, v)).collect()
+}
+
+#[test]
+fn random_programs_agree_bit_for_bit_in_direct_and_graph_mode() {
+    let Some(dev) = device("random_programs") else {
+        return;
+    };
+    let mut direct = encoder(&dev, false, 1000, 16);
+    for seed in 0..40u64 {
+        let len = 1 + (seed as usize * 37) % 200;
+        let ops = random_program(seed, len);
+        // Small, varying batch limits force commits at every kind of boundary.
+        let mut graph = encoder(&dev, true, 1 + (seed as usize % 13), 8);
+        let (dv, gv) = (make_views(&mut direct, seed), make_views(&mut graph, seed));
+        run_program(&mut direct, &dv, &ops);
+        run_program(&mut graph, &gv, &ops);
+        let (d, g) = (results(&mut direct, &dv), results(&mut graph, &gv));
+        assert_eq!(
+            d, g,
+            "seed {seed}: direct and graph mode differ ({len} ops)"
+        );
+        // Both also match the CPU (so neither mode silently did nothing).
+        let want = emulate(seed, &ops);
+        for (v, bytes) in d.iter().enumerate() {
+            let got = kiln::dtype::decode(DType::F32, bytes);
+            let err = got
+                .iter()
+                .zip(&want[v])
+                .map(|(g, w)| (g - w).abs())
+                .fold(0.0, f64::max);
+            assert!(err < 1e-4, "seed {seed} view {v}: max error {err}");
+        }
+        assert!(graph.stats().graph_commits > 0);
+    }
+}
+
+#[test]
+fn a_repeated_program_hits_the_executable_cache() {
+    let Some(dev) = device("exec_cache_hits") else {
+        return;
+    };
+    let mut enc = encoder(&dev, true, 1000, 16);
+    let views = make_views(&mut enc, 1);
+    let ops = random_program(1, 100);
+    enc.synchronize().unwrap();
+    let before = enc.stats();
+    let driver_allocs = dev.allocator().stats().driver_allocs;
+    for _ in 0..5 {
+        run_program(&mut enc, &views, &ops);
+        enc.synchronize().unwrap();
+    }
+    let s = enc.stats();
+    assert_eq!(s.graph_commits - before.graph_commits, 5);
+    assert_eq!(s.instantiations - before.instantiations, 1, "{s:?}");
+    assert_eq!(s.exec_cache_hits - before.exec_cache_hits, 4, "{s:?}");
+    // Same buffers, same arguments: launched without any update.
+    assert_eq!(s.exec_reuses - before.exec_reuses, 4, "{s:?}");
+    assert_eq!(
+        dev.allocator().stats().driver_allocs,
+        driver_allocs,
+        "steady state allocates"
+    );
+}
+
+#[test]
+fn changed_arguments_patch_the_cached_executable() {
+    let Some(dev) = device("exec_update") else {
+        return;
+    };
+    let mut enc = encoder(&dev, true, 1000, 16);
+    let mut direct = encoder(&dev, false, 1000, 16);
+    let views = make_views(&mut enc, 2);
+    let dviews = make_views(&mut direct, 2);
+    for round in 0..3 {
+        // Same topology, different scalars each round.
+        let s = 0.5 + round as f32 * 0.1;
+        for (e, v) in [(&mut enc, &views), (&mut direct, &dviews)] {
+            axpby(e, s, &v[0], 1.0, &v[1], &v[5]).unwrap();
+            axpby(e, 1.0, &v[5], s, &v[2], &v[6]).unwrap();
+        }
+        enc.synchronize().unwrap();
+    }
+    let st = enc.stats();
+    assert_eq!(
+        (st.instantiations, st.exec_cache_hits, st.updates),
+        (1, 2, 2),
+        "{st:?}"
+    );
+    assert_eq!(results(&mut enc, &views), results(&mut direct, &dviews));
+}
+
+#[test]
+fn a_cache_of_two_evicts_under_three_alternating_topologies() {
+    let Some(dev) = device("exec_cache_eviction") else {
+        return;
+    };
+    let mut graph = encoder(&dev, true, 1000, 2);
+    let mut direct = encoder(&dev, false, 1000, 2);
+    let (gv, dv) = (make_views(&mut graph, 3), make_views(&mut direct, 3));
+    let programs: Vec<Vec<Op>> = (10..13)
+        .map(|s| random_program(s, 20 + s as usize))
+        .collect();
+    for round in 0..2 {
+        for p in &programs {
+            run_program(&mut graph, &gv, p);
+            graph.synchronize().unwrap();
+            run_program(&mut direct, &dv, p);
+        }
+        let _ = round;
+    }
+    let s = graph.stats();
+    // LRU of 2 under A B C A B C: every commit misses; each insert past two evicts.
+    assert_eq!(s.graph_commits, 6, "{s:?}");
+    assert_eq!(s.instantiations, 6, "{s:?}");
+    assert_eq!(s.evictions, 4, "{s:?}");
+    assert_eq!(results(&mut graph, &gv), results(&mut direct, &dv));
+}
+
+static SPIN_COPY: TemplateDef = TemplateDef {
+    name: "test_spin_copy",
+    source: r#"{{> prelude}}
+extern "C" __global__ void {{kernel}}(const float* src, float* dst, long long n, long long cycles) {
+  long long start = clock64();
+  while (clock64() - start < cycles) { }
+  for (long long i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
+}
+"#,
+    kernel: "test_spin_copy",
+    const_names: &[],
+    arch_specific: false,
+};
+
+#[test]
+fn buffers_are_not_reused_while_the_gpu_may_read_them() {
+    let Some(dev) = device("buffer_lifetimes") else {
+        return;
+    };
+    for graphs in [false, true] {
+        let mut enc = encoder(&dev, graphs, 1000, 4);
+        let values: Vec<f64> = (0..N).map(|i| i as f64).collect();
+        let src = Array::from_f64(&mut enc, DType::F32, &values, &[N]).unwrap();
+        let dst = Array::empty(&dev, DType::F32, &[N]).unwrap();
+        let kernel = dev
+            .kernel(&KernelSpec::new(&SPIN_COPY, DType::F32, 256, 1, &[]))
+            .unwrap();
+        let mut args = KernelArgs::new();
+        // About 50 ms of spinning before the kernel reads src.
+        args.push(src.device_ptr())
+            .push(dst.device_ptr())
+            .push(N as i64)
+            .push(100_000_000i64);
+        enc.launch(&kernel, 1, 256, 0, args, &[&src], &[&dst])
+            .unwrap();
+        enc.commit().unwrap();
+        let old = src.buffer_id();
+        drop(src); // the GPU has not read it yet
+                   // A new allocation of the same size must not get the old buffer.
+        let other = Array::empty(&dev, DType::F32, &[N]).unwrap();
+        assert_ne!(
+            other.buffer_id(),
+            old,
+            "graphs={graphs}: buffer reused while in flight"
+        );
+        // Scribble over the new buffer from the host, synchronously: had it been the old one,
+        // the spinning kernel would copy garbage.
+        let junk = vec![0xFFu8; N * 4];
+        unsafe {
+            dev.bind().unwrap();
+            let st = cudarc::driver::sys::cuMemcpyHtoD_v2(
+                other.device_ptr(),
+                junk.as_ptr().cast(),
+                junk.len(),
+            );
+            assert_eq!(st, cudarc::driver::sys::cudaError_enum::CUDA_SUCCESS);
+        }
+        assert_eq!(dst.to_f64(&mut enc).unwrap(), values, "graphs={graphs}");
+        drop(other);
+        // Once the GPU is done, the memory is reused (the cache works).
+        let again = Array::empty(&dev, DType::F32, &[N]).unwrap();
+        let again2 = Array::empty(&dev, DType::F32, &[N]).unwrap();
+        assert!(
+            again.buffer_id() == old || again2.buffer_id() == old,
+            "graphs={graphs}"
+        );
+    }
+}
+
+#[test]
+fn out_of_memory_is_an_error_and_the_encoder_still_works() {
+    let Some(dev) = device("out_of_memory") else {
+        return;
+    };
+    let mut enc = encoder(&dev, true, 20, 16);
+    let huge = 1usize << 50;
+    match Array::empty(&dev, DType::F32, &[huge / 4]) {
+        Err(Error::OutOfMemory { requested, .. }) => assert_eq!(requested, huge),
+        other => panic!("expected OutOfMemory, got {other:?}"),
+    }
+    let views = make_views(&mut enc, 4);
+    let ops = random_program(4, 30);
+    run_program(&mut enc, &views, &ops);
+    let got = results(&mut enc, &views);
+    let want = emulate(4, &ops);
+    for (v, bytes) in got.iter().enumerate() {
+        let g = kiln::dtype::decode(DType::F32, bytes);
+        let err = g
+            .iter()
+            .zip(&want[v])
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f64::max);
+        assert!(err < 1e-4);
+    }
+}
+
+#[test]
+fn the_allocator_caches_and_releases() {
+    let Some(dev) = device("allocator") else {
+        return;
+    };
+    let a = dev.allocator();
+    a.release_cache().unwrap();
+    let before = a.stats();
+    let b1 = a.alloc(1000).unwrap();
+    let p = b1.ptr();
+    drop(b1);
+    assert_eq!(a.stats().cached, before.cached + 1024);
+    let b2 = a.alloc(700).unwrap(); // same size class
+    assert_eq!(b2.ptr(), p);
+    drop(b2);
+    a.release_cache().unwrap();
+    assert_eq!(a.stats().cached, 0);
+    assert!(a.stats().peak >= 1024);
+}
