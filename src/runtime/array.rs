@@ -178,12 +178,17 @@ impl Array {
         self.buffer.ptr() + (self.offset * self.dtype.size()) as u64
     }
 
+    /// Row-major with no gaps (axes of extent 1 may have any stride). Allocation-free: ops call
+    /// it on every launch.
     pub fn is_contiguous(&self) -> bool {
-        let want = contiguous_strides(&self.shape);
-        self.shape
-            .iter()
-            .zip(self.strides.iter().zip(&want))
-            .all(|(&n, (s, w))| n <= 1 || s == w)
+        let mut step = 1isize;
+        for (&n, &s) in self.shape.iter().zip(&self.strides).rev() {
+            if n > 1 && s != step {
+                return false;
+            }
+            step *= n.max(1) as isize;
+        }
+        true
     }
 
     fn view(&self, shape: Vec<usize>, strides: Vec<isize>, offset: usize) -> Array {
