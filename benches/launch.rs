@@ -72,6 +72,30 @@ fn kiln_chain(
     (us, enc.stats())
 }
 
+/// Direct mode without the op layer: the encoder's own cost over cuLaunchKernel.
+fn encoder_chain(dev: &Arc<Device>) -> f64 {
+    let mut config = Config::from_env().unwrap();
+    config.use_cuda_graphs = false;
+    let mut enc = CommandEncoder::with_config(dev, &config).unwrap();
+    let x = Array::from_f64(&mut enc, DType::F32, &[0.0], &[1]).unwrap();
+    let ones = Array::from_f64(&mut enc, DType::F32, &[1.0], &[1]).unwrap();
+    let kernel = dev.kernel(&spec(DType::F32)).unwrap();
+    let mut args = kiln::runtime::KernelArgs::new();
+    args.push(x.device_ptr())
+        .push(ones.device_ptr())
+        .push(x.device_ptr())
+        .push(1i64)
+        .push(1.0f32)
+        .push(1.0f32);
+    per_op(|| {
+        for _ in 0..OPS {
+            enc.launch(&kernel, 1, 256, 0, args.clone(), &[&x, &ones], &[&x])
+                .unwrap();
+        }
+        enc.synchronize().unwrap();
+    })
+}
+
 fn main() {
     let dev = match kiln::runtime::gpus() {
         Ok(g) if !g.is_empty() => Device::get(0).unwrap(),
@@ -172,6 +196,27 @@ fn main() {
     });
 
     let (direct, _) = kiln_chain(&dev, false, None);
+    let encoder_only = encoder_chain(&dev);
+    let raw_again = per_op(|| {
+        for _ in 0..OPS {
+            check(unsafe {
+                sys::cuLaunchKernel(
+                    function,
+                    1,
+                    1,
+                    1,
+                    256,
+                    1,
+                    1,
+                    0,
+                    stream,
+                    params.as_mut_ptr(),
+                    ptr::null_mut(),
+                )
+            });
+        }
+        check(unsafe { sys::cuStreamSynchronize(stream) });
+    });
     let (graph_1000, stats) = kiln_chain(&dev, true, Some(OPS));
     let (graph_default, _) = kiln_chain(&dev, true, None);
     let default_ops = CommandEncoder::new(&dev).unwrap().limits().0;
@@ -191,6 +236,16 @@ fn main() {
         "per op (host encode + GPU)", "us/op", "kiln/anchor"
     );
     println!("{:<52} {:>9.3}", "raw cuLaunchKernel loop", raw_launch);
+    println!(
+        "{:<52} {:>9.3}",
+        "raw cuLaunchKernel loop, again (run-to-run spread)", raw_again
+    );
+    println!(
+        "{:<52} {:>9.3} {:>11.2}x  (encoder.launch with prepared arguments)",
+        "kiln direct mode, encoder only",
+        encoder_only,
+        encoder_only / raw_launch
+    );
     println!(
         "{:<52} {:>9.3}",
         "raw CUDA graph replay (1,000-node chain)", raw_graph

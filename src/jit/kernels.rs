@@ -6,6 +6,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
 use cudarc::nvrtc::Ptx;
 use dashmap::DashMap;
+use rustc_hash::FxBuildHasher;
 
 use super::compiler::{Jit, Origin};
 use super::entry::ImageKind;
@@ -24,9 +25,11 @@ pub struct LoadedKernel {
     pub origin: Origin,
 }
 
+/// FxHash rather than SipHash: the keys are kiln's own specs, not attacker-chosen, and the
+/// lookup sits on every op's path.
 #[derive(Default)]
 pub struct KernelTable {
-    map: DashMap<(usize, KernelSpec), Arc<LoadedKernel>>,
+    map: DashMap<(usize, KernelSpec), Arc<LoadedKernel>, FxBuildHasher>,
 }
 
 impl KernelTable {

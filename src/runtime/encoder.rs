@@ -274,7 +274,11 @@ impl CommandEncoder {
     fn note_use(&mut self, arrays: &[&Array]) {
         for a in arrays {
             self.bytes_in_batch += a.nbytes();
-            self.retained.push(a.buffer().clone());
+            // Chains touch the same few buffers again and again: skip recent repeats.
+            let recent = self.retained.iter().rev().take(4);
+            if !recent.into_iter().any(|b| Arc::ptr_eq(b, a.buffer())) {
+                self.retained.push(a.buffer().clone());
+            }
         }
     }
 
@@ -331,7 +335,9 @@ impl CommandEncoder {
                 )
             })?;
         }
-        self.kernels.push(kernel.clone());
+        if !self.kernels.last().is_some_and(|k| Arc::ptr_eq(k, kernel)) {
+            self.kernels.push(kernel.clone());
+        }
         self.note_use(reads);
         self.note_use(writes);
         self.stats.launches += 1;
