@@ -73,9 +73,10 @@ fn kiln_chain(
 }
 
 /// Direct mode without the op layer: the encoder's own cost over cuLaunchKernel.
-fn encoder_chain(dev: &Arc<Device>) -> f64 {
+fn encoder_chain(dev: &Arc<Device>, max_ops: Option<usize>) -> f64 {
     let mut config = Config::from_env().unwrap();
     config.use_cuda_graphs = false;
+    config.max_ops_per_buffer = max_ops;
     let mut enc = CommandEncoder::with_config(dev, &config).unwrap();
     let x = Array::from_f64(&mut enc, DType::F32, &[0.0], &[1]).unwrap();
     let ones = Array::from_f64(&mut enc, DType::F32, &[1.0], &[1]).unwrap();
@@ -196,7 +197,8 @@ fn main() {
     });
 
     let (direct, _) = kiln_chain(&dev, false, None);
-    let encoder_only = encoder_chain(&dev);
+    let encoder_only = encoder_chain(&dev, None);
+    let encoder_one_commit = encoder_chain(&dev, Some(1 << 30));
     let raw_again = per_op(|| {
         for _ in 0..OPS {
             check(unsafe {
@@ -245,6 +247,12 @@ fn main() {
         "kiln direct mode, encoder only",
         encoder_only,
         encoder_only / raw_launch
+    );
+    println!(
+        "{:<52} {:>9.3} {:>11.2}x  (no commit, so no event, until the end)",
+        "kiln direct mode, encoder only, one commit",
+        encoder_one_commit,
+        encoder_one_commit / raw_launch
     );
     println!(
         "{:<52} {:>9.3}",

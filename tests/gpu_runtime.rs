@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use kiln::env::Config;
 use kiln::jit::{KernelSpec, TemplateDef};
@@ -13,9 +13,14 @@ use kiln::runtime::{Array, CommandEncoder, Device, KernelArgs};
 use kiln::selfcheck::TestRng;
 use kiln::{DType, Error};
 
-fn device(test: &str) -> Option<Arc<Device>> {
+/// The tests share one device and its allocator, whose counters some of them check: they run
+/// one at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn device(test: &str) -> Option<(MutexGuard<'static, ()>, Arc<Device>)> {
     common::gpus_or_skip(test)?;
-    Some(Device::get(0).expect("device 0"))
+    let guard = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    Some((guard, Device::get(0).expect("device 0")))
 }
 
 fn encoder(dev: &Arc<Device>, graphs: bool, max_ops: usize, cache: usize) -> CommandEncoder {
