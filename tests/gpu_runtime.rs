@@ -33,7 +33,7 @@ fn encoder(dev: &Arc<Device>, graphs: bool, max_ops: usize, cache: usize) -> Com
 
 #[test]
 fn views_and_casts_match_the_cpu() {
-    let Some(dev) = device("views_and_casts") else {
+    let Some((_serial, dev)) = device("views_and_casts") else {
         return;
     };
     let mut enc = encoder(&dev, true, 20, 16);
@@ -245,7 +245,7 @@ fn emulate(seed: u64, ops: &[Op]) -> Vec<Vec<f64>> {
 
 #[test]
 fn random_programs_agree_bit_for_bit_in_direct_and_graph_mode() {
-    let Some(dev) = device("random_programs") else {
+    let Some((_serial, dev)) = device("random_programs") else {
         return;
     };
     let mut direct = encoder(&dev, false, 1000, 16);
@@ -279,7 +279,7 @@ fn random_programs_agree_bit_for_bit_in_direct_and_graph_mode() {
 
 #[test]
 fn a_repeated_program_hits_the_executable_cache() {
-    let Some(dev) = device("exec_cache_hits") else {
+    let Some((_serial, dev)) = device("exec_cache_hits") else {
         return;
     };
     let mut enc = encoder(&dev, true, 1000, 16);
@@ -307,7 +307,7 @@ fn a_repeated_program_hits_the_executable_cache() {
 
 #[test]
 fn changed_arguments_patch_the_cached_executable() {
-    let Some(dev) = device("exec_update") else {
+    let Some((_serial, dev)) = device("exec_update") else {
         return;
     };
     let mut enc = encoder(&dev, true, 1000, 16);
@@ -334,7 +334,7 @@ fn changed_arguments_patch_the_cached_executable() {
 
 #[test]
 fn a_cache_of_two_evicts_under_three_alternating_topologies() {
-    let Some(dev) = device("exec_cache_eviction") else {
+    let Some((_serial, dev)) = device("exec_cache_eviction") else {
         return;
     };
     let mut graph = encoder(&dev, true, 1000, 2);
@@ -375,7 +375,7 @@ extern "C" __global__ void {{kernel}}(const float* src, float* dst, long long n,
 
 #[test]
 fn buffers_are_not_reused_while_the_gpu_may_read_them() {
-    let Some(dev) = device("buffer_lifetimes") else {
+    let Some((_serial, dev)) = device("buffer_lifetimes") else {
         return;
     };
     for graphs in [false, true] {
@@ -430,7 +430,7 @@ fn buffers_are_not_reused_while_the_gpu_may_read_them() {
 
 #[test]
 fn out_of_memory_is_an_error_and_the_encoder_still_works() {
-    let Some(dev) = device("out_of_memory") else {
+    let Some((_serial, dev)) = device("out_of_memory") else {
         return;
     };
     let mut enc = encoder(&dev, true, 20, 16);
@@ -457,7 +457,7 @@ fn out_of_memory_is_an_error_and_the_encoder_still_works() {
 
 #[test]
 fn the_allocator_caches_and_releases() {
-    let Some(dev) = device("allocator") else {
+    let Some((_serial, dev)) = device("allocator") else {
         return;
     };
     let a = dev.allocator();
