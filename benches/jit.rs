@@ -46,9 +46,10 @@ fn main() {
         .ok()
         .and_then(|g| g.first().map(|g| g.target()))
         .unwrap_or(Target::sass(90));
-    let specs: Vec<KernelSpec> = kiln::ops::layer_norm::specs()
+    // LayerNorm forward specialisations, one per (dtype, threads per row, items).
+    let specs: Vec<KernelSpec> = kiln::ops::norm::specs()
         .into_iter()
-        .filter(|s| s.dtype == DType::BF16 || s.block_dim == 256)
+        .filter(|s| s.template.name == "norm_fwd" && s.consts[0] == 0 && s.n_reads > 1)
         .take(24)
         .collect();
     println!("kiln jit bench: target {target}, {} specs", specs.len());
@@ -63,7 +64,7 @@ fn main() {
     let nvrtc = cold.nvrtc().expect("NVRTC");
     let load = t.elapsed();
     let t = Instant::now();
-    let first = KernelSpec::new(&kiln::ops::layer_norm::FORWARD, DType::F32, 32, 1, &[0, 0]);
+    let first = kiln::ops::axpby::spec(DType::F32);
     cold.compile(&first, target).unwrap();
     let first_compile = t.elapsed();
     println!("NVRTC {} at {}", nvrtc.version_string(), nvrtc.path);

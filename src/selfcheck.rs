@@ -1,16 +1,14 @@
-//! `kiln check`: load LayerNorm kernels through the JIT on each GPU, run them on random data and
-//! compare with the f64 CPU reference. Proves the whole path: template, NVRTC, cache, driver.
+//! `kiln check`: run LayerNorm forward and VJP through the ops and the command encoder on each
+//! GPU, on random data, and compare with the f64 CPU reference. Proves the whole path: template,
+//! NVRTC, cache, driver, encoder.
 
-use std::sync::Arc;
 use std::time::Instant;
-
-use cudarc::driver::{CudaContext, LaunchConfig, PushKernelArg};
 
 use crate::dtype::{decode, encode, DType};
 use crate::error::{Error, Result};
-use crate::jit::{Jit, KernelTable, Origin};
-use crate::ops::layer_norm;
-use crate::runtime::GpuInfo;
+use crate::jit::Origin;
+use crate::ops::norm::{self, Kind, Pass};
+use crate::runtime::{Array, CommandEncoder, Device, GpuInfo};
 
 /// Shapes (rows, d) the self-check runs: a single element, odd and unaligned rows, a long row.
 pub const SHAPES: &[(usize, usize)] = &[(7, 1), (5, 33), (4, 1000), (3, 4096), (2, 65536)];
@@ -28,6 +26,7 @@ pub fn tolerance(dtype: DType) -> f64 {
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct CheckResult {
     pub gpu: usize,
+    pub op: &'static str,
     pub spec: String,
     pub rows: usize,
     pub d: usize,
@@ -61,110 +60,108 @@ impl TestRng {
     }
 }
 
-/// Runs LayerNorm forward on one GPU for every dtype and shape in [`SHAPES`].
-pub fn check_gpu(jit: &Jit, table: &KernelTable, gpu: &GpuInfo) -> Result<Vec<CheckResult>> {
-    let ctx = CudaContext::new(gpu.ordinal)?;
+/// Largest |got - want| / (1 + |want|); infinite for a NaN or a length mismatch.
+pub fn max_error(got: &[f64], want: &[f64]) -> f64 {
+    if got.len() != want.len() {
+        return f64::INFINITY;
+    }
+    got.iter().zip(want).fold(0.0, |m, (g, w)| {
+        let e = (g - w).abs() / (1.0 + w.abs());
+        if e.is_nan() {
+            f64::INFINITY
+        } else {
+            m.max(e)
+        }
+    })
+}
+
+/// Runs LayerNorm forward on every dtype and shape in [`SHAPES`], and the VJP on two shapes.
+pub fn check_gpu(gpu: &GpuInfo) -> Result<Vec<CheckResult>> {
+    let dev = Device::get(gpu.ordinal)?;
+    let mut enc = CommandEncoder::new(&dev)?;
     let mut out = Vec::new();
+    let eps = 1e-5;
     for dtype in DType::ALL {
+        let tol = tolerance(dtype);
         for (i, &(rows, d)) in SHAPES.iter().enumerate() {
-            out.push(check_one(jit, table, &ctx, gpu, dtype, rows, d, i as u64)?);
+            let mut rng = TestRng::new(i as u64 + 1);
+            // Quantise the inputs first, so the reference sees exactly what the GPU sees.
+            let q = |v: Vec<f64>| decode(dtype, &encode(dtype, &v));
+            let (x, w, b) = (
+                q(rng.values(rows * d, 2.0, 0.5)),
+                q(rng.values(d, 1.0, 1.0)),
+                q(rng.values(d, 0.5, 0.0)),
+            );
+            let xa = Array::from_f64(&mut enc, dtype, &x, &[rows, d])?;
+            let wa = Array::from_f64(&mut enc, dtype, &w, &[d])?;
+            let ba = Array::from_f64(&mut enc, dtype, &b, &[d])?;
+            // Fresh allocations are 256-byte aligned, so rows vectorise whenever d allows.
+            let vectorized = d % dtype.vec_width() == 0;
+            let spec = norm::choose_spec(Pass::Forward, Kind::LayerNorm, dtype, d, vectorized);
+            let started = Instant::now();
+            let origin = dev.kernel(&spec)?.origin;
+            let load_ms = started.elapsed().as_secs_f64() * 1e3;
+            let y = norm::layer_norm(&mut enc, &xa, Some(&wa), Some(&ba), eps as f32)?;
+            let want = norm::reference_forward(Kind::LayerNorm, &x, Some(&w), Some(&b), d, eps);
+            let err = max_error(&y.to_f64(&mut enc)?, &want);
+            out.push(CheckResult {
+                gpu: gpu.ordinal,
+                op: "layer_norm",
+                spec: spec.to_string(),
+                rows,
+                d,
+                origin,
+                load_ms,
+                max_error: err,
+                tolerance: tol,
+                passed: err <= tol,
+            });
+            if d == 1000 || d == 65536 {
+                let g = q(rng.values(rows * d, 1.0, 0.0));
+                let ga = Array::from_f64(&mut enc, dtype, &g, &[rows, d])?;
+                let vspec = norm::choose_spec(Pass::Vjp, Kind::LayerNorm, dtype, d, vectorized);
+                let started = Instant::now();
+                let origin = dev.kernel(&vspec)?.origin;
+                let load_ms = started.elapsed().as_secs_f64() * 1e3;
+                let (dx, dw, db) =
+                    norm::layer_norm_vjp(&mut enc, &xa, Some(&wa), Some(&ba), &ga, eps as f32)?;
+                let (rdx, rdw, rdb) =
+                    norm::reference_vjp(Kind::LayerNorm, &x, Some(&w), &g, d, eps);
+                let missing = || Error::InvalidArgument {
+                    arg: "vjp",
+                    reason: "a requested gradient is missing".into(),
+                };
+                let err = max_error(&dx.to_f64(&mut enc)?, &rdx)
+                    .max(max_error(&dw.ok_or_else(missing)?.to_f64(&mut enc)?, &rdw))
+                    .max(max_error(&db.ok_or_else(missing)?.to_f64(&mut enc)?, &rdb));
+                out.push(CheckResult {
+                    gpu: gpu.ordinal,
+                    op: "layer_norm_vjp",
+                    spec: vspec.to_string(),
+                    rows,
+                    d,
+                    origin,
+                    load_ms,
+                    max_error: err,
+                    tolerance: tol,
+                    passed: err <= tol,
+                });
+            }
         }
     }
     Ok(out)
 }
 
-#[allow(clippy::too_many_arguments)]
-fn check_one(
-    jit: &Jit,
-    table: &KernelTable,
-    ctx: &Arc<CudaContext>,
-    gpu: &GpuInfo,
-    dtype: DType,
-    rows: usize,
-    d: usize,
-    seed: u64,
-) -> Result<CheckResult> {
-    let eps = 1e-5;
-    let mut rng = TestRng::new(seed + 1);
-    // Quantise the inputs first, so the reference sees exactly what the GPU sees.
-    let q = |v: Vec<f64>| decode(dtype, &encode(dtype, &v));
-    let x = q(rng.values(rows * d, 2.0, 0.5));
-    let w = q(rng.values(d, 1.0, 1.0));
-    let b = q(rng.values(d, 0.5, 0.0));
-    let want = layer_norm::reference_forward(&x, Some(&w), Some(&b), d, eps);
-
-    let vectorized = d % dtype.vec_width() == 0;
-    let spec = layer_norm::forward_spec(dtype, d, vectorized, true, true);
-    let started = Instant::now();
-    let kernel = table.get_or_load(jit, ctx, gpu.target(), &spec)?;
-    let load_ms = started.elapsed().as_secs_f64() * 1e3;
-
-    let stream = ctx.default_stream();
-    let x_dev = stream.clone_htod(&encode(dtype, &x))?;
-    let w_dev = stream.clone_htod(&encode(dtype, &w))?;
-    let b_dev = stream.clone_htod(&encode(dtype, &b))?;
-    // Poison the output (all bits set is NaN in every dtype) so unwritten elements show.
-    let mut y_dev = stream.clone_htod(&vec![0xFFu8; rows * d * dtype.size()])?;
-    let (d_arg, row_stride, unit_stride, eps_arg) = (d as i32, d as i64, 1i64, eps as f32);
-    let mut launch = stream.launch_builder(&kernel.function);
-    launch
-        .arg(&x_dev)
-        .arg(&w_dev)
-        .arg(&b_dev)
-        .arg(&mut y_dev)
-        .arg(&d_arg)
-        .arg(&row_stride)
-        .arg(&unit_stride)
-        .arg(&unit_stride)
-        .arg(&eps_arg);
-    let config = LaunchConfig {
-        grid_dim: (rows as u32, 1, 1),
-        block_dim: (spec.block_dim as u32, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    // SAFETY: the argument list matches kiln_layer_norm_fwd's signature; every buffer holds
-    // rows * d (x, y) or d (w, b) elements of `dtype`.
-    unsafe { launch.launch(config) }?;
-    let got = decode(dtype, &stream.clone_dtoh(&y_dev)?);
-
-    let tol = tolerance(dtype);
-    let mut max_error: f64 = 0.0;
-    let mut passed = got.len() == want.len();
-    for (g, r) in got.iter().zip(&want) {
-        let err = (g - r).abs() / (1.0 + r.abs());
-        if !err.is_finite() || err > tol {
-            passed = false;
-        }
-        max_error = if err.is_finite() {
-            max_error.max(err)
-        } else {
-            f64::INFINITY
-        };
-    }
-    Ok(CheckResult {
-        gpu: gpu.ordinal,
-        spec: spec.to_string(),
-        rows,
-        d,
-        origin: kernel.origin,
-        load_ms,
-        max_error,
-        tolerance: tol,
-        passed,
-    })
-}
-
 /// Runs the self-check on every GPU. `Ok(None)` when there is no GPU to check.
-pub fn run(jit: &Jit) -> Result<Option<Vec<CheckResult>>> {
+pub fn run() -> Result<Option<Vec<CheckResult>>> {
     let gpus = match crate::runtime::gpus() {
         Ok(g) if !g.is_empty() => g,
         Ok(_) | Err(Error::NoDriver(_)) => return Ok(None),
         Err(e) => return Err(e),
     };
-    let table = KernelTable::new();
     let mut out = Vec::new();
     for gpu in &gpus {
-        out.extend(check_gpu(jit, &table, gpu)?);
+        out.extend(check_gpu(gpu)?);
     }
     Ok(Some(out))
 }

@@ -96,3 +96,39 @@ struct kiln_layout {
   long long shape[KILN_MAX_RANK];
   long long strides[KILN_MAX_RANK];  // in elements
 };
+
+// Sum over each group of GROUP consecutive threads (GROUP a multiple of 32 dividing BLOCK_DIM),
+// returned to every thread of the group. Every thread of the block must call it (it may hold
+// __syncthreads). `scratch` holds BLOCK_DIM / 32 floats.
+template <int GROUP, int BLOCK_DIM>
+__device__ __forceinline__ float kiln_group_sum(float v, float* scratch) {
+  static_assert(GROUP % 32 == 0 && BLOCK_DIM % GROUP == 0, "groups are whole warps");
+  v = kiln_warp_sum(v);
+  if (GROUP == 32) return v;
+  constexpr int WARPS = GROUP / 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncthreads();  // earlier readers of scratch are done
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  const int first = (warp / WARPS) * WARPS;
+  float s = 0.0f;
+#pragma unroll
+  for (int i = 0; i < WARPS; ++i) s += scratch[first + i];
+  return s;
+}
+
+// N parameter values (weight or bias) at p[i * stride ..] as floats: one vector load when
+// `vec` (stride 1 and aligned), else strided scalar loads. Missing (p null) reads as `missing`.
+template <int N, typename T>
+__device__ __forceinline__ void kiln_load_param(const T* p, long long stride, bool vec, int i, int n,
+                                                float missing, float (&out)[N]) {
+  if (p == nullptr) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) out[k] = missing;
+  } else if (vec) {
+    kiln_load_floats<N>(p, i, n, out);
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; ++k) out[k] = (i + k < n) ? kiln_to_float(p[(i + k) * stride]) : 0.0f;
+  }
+}

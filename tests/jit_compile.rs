@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use kiln::env::CacheMode;
 use kiln::jit::entry::ImageKind;
 use kiln::jit::{template, KernelSpec, Origin, Target, TemplateDef};
+use kiln::ops::norm::{self, Kind, Pass};
 use kiln::{DType, Error};
 
 /// Compiles `specs` for `targets` on two threads; returns how many came from each origin.
@@ -102,7 +103,7 @@ fn different_specs_have_different_keys() {
 fn concurrent_requests_for_one_spec_compile_once() {
     let dir = tempfile::tempdir().unwrap();
     let jit = common::jit_with(dir.path(), CacheMode::Off, 1 << 30);
-    let spec = kiln::ops::layer_norm::forward_spec(DType::BF16, 768, true, true, true);
+    let spec = norm::choose_spec(Pass::Forward, Kind::LayerNorm, DType::BF16, 768, true);
     let origins: Vec<Origin> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..8)
             .map(|_| scope.spawn(|| jit.compile(&spec, Target::sass(90)).unwrap().origin))
@@ -118,14 +119,14 @@ fn concurrent_requests_for_one_spec_compile_once() {
 fn an_architecture_nvrtc_cannot_emit_sass_for_falls_back_to_ptx() {
     let dir = tempfile::tempdir().unwrap();
     let jit = common::jit_in(dir.path());
-    let spec = kiln::ops::layer_norm::forward_spec(DType::F32, 1000, false, true, true);
+    let spec = norm::choose_spec(Pass::Forward, Kind::LayerNorm, DType::F32, 1000, false);
     // No NVRTC knows sm_990; the newest architecture it knows gets PTX.
     let c = jit.compile(&spec, Target::sass(990)).unwrap();
     assert_eq!(c.entry.image_kind, ImageKind::Ptx);
     assert!(c.entry.parts.target.starts_with("compute_"));
     let text = String::from_utf8_lossy(&c.entry.image);
     assert!(
-        text.contains(".entry kiln_layer_norm_fwd"),
+        text.contains(".entry kiln_norm_fwd"),
         "not PTX: {}",
         &text[..200.min(text.len())]
     );

@@ -128,7 +128,7 @@ fn main() -> ExitCode {
         } => warm(jit, &arch, jobs, only.as_deref(), json),
         Command::Cache { action } => cache(jit, action),
         Command::Info { json } => info(jit, json),
-        Command::Check { json } => check(jit, json),
+        Command::Check { json } => check(json),
     };
     match result {
         Ok(code) => code,
@@ -413,8 +413,8 @@ fn info(jit: &Jit, json: bool) -> kiln::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn check(jit: &Jit, json: bool) -> kiln::Result<ExitCode> {
-    let Some(results) = kiln::selfcheck::run(jit)? else {
+fn check(json: bool) -> kiln::Result<ExitCode> {
+    let Some(results) = kiln::selfcheck::run()? else {
         let required = kiln::env::require_gpu();
         if json {
             out!("{}", json!({"skipped": "no GPU", "passed": !required}));
@@ -433,9 +433,10 @@ fn check(jit: &Jit, json: bool) -> kiln::Result<ExitCode> {
             out!("{}", serde_json::to_string(r).expect("serialisable"));
         } else {
             out!(
-                "{} gpu{} {:<55} {:>5}x{:<6} {:<8} load {:>8.3} ms  max err {:.2e}",
+                "{} gpu{} {:<15} {:<60} {:>5}x{:<6} {:<8} load {:>8.3} ms  max err {:.2e}",
                 if r.passed { "ok  " } else { "FAIL" },
                 r.gpu,
+                r.op,
                 r.spec,
                 r.rows,
                 r.d,

@@ -3,14 +3,14 @@
 
 pub mod axpby;
 pub mod copy;
-pub mod layer_norm;
+pub mod norm;
 
 use crate::jit::KernelSpec;
 
 /// Every spec any op can choose.
 pub fn registered_specs() -> Vec<KernelSpec> {
     let mut out = Vec::new();
-    out.extend(layer_norm::specs());
+    out.extend(norm::specs());
     out.extend(copy::specs());
     out.extend(axpby::specs());
     out

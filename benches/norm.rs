@@ -1,0 +1,188 @@
+//! LayerNorm / RMSNorm throughput against PyTorch on the shapes of ../shared/ANCHORS.md, all
+//! dtypes, in one run with the copy bandwidth they are held to. GB/s as ANCHORS counts them:
+//! forward reads x and writes y; the VJP reads x and the cotangent and writes dx.
+//!
+//! Targets (issue 4): forward >= 85% of copy bandwidth for d >= 768 and >= 1.3x PyTorch on every
+//! shape; VJP >= 70% of copy bandwidth for d >= 768 and >= 1.5x PyTorch on every shape.
+//!
+//! kiln is timed on the host around many calls (graph mode, one synchronise at the end), so its
+//! figures include any host time the GPU waits for; PyTorch is timed with CUDA events.
+
+use std::process::Command;
+use std::sync::Arc;
+use std::time::Instant;
+
+use kiln::ops::norm;
+use kiln::runtime::{Array, CommandEncoder, Device};
+use kiln::selfcheck::TestRng;
+use kiln::DType;
+
+const SHAPES: [(usize, usize); 6] = [
+    (16384, 768),
+    (8192, 1024),
+    (8192, 4096),
+    (4096, 8192),
+    (2048, 16384),
+    (65536, 256),
+];
+const SETS: usize = 4;
+const ITERS: usize = 40;
+
+fn seconds_per_call(
+    enc: &mut CommandEncoder,
+    mut call: impl FnMut(&mut CommandEncoder, usize),
+) -> f64 {
+    for i in 0..3 {
+        call(enc, i);
+    }
+    enc.synchronize().unwrap();
+    // Median of three timed batches.
+    let mut batches: Vec<f64> = (0..3)
+        .map(|_| {
+            let t = Instant::now();
+            for i in 0..ITERS {
+                call(enc, i);
+            }
+            enc.synchronize().unwrap();
+            t.elapsed().as_secs_f64() / ITERS as f64
+        })
+        .collect();
+    batches.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    batches[1]
+}
+
+fn copy_gbs(dev: &Arc<Device>, enc: &mut CommandEncoder) -> f64 {
+    let n = 1usize << 28;
+    let src = Array::empty(dev, DType::F32, &[n / 4]).unwrap();
+    let dst = Array::empty(dev, DType::F32, &[n / 4]).unwrap();
+    let t = seconds_per_call(enc, |e, _| e.copy_into(&src, &dst).unwrap());
+    2.0 * n as f64 / t / 1e9
+}
+
+fn main() {
+    let dev = match kiln::runtime::gpus() {
+        Ok(g) if !g.is_empty() => Device::get(0).unwrap(),
+        _ => {
+            println!("norm bench: no GPU, skipped");
+            return;
+        }
+    };
+    let mut enc = CommandEncoder::new(&dev).unwrap();
+    let copy = copy_gbs(&dev, &mut enc);
+    let script = [
+        "benches/norm_torch.py",
+        concat!(env!("CARGO_MANIFEST_DIR"), "/benches/norm_torch.py"),
+    ]
+    .into_iter()
+    .find(|p| std::path::Path::new(p).exists())
+    .unwrap_or("benches/norm_torch.py");
+    let shape_args: Vec<String> = SHAPES.iter().map(|(r, d)| format!("{r},{d}")).collect();
+    let torch = Command::new("python3")
+        .arg(script)
+        .args(&shape_args)
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .and_then(|o| serde_json::from_slice::<serde_json::Value>(&o.stdout).ok());
+    let torch_copy = torch.as_ref().and_then(|t| t["copy_gbs"].as_f64());
+    println!(
+        "norm bench on {}: copy bandwidth {copy:.0} GB/s (kiln memcpy node){}",
+        dev.info().name,
+        torch_copy.map_or(String::new(), |c| format!(", {c:.0} GB/s (PyTorch copy_)"))
+    );
+    println!(
+        "{:<12} {:<5} {:<15} {:>9} {:>7} {:>9} {:>7}  verdict",
+        "shape", "dtype", "op", "kiln GB/s", "% copy", "torch", "ratio"
+    );
+    let mut misses = 0;
+    for &(rows, d) in &SHAPES {
+        for dtype in DType::ALL {
+            let n = rows * d;
+            let mut rng = TestRng::new(rows as u64 ^ d as u64);
+            let xs: Vec<Array> = (0..SETS)
+                .map(|_| {
+                    Array::from_f64(&mut enc, dtype, &rng.values(n, 2.0, 0.0), &[rows, d]).unwrap()
+                })
+                .collect();
+            let gs: Vec<Array> = (0..SETS)
+                .map(|_| {
+                    Array::from_f64(&mut enc, dtype, &rng.values(n, 1.0, 0.0), &[rows, d]).unwrap()
+                })
+                .collect();
+            let w = Array::from_f64(&mut enc, dtype, &rng.values(d, 1.0, 1.0), &[d]).unwrap();
+            let b = Array::from_f64(&mut enc, dtype, &rng.values(d, 1.0, 0.0), &[d]).unwrap();
+            let bytes = (n * dtype.size()) as f64;
+            let runs: [(&str, f64, f64); 3] = [
+                (
+                    "layer_norm",
+                    2.0,
+                    seconds_per_call(&mut enc, |e, i| {
+                        norm::layer_norm(e, &xs[i % SETS], Some(&w), Some(&b), 1e-5).unwrap();
+                    }),
+                ),
+                (
+                    "rms_norm",
+                    2.0,
+                    seconds_per_call(&mut enc, |e, i| {
+                        norm::rms_norm(e, &xs[i % SETS], Some(&w), 1e-5).unwrap();
+                    }),
+                ),
+                (
+                    "layer_norm_vjp",
+                    3.0,
+                    seconds_per_call(&mut enc, |e, i| {
+                        norm::layer_norm_vjp(
+                            e,
+                            &xs[i % SETS],
+                            Some(&w),
+                            Some(&b),
+                            &gs[i % SETS],
+                            1e-5,
+                        )
+                        .unwrap();
+                    }),
+                ),
+            ];
+            for (op, passes, secs) in runs {
+                let gbs = passes * bytes / secs / 1e9;
+                let torch_gbs = torch
+                    .as_ref()
+                    .and_then(|t| t[format!("{rows}x{d} {dtype} {op}")].as_f64())
+                    .map(|s| passes * bytes / s / 1e9);
+                let (bw_target, ratio_target) = if op.ends_with("vjp") {
+                    (0.70, 1.5)
+                } else {
+                    (0.85, 1.3)
+                };
+                let mut verdict = Vec::new();
+                if d >= 768 && gbs < bw_target * copy {
+                    verdict.push(format!("< {:.0}% copy", bw_target * 100.0));
+                }
+                if let Some(t) = torch_gbs {
+                    if gbs < ratio_target * t {
+                        verdict.push(format!("< {ratio_target}x torch"));
+                    }
+                }
+                if !verdict.is_empty() {
+                    misses += 1;
+                }
+                println!(
+                    "{:<12} {:<5} {:<15} {:>9.0} {:>6.0}% {:>9} {:>7}  {}",
+                    format!("{rows}x{d}"),
+                    dtype.name(),
+                    op,
+                    gbs,
+                    100.0 * gbs / copy,
+                    torch_gbs.map_or("-".into(), |t| format!("{t:.0}")),
+                    torch_gbs.map_or("-".into(), |t| format!("{:.2}x", gbs / t)),
+                    if verdict.is_empty() {
+                        "met".to_string()
+                    } else {
+                        verdict.join(", ")
+                    }
+                );
+            }
+        }
+    }
+    println!("{misses} rows miss a target");
+}

@@ -1,0 +1,584 @@
+//! LayerNorm and RMSNorm, forward and VJP, over the last axis (MLX's `fast::layer_norm` and
+//! `fast::rms_norm` semantics). Output dtype is x's; accumulation is f32.
+//!
+//! Spec choice: GROUP threads per row, as a power of two in [32, 1024]; rows that fit stay in
+//! registers (ITEMS vectors of 16 bytes per thread), several short rows share a block, longer
+//! rows loop. The VJP writes per-block f32 partial sums of dweight/dbias and reduces them with
+//! `reduce_cols`.
+
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::jit::{KernelSpec, TemplateDef};
+use crate::runtime::{Array, CommandEncoder, KernelArgs};
+
+pub static FORWARD: TemplateDef = TemplateDef {
+    name: "norm_fwd",
+    source: include_str!("../../templates/norm_fwd.cu"),
+    kernel: "kiln_norm_fwd",
+    const_names: &["RMS", "GROUP", "ITEMS"],
+    arch_specific: false,
+};
+
+pub static VJP: TemplateDef = TemplateDef {
+    name: "norm_vjp",
+    source: include_str!("../../templates/norm_vjp.cu"),
+    kernel: "kiln_norm_vjp",
+    const_names: &["RMS", "GROUP", "ITEMS"],
+    arch_specific: false,
+};
+
+pub static REDUCE_COLS: TemplateDef = TemplateDef {
+    name: "reduce_cols",
+    source: include_str!("../../templates/reduce_cols.cu"),
+    kernel: "kiln_reduce_cols",
+    const_names: &[],
+    arch_specific: false,
+};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    LayerNorm,
+    RmsNorm,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pass {
+    Forward,
+    Vjp,
+}
+
+const MIN_BLOCK: usize = 256;
+const GROUPS: [usize; 6] = [32, 64, 128, 256, 512, 1024];
+const ITEMS: [usize; 3] = [1, 2, 4];
+
+/// The most vectors a thread holds in registers: 32 floats of x forward, 16 each of x and the
+/// cotangent in the VJP.
+fn max_items(pass: Pass, n_reads: usize) -> usize {
+    let floats = match pass {
+        Pass::Forward => 32,
+        Pass::Vjp => 16,
+    };
+    (floats / n_reads).clamp(1, 4)
+}
+
+fn spec_of(
+    pass: Pass,
+    kind: Kind,
+    dtype: DType,
+    n_reads: usize,
+    group: usize,
+    items: usize,
+) -> KernelSpec {
+    let def = match pass {
+        Pass::Forward => &FORWARD,
+        Pass::Vjp => &VJP,
+    };
+    let block = group.max(MIN_BLOCK);
+    KernelSpec::new(
+        def,
+        dtype,
+        block as u16,
+        n_reads as u8,
+        &[(kind == Kind::RmsNorm) as i32, group as i32, items as i32],
+    )
+}
+
+/// The spec for rows of `d` elements. `vectorized`: 16-byte loads are legal (rows aligned, `d`
+/// a multiple of the vector width).
+pub fn choose_spec(pass: Pass, kind: Kind, dtype: DType, d: usize, vectorized: bool) -> KernelSpec {
+    let n_reads = if vectorized { dtype.vec_width() } else { 1 };
+    let vectors = d.div_ceil(n_reads).max(1);
+    let max = max_items(pass, n_reads);
+    if vectors > 1024 * max {
+        return spec_of(pass, kind, dtype, n_reads, 1024, 0);
+    }
+    let group = vectors.div_ceil(max).next_power_of_two().clamp(32, 1024);
+    let items = vectors.div_ceil(group).next_power_of_two();
+    spec_of(pass, kind, dtype, n_reads, group, items)
+}
+
+/// Every spec the norm ops can choose, and the column reductions.
+pub fn specs() -> Vec<KernelSpec> {
+    let mut out = Vec::new();
+    for pass in [Pass::Forward, Pass::Vjp] {
+        for kind in [Kind::LayerNorm, Kind::RmsNorm] {
+            for dtype in DType::ALL {
+                for n_reads in [1, dtype.vec_width()] {
+                    for group in GROUPS {
+                        for items in ITEMS.into_iter().filter(|&i| i <= max_items(pass, n_reads)) {
+                            out.push(spec_of(pass, kind, dtype, n_reads, group, items));
+                        }
+                    }
+                    out.push(spec_of(pass, kind, dtype, n_reads, 1024, 0));
+                }
+            }
+        }
+    }
+    for dtype in DType::ALL {
+        out.push(reduce_cols_spec(dtype));
+    }
+    out
+}
+
+pub fn reduce_cols_spec(dtype: DType) -> KernelSpec {
+    KernelSpec::new(&REDUCE_COLS, dtype, 256, 1, &[])
+}
+
+fn bad(arg: &'static str, reason: String) -> Error {
+    Error::InvalidArgument { arg, reason }
+}
+
+/// Checks x, eps, and an optional 1-D parameter of length d and x's dtype.
+fn check_inputs(x: &Array, params: &[(&'static str, Option<&Array>)], eps: f32) -> Result<usize> {
+    if x.ndim() == 0 {
+        return Err(bad(
+            "x",
+            "must have at least one axis (normalised over the last)".into(),
+        ));
+    }
+    if eps.is_nan() || eps < 0.0 || eps.is_infinite() {
+        return Err(bad("eps", format!("must be finite and >= 0, got {eps}")));
+    }
+    let d = *x.shape().last().expect("ndim >= 1");
+    for (name, p) in params {
+        let Some(p) = p else { continue };
+        if p.ndim() != 1 || p.shape()[0] != d {
+            return Err(bad(
+                name,
+                format!(
+                    "must be 1-D of length {d} (x's last axis), got shape {:?}",
+                    p.shape()
+                ),
+            ));
+        }
+        if p.dtype() != x.dtype() {
+            return Err(bad(name, format!("is {}, x is {}", p.dtype(), x.dtype())));
+        }
+        if p.device().ordinal() != x.device().ordinal() {
+            return Err(bad(name, "is on another device than x".into()));
+        }
+    }
+    Ok(d)
+}
+
+/// x as rows of d elements with unit stride: (the array to read, its row stride). Views whose
+/// leading axes collapse into one stride are read in place; anything else is copied once.
+fn as_rows(enc: &mut CommandEncoder, x: &Array) -> Result<(Array, i64)> {
+    let n = x.ndim();
+    let d = x.shape()[n - 1];
+    let unit_last = d <= 1 || x.strides()[n - 1] == 1;
+    let mut row_stride: Option<isize> = None;
+    let mut collapses = unit_last;
+    // Walk the leading axes inwards-out: each must step over the whole of the ones inside it.
+    let mut inner: Option<(isize, usize)> = None; // (stride, extent) of the next inner axis > 1
+    for i in (0..n - 1).rev() {
+        let (extent, stride) = (x.shape()[i], x.strides()[i]);
+        if extent <= 1 {
+            continue;
+        }
+        match inner {
+            None => row_stride = Some(stride),
+            Some((s, e)) => collapses &= stride == s * e as isize,
+        }
+        inner = Some((stride, extent));
+    }
+    if collapses && row_stride.unwrap_or(0) >= 0 {
+        return Ok((x.clone(), row_stride.unwrap_or(d as isize) as i64));
+    }
+    let c = x.contiguous(enc)?;
+    Ok((c, d as i64))
+}
+
+fn aligned(a: &Array) -> bool {
+    a.device_ptr() % 16 == 0
+}
+
+/// Whether 16-byte loads are legal on these row views and parameters.
+fn can_vectorize(dtype: DType, d: usize, rows: &[(&Array, i64)]) -> bool {
+    let v = dtype.vec_width();
+    d % v == 0
+        && rows
+            .iter()
+            .all(|(a, stride)| aligned(a) && stride % v as i64 == 0)
+}
+
+fn param_args(p: Option<&Array>, vectorized: bool) -> (u64, i64, i32) {
+    match p {
+        None => (0, 0, 0),
+        Some(p) => {
+            let stride = p.strides()[0] as i64;
+            let vec = vectorized && stride == 1 && aligned(p);
+            (p.device_ptr(), stride, vec as i32)
+        }
+    }
+}
+
+fn geometry(spec: &KernelSpec) -> (usize, usize) {
+    let group = spec.consts[1] as usize;
+    let block = spec.block_dim as usize;
+    (block, block / group)
+}
+
+fn forward(
+    enc: &mut CommandEncoder,
+    kind: Kind,
+    x: &Array,
+    w: Option<&Array>,
+    b: Option<&Array>,
+    eps: f32,
+) -> Result<Array> {
+    let d = check_inputs(x, &[("weight", w), ("bias", b)], eps)?;
+    let y = Array::empty(enc.device(), x.dtype(), x.shape())?;
+    if x.size() == 0 {
+        return Ok(y);
+    }
+    let rows = x.size() / d;
+    let (xr, x_stride) = as_rows(enc, x)?;
+    let vectorized = can_vectorize(x.dtype(), d, &[(&xr, x_stride)]);
+    let spec = choose_spec(Pass::Forward, kind, x.dtype(), d, vectorized);
+    let kernel = enc.device().kernel(&spec)?;
+    let (wp, ws, wv) = param_args(w, vectorized);
+    let (bp, bs, bv) = param_args(b, vectorized);
+    let mut args = KernelArgs::new();
+    args.push(xr.device_ptr())
+        .push(wp)
+        .push(bp)
+        .push(y.device_ptr())
+        .push(rows as i64)
+        .push(d as i32)
+        .push(x_stride)
+        .push(ws)
+        .push(bs)
+        .push(wv)
+        .push(bv)
+        .push(eps);
+    let (block, groups) = geometry(&spec);
+    let grid = rows.div_ceil(groups) as u32;
+    let mut reads = vec![&xr];
+    reads.extend(w);
+    reads.extend(b);
+    enc.launch(&kernel, grid, block as u32, 0, args, &reads, &[&y])?;
+    Ok(y)
+}
+
+/// `(x - mean) / sqrt(var + eps) * weight + bias` over the last axis.
+pub fn layer_norm(
+    enc: &mut CommandEncoder,
+    x: &Array,
+    weight: Option<&Array>,
+    bias: Option<&Array>,
+    eps: f32,
+) -> Result<Array> {
+    forward(enc, Kind::LayerNorm, x, weight, bias, eps)
+}
+
+/// `x / sqrt(mean(x^2) + eps) * weight` over the last axis.
+pub fn rms_norm(
+    enc: &mut CommandEncoder,
+    x: &Array,
+    weight: Option<&Array>,
+    eps: f32,
+) -> Result<Array> {
+    forward(enc, Kind::RmsNorm, x, weight, None, eps)
+}
+
+fn zeros(enc: &mut CommandEncoder, dtype: DType, n: usize) -> Result<Array> {
+    Array::from_f64(enc, dtype, &vec![0.0; n], &[n])
+}
+
+/// (dx, dweight if weight, dbias if want_db).
+fn vjp(
+    enc: &mut CommandEncoder,
+    kind: Kind,
+    x: &Array,
+    w: Option<&Array>,
+    want_db: bool,
+    g: &Array,
+    eps: f32,
+) -> Result<(Array, Option<Array>, Option<Array>)> {
+    let d = check_inputs(x, &[("weight", w)], eps)?;
+    if g.shape() != x.shape() || g.dtype() != x.dtype() {
+        return Err(bad(
+            "cotangent",
+            format!(
+                "must match x ({} {:?}), got {} {:?}",
+                x.dtype(),
+                x.shape(),
+                g.dtype(),
+                g.shape()
+            ),
+        ));
+    }
+    let dx = Array::empty(enc.device(), x.dtype(), x.shape())?;
+    let dtype = x.dtype();
+    if x.size() == 0 {
+        // No rows: the parameter gradients are sums over nothing.
+        let dw = w.map(|_| zeros(enc, dtype, d)).transpose()?;
+        let db = if want_db {
+            Some(zeros(enc, dtype, d)?)
+        } else {
+            None
+        };
+        return Ok((dx, dw, db));
+    }
+    let rows = x.size() / d;
+    let (xr, xs) = as_rows(enc, x)?;
+    let (gr, gs) = as_rows(enc, g)?;
+    let vectorized = can_vectorize(dtype, d, &[(&xr, xs), (&gr, gs)]);
+    let spec = choose_spec(Pass::Vjp, kind, dtype, d, vectorized);
+    let kernel = enc.device().kernel(&spec)?;
+    let (block, groups) = geometry(&spec);
+    let sms = enc.device().info().multiprocessors as usize;
+    let resident = sms * (2048 / block).max(1);
+    let grid = rows.div_ceil(groups).min(resident).max(1);
+    let pw = w
+        .map(|_| Array::empty(enc.device(), DType::F32, &[grid, d]))
+        .transpose()?;
+    let pb = if want_db {
+        Some(Array::empty(enc.device(), DType::F32, &[grid, d])?)
+    } else {
+        None
+    };
+    let (wp, ws, wv) = param_args(w, vectorized);
+    let mut args = KernelArgs::new();
+    args.push(xr.device_ptr())
+        .push(wp)
+        .push(gr.device_ptr())
+        .push(dx.device_ptr())
+        .push(pw.as_ref().map_or(0, |a| a.device_ptr()))
+        .push(pb.as_ref().map_or(0, |a| a.device_ptr()))
+        .push(rows as i64)
+        .push(d as i32)
+        .push(xs)
+        .push(gs)
+        .push(ws)
+        .push(wv)
+        .push(eps);
+    let mut reads = vec![&xr, &gr];
+    reads.extend(w);
+    let mut writes = vec![&dx];
+    writes.extend(pw.as_ref());
+    writes.extend(pb.as_ref());
+    enc.launch(&kernel, grid as u32, block as u32, 0, args, &reads, &writes)?;
+    let dw = pw.map(|p| reduce_cols(enc, &p, dtype)).transpose()?;
+    let db = pb.map(|p| reduce_cols(enc, &p, dtype)).transpose()?;
+    Ok((dx, dw, db))
+}
+
+/// Column sums of an f32 [rows, d] array, as `dtype`.
+fn reduce_cols(enc: &mut CommandEncoder, partial: &Array, dtype: DType) -> Result<Array> {
+    let (rows, d) = (partial.shape()[0], partial.shape()[1]);
+    let out = Array::empty(enc.device(), dtype, &[d])?;
+    let kernel = enc.device().kernel(&reduce_cols_spec(dtype))?;
+    let mut args = KernelArgs::new();
+    args.push(partial.device_ptr())
+        .push(out.device_ptr())
+        .push(rows as i64)
+        .push(d as i32);
+    enc.launch(
+        &kernel,
+        d.div_ceil(32) as u32,
+        256,
+        0,
+        args,
+        &[partial],
+        &[&out],
+    )?;
+    Ok(out)
+}
+
+/// LayerNorm's VJP: (dx, dweight if weight is given, dbias if bias is given).
+pub fn layer_norm_vjp(
+    enc: &mut CommandEncoder,
+    x: &Array,
+    weight: Option<&Array>,
+    bias: Option<&Array>,
+    cotangent: &Array,
+    eps: f32,
+) -> Result<(Array, Option<Array>, Option<Array>)> {
+    if let Some(b) = bias {
+        check_inputs(x, &[("bias", Some(b))], eps)?;
+    }
+    vjp(
+        enc,
+        Kind::LayerNorm,
+        x,
+        weight,
+        bias.is_some(),
+        cotangent,
+        eps,
+    )
+}
+
+/// RMSNorm's VJP: (dx, dweight if weight is given).
+pub fn rms_norm_vjp(
+    enc: &mut CommandEncoder,
+    x: &Array,
+    weight: Option<&Array>,
+    cotangent: &Array,
+    eps: f32,
+) -> Result<(Array, Option<Array>)> {
+    let (dx, dw, _) = vjp(enc, Kind::RmsNorm, x, weight, false, cotangent, eps)?;
+    Ok((dx, dw))
+}
+
+/// The f64 CPU reference of the forward pass: `x` row-major `rows x d`.
+pub fn reference_forward(
+    kind: Kind,
+    x: &[f64],
+    w: Option<&[f64]>,
+    b: Option<&[f64]>,
+    d: usize,
+    eps: f64,
+) -> Vec<f64> {
+    let mut y = Vec::with_capacity(x.len());
+    for row in x.chunks(d.max(1)) {
+        let (mean, rstd) = stats(kind, row, eps);
+        for (j, v) in row.iter().enumerate() {
+            let mut o = (v - mean) * rstd * w.map_or(1.0, |w| w[j]);
+            if kind == Kind::LayerNorm {
+                o += b.map_or(0.0, |b| b[j]);
+            }
+            y.push(o);
+        }
+    }
+    y
+}
+
+fn stats(kind: Kind, row: &[f64], eps: f64) -> (f64, f64) {
+    let n = row.len() as f64;
+    let mean = match kind {
+        Kind::LayerNorm => row.iter().sum::<f64>() / n,
+        Kind::RmsNorm => 0.0,
+    };
+    let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / n;
+    (mean, 1.0 / (var + eps).sqrt())
+}
+
+/// The f64 CPU reference of the VJP: (dx, dweight, dbias) for cotangent `g`.
+pub fn reference_vjp(
+    kind: Kind,
+    x: &[f64],
+    w: Option<&[f64]>,
+    g: &[f64],
+    d: usize,
+    eps: f64,
+) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let mut dx = Vec::with_capacity(x.len());
+    let (mut dw, mut db) = (vec![0.0; d], vec![0.0; d]);
+    for (row, grow) in x.chunks(d.max(1)).zip(g.chunks(d.max(1))) {
+        let (mean, rstd) = stats(kind, row, eps);
+        let n = d as f64;
+        let xh: Vec<f64> = row.iter().map(|v| (v - mean) * rstd).collect();
+        let wg: Vec<f64> = grow
+            .iter()
+            .enumerate()
+            .map(|(j, g)| g * w.map_or(1.0, |w| w[j]))
+            .collect();
+        let c1 = wg.iter().zip(&xh).map(|(a, b)| a * b).sum::<f64>() / n;
+        let c2 = match kind {
+            Kind::LayerNorm => wg.iter().sum::<f64>() / n,
+            Kind::RmsNorm => 0.0,
+        };
+        for j in 0..d {
+            dx.push(rstd * (wg[j] - c2 - xh[j] * c1));
+            dw[j] += grow[j] * xh[j];
+            db[j] += grow[j];
+        }
+    }
+    (dx, dw, db)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_chosen_spec_is_registered() {
+        let registered = specs();
+        for pass in [Pass::Forward, Pass::Vjp] {
+            for kind in [Kind::LayerNorm, Kind::RmsNorm] {
+                for dtype in DType::ALL {
+                    for d in (1..=70).chain([
+                        255,
+                        256,
+                        768,
+                        1000,
+                        1024,
+                        4096,
+                        8192,
+                        16384,
+                        16392,
+                        32768,
+                        65536,
+                        1 << 20,
+                    ]) {
+                        for vectorized in [false, true] {
+                            if vectorized && d % dtype.vec_width() != 0 {
+                                continue;
+                            }
+                            let s = choose_spec(pass, kind, dtype, d, vectorized);
+                            assert!(
+                                registered.contains(&s),
+                                "{s} chosen for d={d} but not registered"
+                            );
+                            let (group, items) = (s.consts[1] as usize, s.consts[2] as usize);
+                            if items > 0 {
+                                assert!(
+                                    group * items * s.n_reads as usize >= d,
+                                    "{s} does not cover d={d}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn references_agree_with_finite_differences() {
+        // d/dx of sum(g * f(x)) by central differences, against reference_vjp.
+        let d = 5;
+        let x = [0.3, -1.2, 2.0, 0.7, -0.4, 1.1, 0.0, -0.9, 0.5, 2.2];
+        let w = [1.5, -0.5, 0.8, 1.0, 2.0];
+        let b = [0.1, 0.2, 0.3, 0.4, 0.5];
+        let g = [0.2, -0.7, 1.0, 0.4, -1.3, 0.9, 0.1, -0.2, 0.6, 0.3];
+        for kind in [Kind::LayerNorm, Kind::RmsNorm] {
+            let f = |x: &[f64], w: &[f64], b: &[f64]| -> f64 {
+                reference_forward(kind, x, Some(w), Some(b), d, 1e-5)
+                    .iter()
+                    .zip(&g)
+                    .map(|(y, g)| y * g)
+                    .sum()
+            };
+            let (dx, dw, db) = reference_vjp(kind, &x, Some(&w), &g, d, 1e-5);
+            let h = 1e-6;
+            for i in 0..x.len() {
+                let (mut p, mut m) = (x, x);
+                p[i] += h;
+                m[i] -= h;
+                let num = (f(&p, &w, &b) - f(&m, &w, &b)) / (2.0 * h);
+                assert!(
+                    (num - dx[i]).abs() < 1e-6,
+                    "{kind:?} dx[{i}]: {num} vs {}",
+                    dx[i]
+                );
+            }
+            for j in 0..d {
+                let (mut p, mut m) = (w, w);
+                p[j] += h;
+                m[j] -= h;
+                let num = (f(&x, &p, &b) - f(&x, &m, &b)) / (2.0 * h);
+                assert!((num - dw[j]).abs() < 1e-6, "{kind:?} dw[{j}]");
+                if kind == Kind::LayerNorm {
+                    let (mut p, mut m) = (b, b);
+                    p[j] += h;
+                    m[j] -= h;
+                    let num = (f(&x, &w, &p) - f(&x, &w, &m)) / (2.0 * h);
+                    assert!((num - db[j]).abs() < 1e-6, "db[{j}]");
+                }
+            }
+        }
+    }
+}

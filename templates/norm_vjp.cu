@@ -1,0 +1,205 @@
+// LayerNorm (RMS = 0) or RMSNorm (RMS = 1) VJP over the last axis, f32 accumulation. With
+// xhat = (x - mean) * rstd (RMS: x * rstd) and wg = w * g:
+//   dx = rstd * (wg - mean(wg) - xhat * mean(wg * xhat))      (RMS: without the mean(wg) term)
+//   dw = sum over rows of g * xhat,  db = sum over rows of g
+// Blocks loop over rows; each writes its f32 partial sums of dw and db as one row of
+// `partial_w` / `partial_b` ([gridDim.x, d]), which kiln_reduce_cols then sums. No n_rows x d
+// temporary, and the weight gradient is never accumulated in a 16-bit type.
+// ITEMS > 0: x and g rows held in registers; ITEMS = 0: one row per block, streamed three times,
+// partials accumulated in place (each thread owns the same columns for every row).
+{{> prelude}}
+
+typedef {{dtype}} T;
+constexpr int BLOCK_DIM = {{block_dim}};
+constexpr int N_READS = {{n_reads}};
+constexpr int GROUP = {{GROUP}};
+constexpr int ITEMS = {{ITEMS}};
+constexpr bool RMS = {{RMS}};
+constexpr int GROUPS = BLOCK_DIM / GROUP;
+constexpr int NI = ITEMS > 0 ? ITEMS : 1;
+// Shared accumulators to combine the groups of a block (register path with GROUPS > 1).
+constexpr int SMEM_D = (ITEMS > 0 && GROUPS > 1) ? GROUP * NI * N_READS : 1;
+
+extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
+    const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ g, T* __restrict__ dx,
+    float* __restrict__ partial_w, float* __restrict__ partial_b, long long rows, int d,
+    long long x_row_stride, long long g_row_stride, long long w_stride, int w_vec, float eps) {
+  __shared__ float scratch[BLOCK_DIM / 32];
+  const int group = threadIdx.x / GROUP, lane = threadIdx.x % GROUP;
+  const long long step = (long long)gridDim.x * GROUPS;
+
+  if (ITEMS > 0) {
+    __shared__ float acc_w[SMEM_D], acc_b[SMEM_D];
+    float dw[NI][N_READS], db[NI][N_READS];
+#pragma unroll
+    for (int k = 0; k < NI; ++k)
+#pragma unroll
+      for (int j = 0; j < N_READS; ++j) dw[k][j] = db[k][j] = 0.0f;
+
+    for (long long base = (long long)blockIdx.x * GROUPS; base < rows; base += step) {
+      const long long row = base + group;
+      const bool active = row < rows;
+      const T* xr = x + (active ? row : 0) * x_row_stride;
+      const T* gr = g + (active ? row : 0) * g_row_stride;
+      float xv[NI][N_READS], gv[NI][N_READS];
+      float s = 0.0f;
+#pragma unroll
+      for (int k = 0; k < NI; ++k) {
+        const int i = (k * GROUP + lane) * N_READS;
+        if (active && i < d) {
+          kiln_load_floats<N_READS>(xr, i, d, xv[k]);
+          kiln_load_floats<N_READS>(gr, i, d, gv[k]);
+        } else {
+#pragma unroll
+          for (int j = 0; j < N_READS; ++j) xv[k][j] = gv[k][j] = 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < N_READS; ++j) s += xv[k][j];
+      }
+      const float mean = RMS ? 0.0f : kiln_group_sum<GROUP, BLOCK_DIM>(s, scratch) / d;
+      float q = 0.0f;
+#pragma unroll
+      for (int k = 0; k < NI; ++k) {
+        const int i = (k * GROUP + lane) * N_READS;
+#pragma unroll
+        for (int j = 0; j < N_READS; ++j) {
+          const float c = (i + j < d) ? xv[k][j] - mean : 0.0f;
+          q += c * c;
+        }
+      }
+      const float rstd = rsqrtf(kiln_group_sum<GROUP, BLOCK_DIM>(q, scratch) / d + eps);
+      // xhat in place of x; wg in place of g (dw, db take g first).
+      float s_wg = 0.0f, s_wgx = 0.0f;
+#pragma unroll
+      for (int k = 0; k < NI; ++k) {
+        const int i = (k * GROUP + lane) * N_READS;
+        float wv[N_READS];
+        kiln_load_param<N_READS>(w, w_stride, w_vec, i, d, 1.0f, wv);
+#pragma unroll
+        for (int j = 0; j < N_READS; ++j) {
+          const bool in = i + j < d;
+          const float xh = in ? (xv[k][j] - mean) * rstd : 0.0f;
+          dw[k][j] += gv[k][j] * xh;
+          db[k][j] += gv[k][j];
+          const float wg = in ? wv[j] * gv[k][j] : 0.0f;
+          xv[k][j] = xh;
+          gv[k][j] = wg;
+          s_wg += wg;
+          s_wgx += wg * xh;
+        }
+      }
+      const float c2 = RMS ? 0.0f : kiln_group_sum<GROUP, BLOCK_DIM>(s_wg, scratch) / d;
+      const float c1 = kiln_group_sum<GROUP, BLOCK_DIM>(s_wgx, scratch) / d;
+      if (active) {
+        T* dxr = dx + row * (long long)d;
+#pragma unroll
+        for (int k = 0; k < NI; ++k) {
+          const int i = (k * GROUP + lane) * N_READS;
+          if (i >= d) break;
+          float o[N_READS];
+#pragma unroll
+          for (int j = 0; j < N_READS; ++j) o[j] = rstd * (gv[k][j] - c2 - xv[k][j] * c1);
+          kiln_store_floats<N_READS>(dxr, i, d, o);
+        }
+      }
+    }
+
+    // This block's partial sums: combine its groups (same columns per lane), then one row out.
+    float* pw = partial_w + (long long)blockIdx.x * d;
+    float* pb = partial_b + (long long)blockIdx.x * d;
+    if (GROUPS == 1) {
+#pragma unroll
+      for (int k = 0; k < NI; ++k) {
+        const int i = (k * GROUP + lane) * N_READS;
+#pragma unroll
+        for (int j = 0; j < N_READS; ++j) {
+          if (i + j < d) {
+            if (partial_w) pw[i + j] = dw[k][j];
+            if (partial_b) pb[i + j] = db[k][j];
+          }
+        }
+      }
+    } else {
+      for (int i = threadIdx.x; i < d; i += BLOCK_DIM) acc_w[i] = acc_b[i] = 0.0f;
+      __syncthreads();
+#pragma unroll
+      for (int k = 0; k < NI; ++k) {
+        const int i = (k * GROUP + lane) * N_READS;
+#pragma unroll
+        for (int j = 0; j < N_READS; ++j) {
+          if (i + j < d) {
+            atomicAdd(&acc_w[i + j], dw[k][j]);
+            atomicAdd(&acc_b[i + j], db[k][j]);
+          }
+        }
+      }
+      __syncthreads();
+      for (int i = threadIdx.x; i < d; i += BLOCK_DIM) {
+        if (partial_w) pw[i] = acc_w[i];
+        if (partial_b) pb[i] = acc_b[i];
+      }
+    }
+  } else {
+    // One row per block (GROUP == BLOCK_DIM).
+    float* pw = partial_w + (long long)blockIdx.x * d;
+    float* pb = partial_b + (long long)blockIdx.x * d;
+    for (int i = lane; i < d; i += GROUP) {
+      if (partial_w) pw[i] = 0.0f;
+      if (partial_b) pb[i] = 0.0f;
+    }
+    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+      const T* xr = x + row * x_row_stride;
+      const T* gr = g + row * g_row_stride;
+      const float shift = RMS ? 0.0f : kiln_to_float(xr[0]);
+      float s = 0.0f, q = 0.0f;
+      for (int i = lane * N_READS; i < d; i += GROUP * N_READS) {
+        float v[N_READS];
+        kiln_load_floats<N_READS>(xr, i, d, v);
+#pragma unroll
+        for (int j = 0; j < N_READS; ++j) {
+          const float c = (i + j < d) ? v[j] - shift : 0.0f;
+          s += c;
+          q += c * c;
+        }
+      }
+      const float sum = kiln_group_sum<GROUP, BLOCK_DIM>(s, scratch) / d;
+      const float sq = kiln_group_sum<GROUP, BLOCK_DIM>(q, scratch) / d;
+      const float mean = RMS ? 0.0f : shift + sum;
+      const float rstd = rsqrtf((RMS ? sq : fmaxf(sq - sum * sum, 0.0f)) + eps);
+      float s_wg = 0.0f, s_wgx = 0.0f;
+      for (int i = lane * N_READS; i < d; i += GROUP * N_READS) {
+        float v[N_READS], gv[N_READS], wv[N_READS];
+        kiln_load_floats<N_READS>(xr, i, d, v);
+        kiln_load_floats<N_READS>(gr, i, d, gv);
+        kiln_load_param<N_READS>(w, w_stride, w_vec, i, d, 1.0f, wv);
+#pragma unroll
+        for (int j = 0; j < N_READS; ++j) {
+          if (i + j < d) {
+            const float wg = wv[j] * gv[j];
+            s_wg += wg;
+            s_wgx += wg * (v[j] - mean) * rstd;
+          }
+        }
+      }
+      const float c2 = RMS ? 0.0f : kiln_group_sum<GROUP, BLOCK_DIM>(s_wg, scratch) / d;
+      const float c1 = kiln_group_sum<GROUP, BLOCK_DIM>(s_wgx, scratch) / d;
+      T* dxr = dx + row * (long long)d;
+      for (int i = lane * N_READS; i < d; i += GROUP * N_READS) {
+        float v[N_READS], gv[N_READS], wv[N_READS], o[N_READS];
+        kiln_load_floats<N_READS>(xr, i, d, v);
+        kiln_load_floats<N_READS>(gr, i, d, gv);
+        kiln_load_param<N_READS>(w, w_stride, w_vec, i, d, 1.0f, wv);
+#pragma unroll
+        for (int j = 0; j < N_READS; ++j) {
+          const float xh = (v[j] - mean) * rstd;
+          o[j] = rstd * (wv[j] * gv[j] - c2 - xh * c1);
+          if (i + j < d) {
+            if (partial_w) pw[i + j] += gv[j] * xh;
+            if (partial_b) pb[i + j] += gv[j];
+          }
+        }
+        kiln_store_floats<N_READS>(dxr, i, d, o);
+      }
+    }
+  }
+}

@@ -1,0 +1,372 @@
+//! LayerNorm and RMSNorm, forward and VJP, against the f64 CPU reference on the GPU: every
+//! dtype, edge row lengths, with and without weight/bias, strided and broadcast weights,
+//! non-contiguous x, graph and direct mode. Skipped without a GPU (unless KILN_REQUIRE_GPU=1).
+//!
+//! Tolerance: |out - ref| <= tol * (1 + |ref|) per element, tol = 1e-4 (f32), 2e-3 (f16),
+//! 1.6e-2 (bf16): a few units in the last place of the output type.
+
+mod common;
+
+use std::sync::Arc;
+
+use kiln::env::Config;
+use kiln::ops::norm::{self, reference_forward, reference_vjp, Kind};
+use kiln::runtime::{Array, CommandEncoder, Device};
+use kiln::selfcheck::{max_error, tolerance, TestRng};
+use kiln::{DType, Error};
+
+const DS: [usize; 13] = [
+    1, 3, 31, 32, 33, 256, 768, 1000, 1024, 4096, 8192, 16384, 65536,
+];
+const ROWS: [usize; 3] = [1, 7, 4096];
+/// Larger cases (4096 x 16384 and up) are left out to keep the f64 reference affordable.
+const MAX_ELEMENTS: usize = 1 << 25;
+const EPS: f64 = 1e-5;
+
+fn encoder(dev: &Arc<Device>, graphs: bool) -> CommandEncoder {
+    let mut config = Config::from_env().unwrap();
+    config.use_cuda_graphs = graphs;
+    CommandEncoder::with_config(dev, &config).unwrap()
+}
+
+fn q(dtype: DType, v: Vec<f64>) -> Vec<f64> {
+    kiln::dtype::decode(dtype, &kiln::dtype::encode(dtype, &v))
+}
+
+/// How the weight is laid out on the device.
+#[derive(Clone, Copy, Debug)]
+enum WeightLayout {
+    Contiguous,
+    /// Every other element of a 2d array (stride 2).
+    Strided,
+    /// One value broadcast to d (stride 0).
+    Broadcast,
+}
+
+fn upload_param(enc: &mut CommandEncoder, dtype: DType, v: &[f64], layout: WeightLayout) -> Array {
+    let d = v.len();
+    match layout {
+        WeightLayout::Contiguous => Array::from_f64(enc, dtype, v, &[d]).unwrap(),
+        WeightLayout::Strided => {
+            let wide: Vec<f64> = v.iter().flat_map(|&x| [x, -7.0]).collect();
+            Array::from_f64(enc, dtype, &wide, &[2 * d])
+                .unwrap()
+                .slice(0, 0, 2 * d, 2)
+                .unwrap()
+        }
+        WeightLayout::Broadcast => Array::from_f64(enc, dtype, &v[..1], &[1])
+            .unwrap()
+            .broadcast_to(&[d])
+            .unwrap(),
+    }
+}
+
+/// How x is laid out on the device.
+#[derive(Clone, Copy, Debug)]
+enum XLayout {
+    Contiguous,
+    /// Rows of a wider matrix: row stride 2d, read in place.
+    RowSlice,
+    /// A transposed matrix: last-axis stride is not 1, so kiln copies it once.
+    Transposed,
+}
+
+fn upload_x(
+    enc: &mut CommandEncoder,
+    dtype: DType,
+    x: &[f64],
+    rows: usize,
+    d: usize,
+    layout: XLayout,
+) -> Array {
+    match layout {
+        XLayout::Contiguous => Array::from_f64(enc, dtype, x, &[rows, d]).unwrap(),
+        XLayout::RowSlice => {
+            let wide: Vec<f64> = x
+                .chunks(d)
+                .flat_map(|r| r.iter().copied().chain(std::iter::repeat(9.0).take(d)))
+                .collect();
+            Array::from_f64(enc, dtype, &wide, &[rows, 2 * d])
+                .unwrap()
+                .slice(1, 0, d, 1)
+                .unwrap()
+        }
+        XLayout::Transposed => {
+            let mut t = vec![0.0; rows * d];
+            for r in 0..rows {
+                for c in 0..d {
+                    t[c * rows + r] = x[r * d + c];
+                }
+            }
+            Array::from_f64(enc, dtype, &t, &[d, rows])
+                .unwrap()
+                .transpose(&[1, 0])
+                .unwrap()
+        }
+    }
+}
+
+struct Case {
+    kind: Kind,
+    dtype: DType,
+    rows: usize,
+    d: usize,
+    weight: Option<WeightLayout>,
+    bias: bool,
+    x_layout: XLayout,
+}
+
+/// Runs forward and VJP for one case; returns the worst error over every output.
+fn run_case(enc: &mut CommandEncoder, c: &Case, seed: u64) -> f64 {
+    let (dtype, rows, d) = (c.dtype, c.rows, c.d);
+    let mut rng = TestRng::new(seed);
+    let x = q(dtype, rng.values(rows * d, 2.0, 0.5));
+    let mut w = q(dtype, rng.values(d, 1.0, 1.0));
+    if matches!(c.weight, Some(WeightLayout::Broadcast)) {
+        w = vec![w[0]; d];
+    }
+    let b = q(dtype, rng.values(d, 0.5, 0.0));
+    let g = q(dtype, rng.values(rows * d, 1.0, 0.0));
+    let xa = upload_x(enc, dtype, &x, rows, d, c.x_layout);
+    let ga = Array::from_f64(enc, dtype, &g, &[rows, d]).unwrap();
+    let wa = c.weight.map(|l| upload_param(enc, dtype, &w, l));
+    let ba = c
+        .bias
+        .then(|| upload_param(enc, dtype, &b, WeightLayout::Contiguous));
+    let (wr, br) = (
+        c.weight.map(|_| w.as_slice()),
+        c.bias.then_some(b.as_slice()),
+    );
+    let eps = EPS as f32;
+
+    let y = match c.kind {
+        Kind::LayerNorm => norm::layer_norm(enc, &xa, wa.as_ref(), ba.as_ref(), eps).unwrap(),
+        Kind::RmsNorm => norm::rms_norm(enc, &xa, wa.as_ref(), eps).unwrap(),
+    };
+    assert_eq!((y.shape(), y.dtype()), (&[rows, d][..], dtype));
+    let mut err = max_error(
+        &y.to_f64(enc).unwrap(),
+        &reference_forward(c.kind, &x, wr, br, d, EPS),
+    );
+
+    let (rdx, rdw, rdb) = reference_vjp(c.kind, &x, wr, &g, d, EPS);
+    let (dx, dw, db) = match c.kind {
+        Kind::LayerNorm => {
+            norm::layer_norm_vjp(enc, &xa, wa.as_ref(), ba.as_ref(), &ga, eps).unwrap()
+        }
+        Kind::RmsNorm => {
+            let (dx, dw) = norm::rms_norm_vjp(enc, &xa, wa.as_ref(), &ga, eps).unwrap();
+            (dx, dw, None)
+        }
+    };
+    err = err.max(max_error(&dx.to_f64(enc).unwrap(), &rdx));
+    assert_eq!(dw.is_some(), c.weight.is_some());
+    assert_eq!(db.is_some(), c.bias && c.kind == Kind::LayerNorm);
+    // The weight gradient has the weight's logical shape [d], also for a broadcast weight
+    // (summing over the broadcast is the caller's business).
+    if let Some(dw) = dw {
+        err = err.max(max_error(&dw.to_f64(enc).unwrap(), &rdw));
+    }
+    if let Some(db) = db {
+        err = err.max(max_error(&db.to_f64(enc).unwrap(), &rdb));
+    }
+    err
+}
+
+fn device(test: &str) -> Option<Arc<Device>> {
+    common::gpus_or_skip(test)?;
+    Some(Device::get(0).unwrap())
+}
+
+#[test]
+fn every_row_length_rows_and_dtype_match_the_reference() {
+    let Some(dev) = device("norm_matrix") else {
+        return;
+    };
+    let mut enc = encoder(&dev, true);
+    let mut failures = Vec::new();
+    let mut seed = 0;
+    for dtype in DType::ALL {
+        for &d in &DS {
+            for &rows in &ROWS {
+                if rows * d > MAX_ELEMENTS {
+                    continue;
+                }
+                for kind in [Kind::LayerNorm, Kind::RmsNorm] {
+                    seed += 1;
+                    let case = Case {
+                        kind,
+                        dtype,
+                        rows,
+                        d,
+                        weight: Some(WeightLayout::Contiguous),
+                        bias: kind == Kind::LayerNorm,
+                        x_layout: XLayout::Contiguous,
+                    };
+                    let err = run_case(&mut enc, &case, seed);
+                    if err > tolerance(dtype) {
+                        failures.push(format!("{kind:?} {dtype} {rows}x{d}: {err:.3e}"));
+                    }
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+#[test]
+fn weights_bias_and_layouts_in_graph_and_direct_mode() {
+    let Some(dev) = device("norm_layouts") else {
+        return;
+    };
+    let mut failures = Vec::new();
+    let mut seed = 1000;
+    for graphs in [true, false] {
+        let mut enc = encoder(&dev, graphs);
+        for dtype in DType::ALL {
+            for &d in &[1usize, 33, 768, 1000, 4096, 65536] {
+                for kind in [Kind::LayerNorm, Kind::RmsNorm] {
+                    let weights = [
+                        None,
+                        Some(WeightLayout::Contiguous),
+                        Some(WeightLayout::Strided),
+                        Some(WeightLayout::Broadcast),
+                    ];
+                    for weight in weights {
+                        for bias in [false, true] {
+                            if bias && kind == Kind::RmsNorm {
+                                continue;
+                            }
+                            for x_layout in
+                                [XLayout::Contiguous, XLayout::RowSlice, XLayout::Transposed]
+                            {
+                                seed += 1;
+                                let case = Case {
+                                    kind,
+                                    dtype,
+                                    rows: 7,
+                                    d,
+                                    weight,
+                                    bias,
+                                    x_layout,
+                                };
+                                let err = run_case(&mut enc, &case, seed);
+                                if err > tolerance(dtype) {
+                                    failures.push(format!(
+                                        "graphs={graphs} {kind:?} {dtype} d={d} weight={weight:?} bias={bias} x={x_layout:?}: {err:.3e}"
+                                    ));
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} failures: {failures:#?}",
+        failures.len()
+    );
+}
+
+#[test]
+fn higher_rank_x_and_large_means() {
+    let Some(dev) = device("norm_rank") else {
+        return;
+    };
+    let mut enc = encoder(&dev, true);
+    let (a, b, d) = (3usize, 5usize, 96usize);
+    let mut rng = TestRng::new(77);
+    // A large mean relative to the spread: the loop path's shifted sums must hold up.
+    let x = q(DType::F32, rng.values(a * b * d, 1.0, 1000.0));
+    let xa = Array::from_f64(&mut enc, DType::F32, &x, &[a, b, d]).unwrap();
+    let y = norm::layer_norm(&mut enc, &xa, None, None, 1e-5).unwrap();
+    assert_eq!(y.shape(), &[a, b, d]);
+    let err = max_error(
+        &y.to_f64(&mut enc).unwrap(),
+        &reference_forward(Kind::LayerNorm, &x, None, None, d, EPS),
+    );
+    assert!(err < 5e-3, "rank 3, mean 1000: {err}");
+    // A view whose leading axes do not collapse (every other row of axis 1): copied, then right.
+    let wide = Array::from_f64(
+        &mut enc,
+        DType::F32,
+        &q(DType::F32, rng.values(a * 2 * b * d, 2.0, 0.0)),
+        &[a, 2 * b, d],
+    )
+    .unwrap();
+    let view = wide.slice(1, 0, 2 * b, 2).unwrap();
+    let host = view.to_f64(&mut enc).unwrap();
+    let y = norm::rms_norm(&mut enc, &view, None, 1e-5).unwrap();
+    let err = max_error(
+        &y.to_f64(&mut enc).unwrap(),
+        &reference_forward(Kind::RmsNorm, &host, None, None, d, EPS),
+    );
+    assert!(err < 1e-4, "non-collapsing view: {err}");
+    // The long-row loop path with a large mean.
+    let d = 65536;
+    let x = q(DType::F32, rng.values(2 * d, 1.0, 300.0));
+    let xa = Array::from_f64(&mut enc, DType::F32, &x, &[2, d]).unwrap();
+    let y = norm::layer_norm(&mut enc, &xa, None, None, 1e-5).unwrap();
+    let err = max_error(
+        &y.to_f64(&mut enc).unwrap(),
+        &reference_forward(Kind::LayerNorm, &x, None, None, d, EPS),
+    );
+    assert!(err < 5e-3, "loop path, mean 300: {err}");
+}
+
+#[test]
+fn bad_input_is_an_error_naming_the_argument_and_empty_input_is_empty() {
+    let Some(dev) = device("norm_errors") else {
+        return;
+    };
+    let mut enc = encoder(&dev, true);
+    let x = Array::from_f64(&mut enc, DType::F32, &[1.0; 12], &[3, 4]).unwrap();
+    let w4 = Array::from_f64(&mut enc, DType::F32, &[1.0; 4], &[4]).unwrap();
+    let w5 = Array::from_f64(&mut enc, DType::F32, &[1.0; 5], &[5]).unwrap();
+    let wh = Array::from_f64(&mut enc, DType::F16, &[1.0; 4], &[4]).unwrap();
+    let scalar = Array::from_f64(&mut enc, DType::F32, &[1.0], &[]).unwrap();
+    let arg = |e: Error| match e {
+        Error::InvalidArgument { arg, .. } => arg,
+        other => panic!("expected InvalidArgument, got {other}"),
+    };
+    assert_eq!(
+        arg(norm::layer_norm(&mut enc, &scalar, None, None, 1e-5).unwrap_err()),
+        "x"
+    );
+    assert_eq!(
+        arg(norm::layer_norm(&mut enc, &x, Some(&w5), None, 1e-5).unwrap_err()),
+        "weight"
+    );
+    assert_eq!(
+        arg(norm::layer_norm(&mut enc, &x, None, Some(&w5), 1e-5).unwrap_err()),
+        "bias"
+    );
+    assert_eq!(
+        arg(norm::rms_norm(&mut enc, &x, Some(&wh), 1e-5).unwrap_err()),
+        "weight"
+    );
+    assert_eq!(
+        arg(norm::layer_norm(&mut enc, &x, Some(&w4), None, -1.0).unwrap_err()),
+        "eps"
+    );
+    assert_eq!(
+        arg(norm::rms_norm(&mut enc, &x, None, f32::NAN).unwrap_err()),
+        "eps"
+    );
+    let g_bad = Array::from_f64(&mut enc, DType::F32, &[1.0; 8], &[2, 4]).unwrap();
+    assert_eq!(
+        arg(norm::layer_norm_vjp(&mut enc, &x, None, None, &g_bad, 1e-5).unwrap_err()),
+        "cotangent"
+    );
+    // Empty input: empty output, zero parameter gradients.
+    let e = Array::from_f64(&mut enc, DType::BF16, &[], &[0, 4]).unwrap();
+    let wb = Array::from_f64(&mut enc, DType::BF16, &[1.0; 4], &[4]).unwrap();
+    let y = norm::layer_norm(&mut enc, &e, Some(&wb), None, 1e-5).unwrap();
+    assert_eq!(y.shape(), &[0, 4]);
+    let (dx, dw, db) = norm::layer_norm_vjp(&mut enc, &e, Some(&wb), Some(&wb), &e, 1e-5).unwrap();
+    assert_eq!(dx.shape(), &[0, 4]);
+    assert_eq!(dw.unwrap().to_f64(&mut enc).unwrap(), vec![0.0; 4]);
+    assert_eq!(db.unwrap().to_f64(&mut enc).unwrap(), vec![0.0; 4]);
+}
