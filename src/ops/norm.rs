@@ -49,16 +49,41 @@ pub enum Pass {
 
 const MIN_BLOCK: usize = 256;
 const GROUPS: [usize; 6] = [32, 64, 128, 256, 512, 1024];
-const ITEMS: [usize; 3] = [1, 2, 4];
+const ITEMS: [usize; 4] = [1, 2, 4, 8];
+/// Threads per row, at most: 1024 forward; 512 for the VJP, whose x and g rows need more than
+/// the 64 registers a 1024-thread block leaves each thread.
+fn max_group(pass: Pass) -> usize {
+    match pass {
+        Pass::Forward => 1024,
+        Pass::Vjp => 512,
+    }
+}
 
-/// The most vectors a thread holds in registers: 32 floats of x forward, 16 each of x and the
-/// cotangent in the VJP.
+/// The most vectors a thread holds in registers: 16 floats of x forward (more costs occupancy:
+/// measured), 32 each of x and the cotangent in the VJP (its partial sums live in shared memory).
 fn max_items(pass: Pass, n_reads: usize) -> usize {
-    let floats = match pass {
-        Pass::Forward => 32,
-        Pass::Vjp => 16,
+    let (floats, cap) = match pass {
+        Pass::Forward => (16, 4),
+        Pass::Vjp => (32, 8),
     };
-    (floats / n_reads).clamp(1, 4)
+    (floats / n_reads).clamp(1, cap)
+}
+
+/// Vectors per thread the choice starts from: as many as the forward allows, but only 8 floats
+/// per tensor in the VJP (x and g both live in registers); longer rows take more, up to
+/// `max_items`, once the group is at its largest.
+fn preferred_items(pass: Pass, n_reads: usize) -> usize {
+    match pass {
+        Pass::Forward => max_items(pass, n_reads),
+        Pass::Vjp => (8 / n_reads).clamp(1, max_items(pass, n_reads)),
+    }
+}
+
+/// Dynamic shared memory of a VJP launch that accumulates parameter gradients: two f32 rows of
+/// the columns the register path covers (none for the looped path, which accumulates in place).
+pub fn vjp_shared_bytes(spec: &KernelSpec) -> usize {
+    let (group, items) = (spec.consts[1] as usize, spec.consts[2] as usize);
+    2 * group * items * spec.n_reads as usize * 4
 }
 
 fn spec_of(
@@ -89,10 +114,13 @@ pub fn choose_spec(pass: Pass, kind: Kind, dtype: DType, d: usize, vectorized: b
     let n_reads = if vectorized { dtype.vec_width() } else { 1 };
     let vectors = d.div_ceil(n_reads).max(1);
     let max = max_items(pass, n_reads);
-    if vectors > 1024 * max {
+    if vectors > max_group(pass) * max {
         return spec_of(pass, kind, dtype, n_reads, 1024, 0);
     }
-    let group = vectors.div_ceil(max).next_power_of_two().clamp(32, 1024);
+    let group = vectors
+        .div_ceil(preferred_items(pass, n_reads))
+        .next_power_of_two()
+        .clamp(32, max_group(pass));
     let items = vectors.div_ceil(group).next_power_of_two();
     spec_of(pass, kind, dtype, n_reads, group, items)
 }
@@ -104,7 +132,7 @@ pub fn specs() -> Vec<KernelSpec> {
         for kind in [Kind::LayerNorm, Kind::RmsNorm] {
             for dtype in DType::ALL {
                 for n_reads in [1, dtype.vec_width()] {
-                    for group in GROUPS {
+                    for group in GROUPS.into_iter().filter(|&g| g <= max_group(pass)) {
                         for items in ITEMS.into_iter().filter(|&i| i <= max_items(pass, n_reads)) {
                             out.push(spec_of(pass, kind, dtype, n_reads, group, items));
                         }
@@ -121,8 +149,11 @@ pub fn specs() -> Vec<KernelSpec> {
 }
 
 pub fn reduce_cols_spec(dtype: DType) -> KernelSpec {
-    KernelSpec::new(&REDUCE_COLS, dtype, 256, 1, &[])
+    KernelSpec::new(&REDUCE_COLS, dtype, REDUCE_BLOCK as u16, 1, &[])
 }
+
+/// 32 columns by 32 row lanes.
+const REDUCE_BLOCK: usize = 1024;
 
 fn bad(arg: &'static str, reason: String) -> Error {
     Error::InvalidArgument { arg, reason }
@@ -328,9 +359,21 @@ fn vjp(
     let spec = choose_spec(Pass::Vjp, kind, dtype, d, vectorized);
     let kernel = enc.device().kernel(&spec)?;
     let (block, groups) = geometry(&spec);
+    let want_partials = w.is_some() || want_db;
+    let shared = if want_partials && spec.consts[2] > 0 {
+        vjp_shared_bytes(&spec)
+    } else {
+        0
+    };
+    kernel.allow_dynamic_smem(shared as u32)?;
+    // As many blocks as fit on the GPU at once: each loops over rows, so fewer blocks means
+    // fewer partial rows to reduce.
     let sms = enc.device().info().multiprocessors as usize;
-    let resident = sms * (2048 / block).max(1);
-    let grid = rows.div_ceil(groups).min(resident).max(1);
+    let per_sm = kernel
+        .function
+        .occupancy_max_active_blocks_per_multiprocessor(block as u32, shared, None)?
+        .max(1) as usize;
+    let grid = rows.div_ceil(groups).min(sms * per_sm).max(1);
     let pw = w
         .map(|_| Array::empty(enc.device(), DType::F32, &[grid, d]))
         .transpose()?;
@@ -359,7 +402,15 @@ fn vjp(
     let mut writes = vec![&dx];
     writes.extend(pw.as_ref());
     writes.extend(pb.as_ref());
-    enc.launch(&kernel, grid as u32, block as u32, 0, args, &reads, &writes)?;
+    enc.launch(
+        &kernel,
+        grid as u32,
+        block as u32,
+        shared as u32,
+        args,
+        &reads,
+        &writes,
+    )?;
     let dw = pw.map(|p| reduce_cols(enc, &p, dtype)).transpose()?;
     let db = pb.map(|p| reduce_cols(enc, &p, dtype)).transpose()?;
     Ok((dx, dw, db))
