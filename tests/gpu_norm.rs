@@ -370,3 +370,29 @@ fn bad_input_is_an_error_naming_the_argument_and_empty_input_is_empty() {
     assert_eq!(dw.unwrap().to_f64(&mut enc).unwrap(), vec![0.0; 4]);
     assert_eq!(db.unwrap().to_f64(&mut enc).unwrap(), vec![0.0; 4]);
 }
+
+#[test]
+fn the_column_reduce_sums_any_number_of_rows() {
+    let Some(dev) = device("reduce_cols") else {
+        return;
+    };
+    let mut enc = encoder(&dev, true);
+    let mut rng = TestRng::new(5);
+    for rows in [1usize, 3, 31, 40, 300, 1500] {
+        for d in [1usize, 70, 1000] {
+            let p = q(DType::F32, rng.values(rows * d, 1.0, 0.0));
+            let pa = Array::from_f64(&mut enc, DType::F32, &p, &[rows, d]).unwrap();
+            let want: Vec<f64> = (0..d)
+                .map(|c| (0..rows).map(|r| p[r * d + c]).sum())
+                .collect();
+            for dtype in DType::ALL {
+                let got = norm::reduce_cols(&mut enc, &pa, dtype)
+                    .unwrap()
+                    .to_f64(&mut enc)
+                    .unwrap();
+                let err = max_error(&got, &want);
+                assert!(err <= tolerance(dtype), "{rows}x{d} -> {dtype}: {err}");
+            }
+        }
+    }
+}

@@ -417,19 +417,22 @@ fn vjp(
 }
 
 /// Column sums of an f32 [rows, d] array, as `dtype`.
-fn reduce_cols(enc: &mut CommandEncoder, partial: &Array, dtype: DType) -> Result<Array> {
+pub fn reduce_cols(enc: &mut CommandEncoder, partial: &Array, dtype: DType) -> Result<Array> {
     let (rows, d) = (partial.shape()[0], partial.shape()[1]);
     let out = Array::empty(enc.device(), dtype, &[d])?;
-    let kernel = enc.device().kernel(&reduce_cols_spec(dtype))?;
+    let spec = reduce_cols_spec(dtype);
+    let kernel = enc.device().kernel(&spec)?;
     let mut args = KernelArgs::new();
     args.push(partial.device_ptr())
         .push(out.device_ptr())
         .push(rows as i64)
         .push(d as i32);
+    // The block size comes from the spec: the kernel's row lanes are compiled from it.
+    let block = spec.block_dim as u32;
     enc.launch(
         &kernel,
         d.div_ceil(32) as u32,
-        256,
+        block,
         0,
         args,
         &[partial],
