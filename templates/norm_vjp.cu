@@ -5,9 +5,9 @@
 // Blocks loop over rows; each writes its f32 partial sums of dw and db as one row of
 // `partial_w` / `partial_b` ([gridDim.x, d]), which kiln_reduce_cols then sums. No n_rows x d
 // temporary, and the weight gradient is never accumulated in a 16-bit type.
-// ITEMS > 0: x and g rows held in registers, partials in shared memory; ITEMS = 0: one row per
-// block, streamed three times, partials accumulated in place in global memory (each thread owns
-// the same columns for every row).
+// ITEMS > 0: x and g rows and the thread's partial sums held in registers, the block's groups
+// combined once at the end; ITEMS = 0: one row per block, streamed three times, partials
+// accumulated in place in global memory (each thread owns the same columns for every row).
 {{> prelude}}
 
 typedef {{dtype}} T;
@@ -18,8 +18,8 @@ constexpr int ITEMS = {{ITEMS}};
 constexpr bool RMS = {{RMS}};
 constexpr int GROUPS = BLOCK_DIM / GROUP;
 constexpr int NI = ITEMS > 0 ? ITEMS : 1;
-// Columns the register path covers: the dynamic shared memory holds 2 * SMEM_D floats.
-constexpr int SMEM_D = GROUP * NI * N_READS;
+// Shared accumulators to combine the groups of a block (register path with GROUPS > 1).
+constexpr int SMEM_D = (ITEMS > 0 && GROUPS > 1) ? GROUP * NI * N_READS : 1;
 
 extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
     const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ g, T* __restrict__ dx,
@@ -30,17 +30,12 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
   const long long step = (long long)gridDim.x * GROUPS;
 
   if (ITEMS > 0) {
-    // dw and db accumulate in dynamic shared memory ([2][SMEM_D] floats, passed only when a
-    // partial is wanted): registers hold just the x and g rows. A lane owns the same columns in
-    // every row, so with one group per block the updates need no atomics.
-    extern __shared__ float acc[];
-    float* acc_w = acc;
-    float* acc_b = acc + SMEM_D;
-    const bool want = partial_w != nullptr || partial_b != nullptr;
-    if (want) {
-      for (int i = threadIdx.x; i < 2 * SMEM_D; i += BLOCK_DIM) acc[i] = 0.0f;
-      __syncthreads();
-    }
+    __shared__ float acc_w[SMEM_D], acc_b[SMEM_D];
+    float dw[NI][N_READS], db[NI][N_READS];
+#pragma unroll
+    for (int k = 0; k < NI; ++k)
+#pragma unroll
+      for (int j = 0; j < N_READS; ++j) dw[k][j] = db[k][j] = 0.0f;
 
     for (long long base = (long long)blockIdx.x * GROUPS; base < rows; base += step) {
       const long long row = base + group;
@@ -74,7 +69,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
         }
       }
       const float rstd = rsqrtf(kiln_group_sum<GROUP, BLOCK_DIM>(q, scratch) / d + eps);
-      // xhat in place of x; wg in place of g (after dw and db have taken g).
+      // xhat in place of x; wg in place of g (dw, db take g first).
       float s_wg = 0.0f, s_wgx = 0.0f;
 #pragma unroll
       for (int k = 0; k < NI; ++k) {
@@ -83,18 +78,10 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
         kiln_load_param<N_READS>(w, w_stride, w_vec, i, d, 1.0f, wv);
 #pragma unroll
         for (int j = 0; j < N_READS; ++j) {
-          const int c = i + j;
-          const bool in = c < d;
+          const bool in = i + j < d;
           const float xh = in ? (xv[k][j] - mean) * rstd : 0.0f;
-          if (in && active) {
-            if (GROUPS == 1) {
-              if (partial_w) acc_w[c] += gv[k][j] * xh;
-              if (partial_b) acc_b[c] += gv[k][j];
-            } else {
-              if (partial_w) atomicAdd(&acc_w[c], gv[k][j] * xh);
-              if (partial_b) atomicAdd(&acc_b[c], gv[k][j]);
-            }
-          }
+          dw[k][j] += gv[k][j] * xh;
+          db[k][j] += gv[k][j];
           const float wg = in ? wv[j] * gv[k][j] : 0.0f;
           xv[k][j] = xh;
           gv[k][j] = wg;
@@ -118,10 +105,36 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
       }
     }
 
-    if (want) {
+    // This block's partial sums: combine its groups (same columns per lane), then one row out.
+    float* pw = partial_w + (long long)blockIdx.x * d;
+    float* pb = partial_b + (long long)blockIdx.x * d;
+    if (GROUPS == 1) {
+#pragma unroll
+      for (int k = 0; k < NI; ++k) {
+        const int i = (k * GROUP + lane) * N_READS;
+#pragma unroll
+        for (int j = 0; j < N_READS; ++j) {
+          if (i + j < d) {
+            if (partial_w) pw[i + j] = dw[k][j];
+            if (partial_b) pb[i + j] = db[k][j];
+          }
+        }
+      }
+    } else {
+      for (int i = threadIdx.x; i < d; i += BLOCK_DIM) acc_w[i] = acc_b[i] = 0.0f;
       __syncthreads();
-      float* pw = partial_w + (long long)blockIdx.x * d;
-      float* pb = partial_b + (long long)blockIdx.x * d;
+#pragma unroll
+      for (int k = 0; k < NI; ++k) {
+        const int i = (k * GROUP + lane) * N_READS;
+#pragma unroll
+        for (int j = 0; j < N_READS; ++j) {
+          if (i + j < d) {
+            atomicAdd(&acc_w[i + j], dw[k][j]);
+            atomicAdd(&acc_b[i + j], db[k][j]);
+          }
+        }
+      }
+      __syncthreads();
       for (int i = threadIdx.x; i < d; i += BLOCK_DIM) {
         if (partial_w) pw[i] = acc_w[i];
         if (partial_b) pb[i] = acc_b[i];

@@ -1,7 +1,6 @@
 //! The in-memory kernel table: loaded functions keyed by (device ordinal, spec). A hit is one
 //! `DashMap` lookup: no rendering, hashing, allocation or file access.
 
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
@@ -24,35 +23,8 @@ pub struct LoadedKernel {
     pub key: CacheKey,
     /// Where its module came from when it was loaded.
     pub origin: Origin,
-    /// The dynamic shared memory the function has been allowed so far (beyond the default 48 KiB
-    /// needs an explicit opt-in).
-    dynamic_smem_allowed: AtomicU32,
 }
 
-/// Dynamic shared memory every kernel may use without opting in.
-const DEFAULT_DYNAMIC_SMEM: u32 = 48 * 1024;
-
-impl LoadedKernel {
-    /// Allows launches with `bytes` of dynamic shared memory (a no-op below 48 KiB or when
-    /// already allowed).
-    pub fn allow_dynamic_smem(&self, bytes: u32) -> Result<()> {
-        if bytes <= DEFAULT_DYNAMIC_SMEM
-            || bytes <= self.dynamic_smem_allowed.load(Ordering::Relaxed)
-        {
-            return Ok(());
-        }
-        self.function.set_attribute(
-            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            bytes as i32,
-        )?;
-        self.dynamic_smem_allowed
-            .fetch_max(bytes, Ordering::Relaxed);
-        Ok(())
-    }
-}
-
-/// FxHash rather than SipHash: the keys are kiln's own specs, not attacker-chosen, and the
-/// lookup sits on every op's path.
 #[derive(Default)]
 pub struct KernelTable {
     map: DashMap<(usize, KernelSpec), Arc<LoadedKernel>, FxBuildHasher>,
@@ -106,7 +78,6 @@ impl KernelTable {
             module,
             key: entry.key,
             origin: compiled.origin,
-            dynamic_smem_allowed: AtomicU32::new(DEFAULT_DYNAMIC_SMEM),
         });
         // Two threads may load the same kernel at once; the first insert wins, both are valid.
         Ok(self

@@ -49,7 +49,7 @@ pub enum Pass {
 
 const MIN_BLOCK: usize = 256;
 const GROUPS: [usize; 6] = [32, 64, 128, 256, 512, 1024];
-const ITEMS: [usize; 4] = [1, 2, 4, 8];
+const ITEMS: [usize; 3] = [1, 2, 4];
 /// Threads per row, at most: 1024 forward; 512 for the VJP, whose x and g rows need more than
 /// the 64 registers a 1024-thread block leaves each thread.
 fn max_group(pass: Pass) -> usize {
@@ -60,13 +60,10 @@ fn max_group(pass: Pass) -> usize {
 }
 
 /// The most vectors a thread holds in registers: 16 floats of x forward (more costs occupancy:
-/// measured), 32 each of x and the cotangent in the VJP (its partial sums live in shared memory).
-fn max_items(pass: Pass, n_reads: usize) -> usize {
-    let (floats, cap) = match pass {
-        Pass::Forward => (16, 4),
-        Pass::Vjp => (32, 8),
-    };
-    (floats / n_reads).clamp(1, cap)
+/// measured), 16 each of x and the cotangent in the VJP, whose partial sums of dweight and dbias
+/// take as many registers again.
+fn max_items(_pass: Pass, n_reads: usize) -> usize {
+    (16 / n_reads).clamp(1, 4)
 }
 
 /// Vectors per thread the choice starts from: as many as the forward allows, but only 8 floats
@@ -77,13 +74,6 @@ fn preferred_items(pass: Pass, n_reads: usize) -> usize {
         Pass::Forward => max_items(pass, n_reads),
         Pass::Vjp => (8 / n_reads).clamp(1, max_items(pass, n_reads)),
     }
-}
-
-/// Dynamic shared memory of a VJP launch that accumulates parameter gradients: two f32 rows of
-/// the columns the register path covers (none for the looped path, which accumulates in place).
-pub fn vjp_shared_bytes(spec: &KernelSpec) -> usize {
-    let (group, items) = (spec.consts[1] as usize, spec.consts[2] as usize);
-    2 * group * items * spec.n_reads as usize * 4
 }
 
 fn spec_of(
@@ -359,19 +349,12 @@ fn vjp(
     let spec = choose_spec(Pass::Vjp, kind, dtype, d, vectorized);
     let kernel = enc.device().kernel(&spec)?;
     let (block, groups) = geometry(&spec);
-    let want_partials = w.is_some() || want_db;
-    let shared = if want_partials && spec.consts[2] > 0 {
-        vjp_shared_bytes(&spec)
-    } else {
-        0
-    };
-    kernel.allow_dynamic_smem(shared as u32)?;
     // As many blocks as fit on the GPU at once: each loops over rows, so fewer blocks means
     // fewer partial rows to reduce.
     let sms = enc.device().info().multiprocessors as usize;
     let per_sm = kernel
         .function
-        .occupancy_max_active_blocks_per_multiprocessor(block as u32, shared, None)?
+        .occupancy_max_active_blocks_per_multiprocessor(block as u32, 0, None)?
         .max(1) as usize;
     let grid = rows.div_ceil(groups).min(sms * per_sm).max(1);
     let pw = w
@@ -402,15 +385,7 @@ fn vjp(
     let mut writes = vec![&dx];
     writes.extend(pw.as_ref());
     writes.extend(pb.as_ref());
-    enc.launch(
-        &kernel,
-        grid as u32,
-        block as u32,
-        shared as u32,
-        args,
-        &reads,
-        &writes,
-    )?;
+    enc.launch(&kernel, grid as u32, block as u32, 0, args, &reads, &writes)?;
     let dw = pw.map(|p| reduce_cols(enc, &p, dtype)).transpose()?;
     let db = pb.map(|p| reduce_cols(enc, &p, dtype)).transpose()?;
     Ok((dx, dw, db))
