@@ -24,7 +24,8 @@ constexpr int SMEM_D = (ITEMS > 0 && GROUPS > 1) ? GROUP * NI * N_READS : 1;
 extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
     const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ g, T* __restrict__ dx,
     float* __restrict__ partial_w, float* __restrict__ partial_b, long long rows, int d,
-    long long x_row_stride, long long g_row_stride, long long w_stride, int w_vec, float eps) {
+    long long x_row_stride, long long g_row_stride, long long w_stride, int w_vec, float eps,
+    int smem_partials) {
   __shared__ float scratch[BLOCK_DIM / 32];
   const int group = threadIdx.x / GROUP, lane = threadIdx.x % GROUP;
   const long long step = (long long)gridDim.x * GROUPS;
@@ -141,13 +142,19 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
       }
     }
   } else {
-    // One row per block (GROUP == BLOCK_DIM).
-    float* pw = partial_w + (long long)blockIdx.x * d;
-    float* pb = partial_b + (long long)blockIdx.x * d;
+    // One row per block (GROUP == BLOCK_DIM). The partial sums accumulate in dynamic shared
+    // memory when the launch gave room for them (2 * d floats), else in place in global memory.
+    extern __shared__ float acc_dyn[];
+    const bool has_w = partial_w != nullptr, has_b = partial_b != nullptr;
+    float* out_w = partial_w + (long long)blockIdx.x * d;
+    float* out_b = partial_b + (long long)blockIdx.x * d;
+    float* pw = smem_partials ? acc_dyn : out_w;
+    float* pb = smem_partials ? acc_dyn + d : out_b;
     for (int i = lane; i < d; i += GROUP) {
-      if (partial_w) pw[i] = 0.0f;
-      if (partial_b) pb[i] = 0.0f;
+      if (has_w) pw[i] = 0.0f;
+      if (has_b) pb[i] = 0.0f;
     }
+    __syncthreads();  // zeroed by column stride, accumulated by vector: different owners
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
       const T* xr = x + row * x_row_stride;
       const T* gr = g + row * g_row_stride;
@@ -195,11 +202,18 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
           const float xh = (v[j] - mean) * rstd;
           o[j] = rstd * (wv[j] * gv[j] - c2 - xh * c1);
           if (i + j < d) {
-            if (partial_w) pw[i + j] += gv[j] * xh;
-            if (partial_b) pb[i + j] += gv[j];
+            if (has_w) pw[i + j] += gv[j] * xh;
+            if (has_b) pb[i + j] += gv[j];
           }
         }
         kiln_store_floats<N_READS>(dxr, i, d, o);
+      }
+    }
+    if (smem_partials) {
+      __syncthreads();
+      for (int i = lane; i < d; i += GROUP) {
+        if (has_w) out_w[i] = pw[i];
+        if (has_b) out_b[i] = pb[i];
       }
     }
   }

@@ -349,12 +349,26 @@ fn vjp(
     let spec = choose_spec(Pass::Vjp, kind, dtype, d, vectorized);
     let kernel = enc.device().kernel(&spec)?;
     let (block, groups) = geometry(&spec);
+    // The looped path keeps its partial sums in shared memory when two rows of d floats fit.
+    let looped = spec.consts[2] == 0;
+    let smem_bytes = 2 * d * 4;
+    let smem_partials = looped
+        && (w.is_some() || want_db)
+        && smem_bytes + 1024 <= enc.device().info().max_shared_per_block as usize;
+    let shared = if smem_partials { smem_bytes } else { 0 };
+    if shared > 48 * 1024 {
+        // Beyond 48 KiB of dynamic shared memory a kernel must opt in.
+        kernel.function.set_attribute(
+            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            shared as i32,
+        )?;
+    }
     // As many blocks as fit on the GPU at once: each loops over rows, so fewer blocks means
     // fewer partial rows to reduce.
     let sms = enc.device().info().multiprocessors as usize;
     let per_sm = kernel
         .function
-        .occupancy_max_active_blocks_per_multiprocessor(block as u32, 0, None)?
+        .occupancy_max_active_blocks_per_multiprocessor(block as u32, shared, None)?
         .max(1) as usize;
     let grid = rows.div_ceil(groups).min(sms * per_sm).max(1);
     let pw = w
@@ -379,13 +393,22 @@ fn vjp(
         .push(gs)
         .push(ws)
         .push(wv)
-        .push(eps);
+        .push(eps)
+        .push(smem_partials as i32);
     let mut reads = vec![&xr, &gr];
     reads.extend(w);
     let mut writes = vec![&dx];
     writes.extend(pw.as_ref());
     writes.extend(pb.as_ref());
-    enc.launch(&kernel, grid as u32, block as u32, 0, args, &reads, &writes)?;
+    enc.launch(
+        &kernel,
+        grid as u32,
+        block as u32,
+        shared as u32,
+        args,
+        &reads,
+        &writes,
+    )?;
     let dw = pw.map(|p| reduce_cols(enc, &p, dtype)).transpose()?;
     let db = pb.map(|p| reduce_cols(enc, &p, dtype)).transpose()?;
     Ok((dx, dw, db))

@@ -26,6 +26,8 @@ pub struct GpuInfo {
     pub compute_capability: (u32, u32),
     pub multiprocessors: u32,
     pub memory_bytes: u64,
+    /// The most shared memory one block may use, after opting in.
+    pub max_shared_per_block: u32,
 }
 
 impl GpuInfo {
@@ -70,6 +72,9 @@ pub fn gpus() -> Result<Vec<GpuInfo>> {
                 sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
             )? as u32,
             memory_bytes: unsafe { result::device::total_mem(dev) }? as u64,
+            max_shared_per_block: attr(
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            )? as u32,
         });
     }
     Ok(out)
