@@ -59,6 +59,114 @@ fn copy_gbs(dev: &Arc<Device>, enc: &mut CommandEncoder) -> f64 {
     2.0 * n as f64 / t / 1e9
 }
 
+/// `--sweep`: GB/s of every registered (threads per row, items) choice that fits, for the
+/// shapes and dtypes that tune worst, to choose the policy in `choose_spec` from measurements.
+fn sweep(enc: &mut CommandEncoder) {
+    use kiln::ops::norm::{tuning, Kind, Pass};
+    for &(rows, d) in &[
+        (16384usize, 768usize),
+        (8192, 4096),
+        (4096, 8192),
+        (2048, 16384),
+    ] {
+        for dtype in [DType::BF16, DType::F32] {
+            let n = rows * d;
+            let mut rng = TestRng::new(7);
+            let xs: Vec<Array> = (0..SETS)
+                .map(|_| Array::from_f64(enc, dtype, &rng.values(n, 2.0, 0.0), &[rows, d]).unwrap())
+                .collect();
+            let g = Array::from_f64(enc, dtype, &rng.values(n, 1.0, 0.0), &[rows, d]).unwrap();
+            let w = Array::from_f64(enc, dtype, &rng.values(d, 1.0, 1.0), &[d]).unwrap();
+            let bytes = (n * dtype.size()) as f64;
+            let chosen = [Pass::Forward, Pass::Vjp]
+                .map(|p| norm::choose_spec(p, Kind::LayerNorm, dtype, d, true));
+            for spec in norm::specs() {
+                let pass = match spec.template.name {
+                    "norm_fwd" => Pass::Forward,
+                    "norm_vjp" => Pass::Vjp,
+                    _ => continue,
+                };
+                if spec.dtype != dtype
+                    || spec.consts[0] != 0
+                    || spec.n_reads as usize != dtype.vec_width()
+                {
+                    continue;
+                }
+                let secs = match pass {
+                    Pass::Forward => {
+                        if tuning::forward_with(
+                            enc,
+                            Kind::LayerNorm,
+                            &xs[0],
+                            Some(&w),
+                            Some(&w),
+                            1e-5,
+                            spec,
+                        )
+                        .is_err()
+                        {
+                            continue;
+                        }
+                        seconds_per_call(enc, |e, i| {
+                            tuning::forward_with(
+                                e,
+                                Kind::LayerNorm,
+                                &xs[i % SETS],
+                                Some(&w),
+                                Some(&w),
+                                1e-5,
+                                spec,
+                            )
+                            .unwrap();
+                        })
+                    }
+                    Pass::Vjp => {
+                        if tuning::vjp_with(
+                            enc,
+                            Kind::LayerNorm,
+                            &xs[0],
+                            Some(&w),
+                            true,
+                            &g,
+                            1e-5,
+                            spec,
+                        )
+                        .is_err()
+                        {
+                            continue;
+                        }
+                        seconds_per_call(enc, |e, i| {
+                            tuning::vjp_with(
+                                e,
+                                Kind::LayerNorm,
+                                &xs[i % SETS],
+                                Some(&w),
+                                true,
+                                &g,
+                                1e-5,
+                                spec,
+                            )
+                            .unwrap();
+                        })
+                    }
+                };
+                let passes = if pass == Pass::Vjp { 3.0 } else { 2.0 };
+                let mark = if chosen.contains(&spec) {
+                    " <- chosen"
+                } else {
+                    ""
+                };
+                println!(
+                    "sweep {rows}x{d} {dtype} {pass:?} GROUP={} ITEMS={}: {:.0} GB/s{mark}",
+                    spec.consts[1],
+                    spec.consts[2],
+                    passes * bytes / secs / 1e9
+                );
+            }
+        }
+    }
+}
+
 fn main() {
     let dev = match kiln::runtime::gpus() {
         Ok(g) if !g.is_empty() => Device::get(0).unwrap(),
@@ -68,6 +176,10 @@ fn main() {
         }
     };
     let mut enc = CommandEncoder::new(&dev).unwrap();
+    if std::env::args().any(|a| a == "--sweep") {
+        sweep(&mut enc);
+        return;
+    }
     let copy = copy_gbs(&dev, &mut enc);
     let script = [
         "benches/norm_torch.py",

@@ -247,6 +247,7 @@ fn forward(
     w: Option<&Array>,
     b: Option<&Array>,
     eps: f32,
+    chosen: Option<KernelSpec>,
 ) -> Result<Array> {
     let d = check_inputs(x, &[("weight", w), ("bias", b)], eps)?;
     let y = Array::empty(enc.device(), x.dtype(), x.shape())?;
@@ -256,7 +257,10 @@ fn forward(
     let rows = x.size() / d;
     let (xr, x_stride) = as_rows(enc, x)?;
     let vectorized = can_vectorize(x.dtype(), d, &[(&xr, x_stride)]);
-    let spec = choose_spec(Pass::Forward, kind, x.dtype(), d, vectorized);
+    let spec = match chosen {
+        Some(spec) => check_chosen(spec, Pass::Forward, kind, x.dtype(), d, vectorized)?,
+        None => choose_spec(Pass::Forward, kind, x.dtype(), d, vectorized),
+    };
     let kernel = enc.device().kernel(&spec)?;
     let (wp, ws, wv) = param_args(w, vectorized);
     let (bp, bs, bv) = param_args(b, vectorized);
@@ -290,7 +294,7 @@ pub fn layer_norm(
     bias: Option<&Array>,
     eps: f32,
 ) -> Result<Array> {
-    forward(enc, Kind::LayerNorm, x, weight, bias, eps)
+    forward(enc, Kind::LayerNorm, x, weight, bias, eps, None)
 }
 
 /// `x / sqrt(mean(x^2) + eps) * weight` over the last axis.
@@ -300,7 +304,7 @@ pub fn rms_norm(
     weight: Option<&Array>,
     eps: f32,
 ) -> Result<Array> {
-    forward(enc, Kind::RmsNorm, x, weight, None, eps)
+    forward(enc, Kind::RmsNorm, x, weight, None, eps, None)
 }
 
 fn zeros(enc: &mut CommandEncoder, dtype: DType, n: usize) -> Result<Array> {
@@ -316,6 +320,7 @@ fn vjp(
     want_db: bool,
     g: &Array,
     eps: f32,
+    chosen: Option<KernelSpec>,
 ) -> Result<(Array, Option<Array>, Option<Array>)> {
     let d = check_inputs(x, &[("weight", w)], eps)?;
     if g.shape() != x.shape() || g.dtype() != x.dtype() {
@@ -346,7 +351,10 @@ fn vjp(
     let (xr, xs) = as_rows(enc, x)?;
     let (gr, gs) = as_rows(enc, g)?;
     let vectorized = can_vectorize(dtype, d, &[(&xr, xs), (&gr, gs)]);
-    let spec = choose_spec(Pass::Vjp, kind, dtype, d, vectorized);
+    let spec = match chosen {
+        Some(spec) => check_chosen(spec, Pass::Vjp, kind, dtype, d, vectorized)?,
+        None => choose_spec(Pass::Vjp, kind, dtype, d, vectorized),
+    };
     let kernel = enc.device().kernel(&spec)?;
     let (block, groups) = geometry(&spec);
     // The looped path keeps its partial sums in shared memory when two rows of d floats fit.
@@ -459,6 +467,7 @@ pub fn layer_norm_vjp(
         bias.is_some(),
         cotangent,
         eps,
+        None,
     )
 }
 
@@ -470,8 +479,71 @@ pub fn rms_norm_vjp(
     cotangent: &Array,
     eps: f32,
 ) -> Result<(Array, Option<Array>)> {
-    let (dx, dw, _) = vjp(enc, Kind::RmsNorm, x, weight, false, cotangent, eps)?;
+    let (dx, dw, _) = vjp(enc, Kind::RmsNorm, x, weight, false, cotangent, eps, None)?;
     Ok((dx, dw))
+}
+
+/// Checks a caller-chosen spec: the right family, kind and dtype, a legal vector width, and
+/// enough registers for the row (a wrong one would compute garbage or fault on misaligned loads).
+fn check_chosen(
+    spec: KernelSpec,
+    pass: Pass,
+    kind: Kind,
+    dtype: DType,
+    d: usize,
+    vectorized: bool,
+) -> Result<KernelSpec> {
+    let family = match pass {
+        Pass::Forward => &FORWARD,
+        Pass::Vjp => &VJP,
+    };
+    let (group, items) = (spec.consts[1] as usize, spec.consts[2] as usize);
+    let ok = *spec.template == *family
+        && spec.dtype == dtype
+        && spec.consts[0] == (kind == Kind::RmsNorm) as i32
+        && (spec.n_reads == 1 || (vectorized && spec.n_reads as usize == dtype.vec_width()))
+        && (items == 0 || group * items * spec.n_reads as usize >= d)
+        && specs().contains(&spec);
+    if !ok {
+        return Err(bad(
+            "spec",
+            format!("{spec} cannot run {pass:?} {kind:?} {dtype} rows of {d}"),
+        ));
+    }
+    Ok(spec)
+}
+
+/// Entry points that take an explicit specialisation, for benchmarks that compare them. The ops
+/// above choose for themselves; these refuse a spec that does not fit.
+pub mod tuning {
+    use super::*;
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_with(
+        enc: &mut CommandEncoder,
+        kind: Kind,
+        x: &Array,
+        w: Option<&Array>,
+        b: Option<&Array>,
+        eps: f32,
+        spec: KernelSpec,
+    ) -> Result<Array> {
+        forward(enc, kind, x, w, b, eps, Some(spec))
+    }
+
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    pub fn vjp_with(
+        enc: &mut CommandEncoder,
+        kind: Kind,
+        x: &Array,
+        w: Option<&Array>,
+        want_db: bool,
+        g: &Array,
+        eps: f32,
+        spec: KernelSpec,
+    ) -> Result<(Array, Option<Array>, Option<Array>)> {
+        vjp(enc, kind, x, w, want_db, g, eps, Some(spec))
+    }
 }
 
 /// The f64 CPU reference of the forward pass: `x` row-major `rows x d`.
