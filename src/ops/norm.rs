@@ -66,14 +66,16 @@ fn max_items(_pass: Pass, n_reads: usize) -> usize {
     (16 / n_reads).clamp(1, 4)
 }
 
-/// Vectors per thread the choice starts from: as many as the forward allows, but only 8 floats
-/// per tensor in the VJP (x and g both live in registers); longer rows take more, up to
-/// `max_items`, once the group is at its largest.
-fn preferred_items(pass: Pass, n_reads: usize) -> usize {
-    match pass {
-        Pass::Forward => max_items(pass, n_reads),
-        Pass::Vjp => (8 / n_reads).clamp(1, max_items(pass, n_reads)),
+/// Vectors per thread the choice starts from, from the `--sweep` of benches/norm.rs on an H100:
+/// fewer threads per row with more items wins (fewer barriers, more rows per block), except for
+/// 16-bit VJPs, whose x, g and four partial sums per element press on registers: they start at
+/// one item and take more only once a row would need more than 256 threads.
+fn preferred_items(pass: Pass, dtype: DType, n_reads: usize, vectors: usize) -> usize {
+    let max = max_items(pass, n_reads);
+    if pass == Pass::Vjp && dtype.size() == 2 && vectors <= 256 {
+        return 1;
     }
+    max
 }
 
 fn spec_of(
@@ -108,7 +110,7 @@ pub fn choose_spec(pass: Pass, kind: Kind, dtype: DType, d: usize, vectorized: b
         return spec_of(pass, kind, dtype, n_reads, 1024, 0);
     }
     let group = vectors
-        .div_ceil(preferred_items(pass, n_reads))
+        .div_ceil(preferred_items(pass, dtype, n_reads, vectors))
         .next_power_of_two()
         .clamp(32, max_group(pass));
     let items = vectors.div_ceil(group).next_power_of_two();
@@ -312,6 +314,7 @@ fn zeros(enc: &mut CommandEncoder, dtype: DType, n: usize) -> Result<Array> {
 }
 
 /// (dx, dweight if weight, dbias if want_db).
+#[allow(clippy::too_many_arguments)]
 fn vjp(
     enc: &mut CommandEncoder,
     kind: Kind,
