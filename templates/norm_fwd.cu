@@ -5,6 +5,7 @@
 // is held in registers (ITEMS vectors of N_READS per thread: one read of x, exact two-pass
 // variance); with ITEMS = 0 the row is streamed twice (shifted sums, then the write).
 {{> prelude}}
+{{> norm}}
 
 typedef {{dtype}} T;
 constexpr int BLOCK_DIM = {{block_dim}};
@@ -27,32 +28,9 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
 
   if (ITEMS > 0) {
     constexpr int NI = ITEMS > 0 ? ITEMS : 1;
-    float v[NI][N_READS];
-    float s = 0.0f;
-#pragma unroll
-    for (int k = 0; k < NI; ++k) {
-      const int i = (k * GROUP + lane) * N_READS;
-      if (active && i < d) {
-        kiln_load_floats<N_READS>(xr, i, d, v[k]);
-      } else {
-#pragma unroll
-        for (int j = 0; j < N_READS; ++j) v[k][j] = 0.0f;
-      }
-#pragma unroll
-      for (int j = 0; j < N_READS; ++j) s += v[k][j];
-    }
-    const float mean = RMS ? 0.0f : kiln_group_sum<GROUP, BLOCK_DIM>(s, scratch) / d;
-    float q = 0.0f;
-#pragma unroll
-    for (int k = 0; k < NI; ++k) {
-      const int i = (k * GROUP + lane) * N_READS;
-#pragma unroll
-      for (int j = 0; j < N_READS; ++j) {
-        const float c = (i + j < d) ? v[k][j] - mean : 0.0f;
-        q += c * c;
-      }
-    }
-    const float rstd = rsqrtf(kiln_group_sum<GROUP, BLOCK_DIM>(q, scratch) / d + eps);
+    float v[NI][N_READS], mean, rstd;
+    kiln_load_row<NI, N_READS, GROUP>(xr, active, lane, d, v);
+    kiln_row_stats<RMS, GROUP, BLOCK_DIM>(v, lane, d, eps, scratch, mean, rstd);
     if (!active) return;
 #pragma unroll
     for (int k = 0; k < NI; ++k) {
@@ -66,27 +44,9 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
       kiln_store_floats<N_READS>(yr, i, d, v[k]);
     }
   } else {
-    // One row per block (GROUP == BLOCK_DIM). Sums are shifted by the row's first element so
-    // that sum-of-squares cancellation stays small however large the mean.
-    const float shift = (RMS || !active) ? 0.0f : kiln_to_float(xr[0]);
-    float s = 0.0f, q = 0.0f;
-    if (active) {
-      for (int i = lane * N_READS; i < d; i += GROUP * N_READS) {
-        float v[N_READS];
-        kiln_load_floats<N_READS>(xr, i, d, v);
-#pragma unroll
-        for (int j = 0; j < N_READS; ++j) {
-          const float c = (i + j < d) ? v[j] - shift : 0.0f;
-          s += c;
-          q += c * c;
-        }
-      }
-    }
-    const float sum = kiln_group_sum<GROUP, BLOCK_DIM>(s, scratch) / d;
-    const float sq = kiln_group_sum<GROUP, BLOCK_DIM>(q, scratch) / d;
-    const float mean = RMS ? 0.0f : shift + sum;
-    const float var = RMS ? sq : fmaxf(sq - sum * sum, 0.0f);
-    const float rstd = rsqrtf(var + eps);
+    // One row per block (GROUP == BLOCK_DIM).
+    float mean, rstd;
+    kiln_streamed_row_stats<RMS, GROUP, BLOCK_DIM, N_READS>(xr, active, lane, d, eps, scratch, mean, rstd);
     if (!active) return;
     for (int i = lane * N_READS; i < d; i += GROUP * N_READS) {
       float v[N_READS], wv[N_READS], bv[N_READS];

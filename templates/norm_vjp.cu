@@ -9,6 +9,7 @@
 // combined once at the end; ITEMS = 0: one row per block, streamed three times, partials
 // accumulated in place in global memory (each thread owns the same columns for every row).
 {{> prelude}}
+{{> norm}}
 
 typedef {{dtype}} T;
 constexpr int BLOCK_DIM = {{block_dim}};
@@ -43,33 +44,10 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
       const bool active = row < rows;
       const T* xr = x + (active ? row : 0) * x_row_stride;
       const T* gr = g + (active ? row : 0) * g_row_stride;
-      float xv[NI][N_READS], gv[NI][N_READS];
-      float s = 0.0f;
-#pragma unroll
-      for (int k = 0; k < NI; ++k) {
-        const int i = (k * GROUP + lane) * N_READS;
-        if (active && i < d) {
-          kiln_load_floats<N_READS>(xr, i, d, xv[k]);
-          kiln_load_floats<N_READS>(gr, i, d, gv[k]);
-        } else {
-#pragma unroll
-          for (int j = 0; j < N_READS; ++j) xv[k][j] = gv[k][j] = 0.0f;
-        }
-#pragma unroll
-        for (int j = 0; j < N_READS; ++j) s += xv[k][j];
-      }
-      const float mean = RMS ? 0.0f : kiln_group_sum<GROUP, BLOCK_DIM>(s, scratch) / d;
-      float q = 0.0f;
-#pragma unroll
-      for (int k = 0; k < NI; ++k) {
-        const int i = (k * GROUP + lane) * N_READS;
-#pragma unroll
-        for (int j = 0; j < N_READS; ++j) {
-          const float c = (i + j < d) ? xv[k][j] - mean : 0.0f;
-          q += c * c;
-        }
-      }
-      const float rstd = rsqrtf(kiln_group_sum<GROUP, BLOCK_DIM>(q, scratch) / d + eps);
+      float xv[NI][N_READS], gv[NI][N_READS], mean, rstd;
+      kiln_load_row<NI, N_READS, GROUP>(xr, active, lane, d, xv);
+      kiln_load_row<NI, N_READS, GROUP>(gr, active, lane, d, gv);
+      kiln_row_stats<RMS, GROUP, BLOCK_DIM>(xv, lane, d, eps, scratch, mean, rstd);
       // xhat in place of x; wg in place of g (dw, db take g first).
       float s_wg = 0.0f, s_wgx = 0.0f;
 #pragma unroll
@@ -158,22 +136,8 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
       const T* xr = x + row * x_row_stride;
       const T* gr = g + row * g_row_stride;
-      const float shift = RMS ? 0.0f : kiln_to_float(xr[0]);
-      float s = 0.0f, q = 0.0f;
-      for (int i = lane * N_READS; i < d; i += GROUP * N_READS) {
-        float v[N_READS];
-        kiln_load_floats<N_READS>(xr, i, d, v);
-#pragma unroll
-        for (int j = 0; j < N_READS; ++j) {
-          const float c = (i + j < d) ? v[j] - shift : 0.0f;
-          s += c;
-          q += c * c;
-        }
-      }
-      const float sum = kiln_group_sum<GROUP, BLOCK_DIM>(s, scratch) / d;
-      const float sq = kiln_group_sum<GROUP, BLOCK_DIM>(q, scratch) / d;
-      const float mean = RMS ? 0.0f : shift + sum;
-      const float rstd = rsqrtf((RMS ? sq : fmaxf(sq - sum * sum, 0.0f)) + eps);
+      float mean, rstd;
+      kiln_streamed_row_stats<RMS, GROUP, BLOCK_DIM, N_READS>(xr, true, lane, d, eps, scratch, mean, rstd);
       float s_wg = 0.0f, s_wgx = 0.0f;
       for (int i = lane * N_READS; i < d; i += GROUP * N_READS) {
         float v[N_READS], gv[N_READS], wv[N_READS];

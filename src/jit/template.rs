@@ -12,7 +12,10 @@ use super::spec::KernelSpec;
 use crate::error::{Error, Result};
 
 /// Partials every template can use, as `{{> name}}`.
-pub const PARTIALS: &[(&str, &str)] = &[("prelude", include_str!("../../templates/prelude.cuh"))];
+pub const PARTIALS: &[(&str, &str)] = &[
+    ("prelude", include_str!("../../templates/prelude.cuh")),
+    ("norm", include_str!("../../templates/norm.cuh")),
+];
 
 /// CUDA source for one spec, ready for NVRTC.
 #[derive(Clone, Debug, PartialEq, Eq)]

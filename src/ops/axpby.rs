@@ -65,8 +65,7 @@ pub fn axpby(
         .push(n as i64)
         .push(a)
         .push(b);
-    let sms = enc.device().info().multiprocessors as usize;
-    let blocks = n.div_ceil(BLOCK_DIM as usize).min(sms * 16).max(1);
+    let blocks = super::grid_stride_blocks(enc, n, BLOCK_DIM);
     enc.launch(
         &kernel,
         blocks as u32,

@@ -56,8 +56,7 @@ pub fn copy(enc: &mut CommandEncoder, src: &Array, to: DType) -> Result<Array> {
         .push(n as i64)
         .push(src.ndim() as i32)
         .push(layout);
-    let sms = enc.device().info().multiprocessors as usize;
-    let blocks = n.div_ceil(BLOCK_DIM as usize).min(sms * 16).max(1);
+    let blocks = super::grid_stride_blocks(enc, n, BLOCK_DIM);
     enc.launch(
         &kernel,
         blocks as u32,

@@ -6,6 +6,7 @@ pub mod copy;
 pub mod norm;
 
 use crate::jit::KernelSpec;
+use crate::runtime::CommandEncoder;
 
 /// Every spec any op can choose.
 pub fn registered_specs() -> Vec<KernelSpec> {
@@ -14,4 +15,11 @@ pub fn registered_specs() -> Vec<KernelSpec> {
     out.extend(copy::specs());
     out.extend(axpby::specs());
     out
+}
+
+/// Blocks for a grid-stride kernel over `n` elements: enough to cover them, at most 16 per SM
+/// (each thread then loops), at least one.
+fn grid_stride_blocks(enc: &CommandEncoder, n: usize, block: u16) -> usize {
+    let sms = enc.device().info().multiprocessors as usize;
+    n.div_ceil(block as usize).clamp(1, sms * 16)
 }
