@@ -490,6 +490,12 @@ impl CommandEncoder {
 
     /// Launches everything encoded so far (graph mode: as one graph).
     pub fn commit(&mut self) -> Result<()> {
+        let span = tracing::debug_span!(
+            "kiln.commit",
+            nodes = self.nodes.len(),
+            ops = self.ops_in_batch
+        );
+        let _enter = span.enter();
         if self.tracker.in_concurrent_section() {
             self.end_concurrent_for_commit();
         }
