@@ -17,52 +17,28 @@ __device__ __forceinline__ void kiln_load_row(const T* row, bool active, int lan
   }
 }
 
-// Mean (0 for RMSNorm) and 1 / sqrt(var + eps) of R rows held in registers, in two exact passes
-// (for RMSNorm var is the mean square), the R rows' sums reduced together. Every thread of the
-// block must call it; `scratch` holds R * BLOCK_DIM / 32 floats.
-template <bool RMS, int GROUP, int BLOCK_DIM, int R, int NI, int N_READS>
-__device__ __forceinline__ void kiln_rows_stats(const float (&v)[R][NI][N_READS], int lane, int d,
-                                                float eps, float* scratch, float (&mean)[R],
-                                                float (&rstd)[R]) {
-  float s[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    s[r] = 0.0f;
-#pragma unroll
-    for (int k = 0; k < NI; ++k)
-#pragma unroll
-      for (int j = 0; j < N_READS; ++j) s[r] += v[r][k][j];
-  }
-  if (!RMS) kiln_group_sum_n<GROUP, BLOCK_DIM, R>(s, scratch);
-  float q[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    mean[r] = RMS ? 0.0f : s[r] / d;
-    q[r] = 0.0f;
-#pragma unroll
-    for (int k = 0; k < NI; ++k) {
-      const int i = (k * GROUP + lane) * N_READS;
-#pragma unroll
-      for (int j = 0; j < N_READS; ++j) {
-        const float c = (i + j < d) ? v[r][k][j] - mean[r] : 0.0f;
-        q[r] += c * c;
-      }
-    }
-  }
-  kiln_group_sum_n<GROUP, BLOCK_DIM, R>(q, scratch);
-#pragma unroll
-  for (int r = 0; r < R; ++r) rstd[r] = rsqrtf(q[r] / d + eps);
-}
-
-// kiln_rows_stats for one row.
+// Mean (0 for RMSNorm) and 1 / sqrt(var + eps) of a row held in registers, in two exact passes
+// (for RMSNorm var is the mean square). Every thread of the block must call it.
 template <bool RMS, int GROUP, int BLOCK_DIM, int NI, int N_READS>
 __device__ __forceinline__ void kiln_row_stats(const float (&v)[NI][N_READS], int lane, int d,
                                                float eps, float* scratch, float& mean, float& rstd) {
-  float m[1], r[1];
-  kiln_rows_stats<RMS, GROUP, BLOCK_DIM, 1>(reinterpret_cast<const float(&)[1][NI][N_READS]>(v),
-                                            lane, d, eps, scratch, m, r);
-  mean = m[0];
-  rstd = r[0];
+  float s = 0.0f;
+#pragma unroll
+  for (int k = 0; k < NI; ++k)
+#pragma unroll
+    for (int j = 0; j < N_READS; ++j) s += v[k][j];
+  mean = RMS ? 0.0f : kiln_group_sum<GROUP, BLOCK_DIM>(s, scratch) / d;
+  float q = 0.0f;
+#pragma unroll
+  for (int k = 0; k < NI; ++k) {
+    const int i = (k * GROUP + lane) * N_READS;
+#pragma unroll
+    for (int j = 0; j < N_READS; ++j) {
+      const float c = (i + j < d) ? v[k][j] - mean : 0.0f;
+      q += c * c;
+    }
+  }
+  rstd = rsqrtf(kiln_group_sum<GROUP, BLOCK_DIM>(q, scratch) / d + eps);
 }
 
 // The same statistics for a row streamed from memory (one row per block): one pass of sums

@@ -117,32 +117,6 @@ __device__ __forceinline__ float kiln_group_sum(float v, float* scratch) {
   return s;
 }
 
-// kiln_group_sum for N values at once: one pair of barriers for all of them. `scratch` holds
-// N * BLOCK_DIM / 32 floats.
-template <int GROUP, int BLOCK_DIM, int N>
-__device__ __forceinline__ void kiln_group_sum_n(float (&v)[N], float* scratch) {
-  static_assert(GROUP % 32 == 0 && BLOCK_DIM % GROUP == 0, "groups are whole warps");
-#pragma unroll
-  for (int n = 0; n < N; ++n) v[n] = kiln_warp_sum(v[n]);
-  if (GROUP == 32) return;
-  constexpr int WARPS = GROUP / 32, ALL = BLOCK_DIM / 32;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  __syncthreads();
-  if (lane == 0) {
-#pragma unroll
-    for (int n = 0; n < N; ++n) scratch[n * ALL + warp] = v[n];
-  }
-  __syncthreads();
-  const int first = (warp / WARPS) * WARPS;
-#pragma unroll
-  for (int n = 0; n < N; ++n) {
-    float s = 0.0f;
-#pragma unroll
-    for (int i = 0; i < WARPS; ++i) s += scratch[n * ALL + first + i];
-    v[n] = s;
-  }
-}
-
 // N parameter values (weight or bias) at p[i * stride ..] as floats: one vector load when
 // `vec` (stride 1 and aligned), else strided scalar loads. Missing (p null) reads as `missing`.
 template <int N, typename T>

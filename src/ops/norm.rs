@@ -15,7 +15,7 @@ pub static FORWARD: TemplateDef = TemplateDef {
     name: "norm_fwd",
     source: include_str!("../../templates/norm_fwd.cu"),
     kernel: "kiln_norm_fwd",
-    const_names: &["RMS", "GROUP", "ITEMS", "ROWS"],
+    const_names: &["RMS", "GROUP", "ITEMS"],
     arch_specific: false,
 };
 
@@ -91,38 +91,13 @@ fn spec_of(
         Pass::Vjp => &VJP,
     };
     let block = group.max(MIN_BLOCK);
-    let rms = (kind == Kind::RmsNorm) as i32;
-    match pass {
-        Pass::Forward => {
-            let rows = rows_per_group(dtype, group, items) as i32;
-            KernelSpec::new(
-                def,
-                dtype,
-                block as u16,
-                n_reads as u8,
-                &[rms, group as i32, items as i32, rows],
-            )
-        }
-        Pass::Vjp => KernelSpec::new(
-            def,
-            dtype,
-            block as u16,
-            n_reads as u8,
-            &[rms, group as i32, items as i32],
-        ),
-    }
-}
-
-/// Rows one group of the forward kernel handles at once: two for 16-bit rows held in registers
-/// (a 16-bit row carries half the bytes of an f32 row between the same barriers; two rows
-/// restore the bytes in flight), one otherwise, and one for 1,024-thread groups, whose 64
-/// registers per thread cannot hold two rows.
-fn rows_per_group(dtype: DType, group: usize, items: usize) -> usize {
-    if dtype.size() == 2 && items > 0 && group <= 512 {
-        2
-    } else {
-        1
-    }
+    KernelSpec::new(
+        def,
+        dtype,
+        block as u16,
+        n_reads as u8,
+        &[(kind == Kind::RmsNorm) as i32, group as i32, items as i32],
+    )
 }
 
 /// The spec for rows of `d` elements. `vectorized`: 16-byte loads are legal (rows aligned, `d`
@@ -261,12 +236,10 @@ fn param_args(p: Option<&Array>, vectorized: bool) -> (u64, i64, i32) {
     }
 }
 
-/// (threads per block, rows per block).
 fn geometry(spec: &KernelSpec) -> (usize, usize) {
     let group = spec.consts[1] as usize;
-    let rows_per_group = (spec.consts[3] as usize).max(1); // the VJP has no ROWS constant
     let block = spec.block_dim as usize;
-    (block, block / group * rows_per_group)
+    (block, block / group)
 }
 
 fn forward(
@@ -306,8 +279,8 @@ fn forward(
         .push(wv)
         .push(bv)
         .push(eps);
-    let (block, rows_per_block) = geometry(&spec);
-    let grid = rows.div_ceil(rows_per_block) as u32;
+    let (block, groups) = geometry(&spec);
+    let grid = rows.div_ceil(groups) as u32;
     let mut reads = vec![&xr];
     reads.extend(w);
     reads.extend(b);
@@ -386,7 +359,7 @@ fn vjp(
         None => choose_spec(Pass::Vjp, kind, dtype, d, vectorized),
     };
     let kernel = enc.device().kernel(&spec)?;
-    let (block, rows_per_block) = geometry(&spec);
+    let (block, groups) = geometry(&spec);
     // The looped path keeps its partial sums in shared memory when two rows of d floats fit.
     let looped = spec.consts[2] == 0;
     let smem_bytes = 2 * d * 4;
@@ -408,7 +381,7 @@ fn vjp(
         .function
         .occupancy_max_active_blocks_per_multiprocessor(block as u32, shared, None)?
         .max(1) as usize;
-    let grid = rows.div_ceil(rows_per_block).min(sms * per_sm).max(1);
+    let grid = rows.div_ceil(groups).min(sms * per_sm).max(1);
     let pw = w
         .map(|_| Array::empty(enc.device(), DType::F32, &[grid, d]))
         .transpose()?;
