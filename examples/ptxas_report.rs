@@ -1,29 +1,18 @@
-//! Prints ptxas's resource report (registers, spills, shared memory) for chosen norm specs.
-//! Usage: cargo run --example ptxas_report [sm_90]
+//! Prints ptxas's resource report (registers, spills, shared memory) for registered specs.
+//! Usage: cargo run --example ptxas_report [sm_90] [TEXT]: specs whose description contains TEXT
+//! (default: the norm forward and VJP kernels).
 use kiln::jit::{Jit, Target};
-use kiln::ops::norm::{choose_spec, Kind, Pass};
-use kiln::DType;
 
 fn main() {
-    let target: Target = std::env::args()
-        .nth(1)
-        .unwrap_or("sm_90".into())
-        .parse()
-        .unwrap();
+    let mut args = std::env::args().skip(1);
+    let target: Target = args.next().unwrap_or("sm_90".into()).parse().unwrap();
+    let only = args.next().unwrap_or("norm_".into());
     let jit = Jit::new(kiln::env::Config::from_env().unwrap());
     let nvrtc = jit.nvrtc().unwrap();
-    for (pass, kind, dtype, d) in [
-        (Pass::Forward, Kind::LayerNorm, DType::F32, 768),
-        (Pass::Forward, Kind::LayerNorm, DType::BF16, 768),
-        (Pass::Forward, Kind::RmsNorm, DType::BF16, 768),
-        (Pass::Forward, Kind::LayerNorm, DType::BF16, 4096),
-        (Pass::Forward, Kind::LayerNorm, DType::BF16, 16384),
-        (Pass::Vjp, Kind::LayerNorm, DType::F32, 768),
-        (Pass::Vjp, Kind::LayerNorm, DType::BF16, 768),
-        (Pass::Vjp, Kind::LayerNorm, DType::BF16, 4096),
-        (Pass::Vjp, Kind::LayerNorm, DType::BF16, 16384),
-    ] {
-        let spec = choose_spec(pass, kind, dtype, d, true);
+    for spec in kiln::ops::registered_specs() {
+        if !spec.to_string().contains(&only) {
+            continue;
+        }
         let parts = jit.key_parts(&spec, target).unwrap();
         let mut options = parts.options.clone();
         options.push(target.nvrtc_option());
@@ -38,7 +27,8 @@ fn main() {
         let info: Vec<&str> = log
             .lines()
             .filter(|l| l.contains("Used") || l.contains("spill"))
+            .map(|l| l.trim())
             .collect();
-        println!("d={d:<6} {spec}\n    {}", info.join("\n    "));
+        println!("{spec}\n    {}", info.join("\n    "));
     }
 }

@@ -2,6 +2,7 @@
 //! choose, so `kiln warm` compiles them all ahead of time.
 
 pub mod axpby;
+pub mod conv;
 pub mod copy;
 pub mod norm;
 
@@ -12,6 +13,7 @@ use crate::runtime::CommandEncoder;
 pub fn registered_specs() -> Vec<KernelSpec> {
     let mut out = Vec::new();
     out.extend(norm::specs());
+    out.extend(conv::specs());
     out.extend(copy::specs());
     out.extend(axpby::specs());
     out

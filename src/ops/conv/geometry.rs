@@ -1,0 +1,500 @@
+//! A convolution's shapes and parameters: MLX's `conv_general` arguments, their checks, and the
+//! normal form the kernels take (always three spatial dims, leading ones of extent 1).
+
+use crate::error::{Error, Result};
+
+/// The most spatial dimensions a convolution has.
+pub const MAX_SPATIAL: usize = 3;
+
+/// MLX's `conv_general` parameters, less the arrays. Each per-dimension list has one entry per
+/// spatial dimension, or a single entry used for all of them.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ConvParams {
+    pub strides: Vec<usize>,
+    pub padding_lo: Vec<usize>,
+    pub padding_hi: Vec<usize>,
+    pub kernel_dilation: Vec<usize>,
+    pub input_dilation: Vec<usize>,
+    pub groups: usize,
+    /// Convolution proper (the kernel flipped along every spatial dim) instead of
+    /// cross-correlation.
+    pub flip: bool,
+}
+
+impl Default for ConvParams {
+    /// Stride 1, no padding, no dilation, one group, cross-correlation.
+    fn default() -> Self {
+        ConvParams {
+            strides: vec![1],
+            padding_lo: vec![0],
+            padding_hi: vec![0],
+            kernel_dilation: vec![1],
+            input_dilation: vec![1],
+            groups: 1,
+            flip: false,
+        }
+    }
+}
+
+impl ConvParams {
+    pub fn strides(mut self, v: &[usize]) -> Self {
+        self.strides = v.to_vec();
+        self
+    }
+    /// The same padding before and after.
+    pub fn padding(mut self, v: &[usize]) -> Self {
+        self.padding_lo = v.to_vec();
+        self.padding_hi = v.to_vec();
+        self
+    }
+    pub fn padding_lo(mut self, v: &[usize]) -> Self {
+        self.padding_lo = v.to_vec();
+        self
+    }
+    pub fn padding_hi(mut self, v: &[usize]) -> Self {
+        self.padding_hi = v.to_vec();
+        self
+    }
+    pub fn kernel_dilation(mut self, v: &[usize]) -> Self {
+        self.kernel_dilation = v.to_vec();
+        self
+    }
+    pub fn input_dilation(mut self, v: &[usize]) -> Self {
+        self.input_dilation = v.to_vec();
+        self
+    }
+    pub fn groups(mut self, groups: usize) -> Self {
+        self.groups = groups;
+        self
+    }
+    pub fn flip(mut self, flip: bool) -> Self {
+        self.flip = flip;
+        self
+    }
+}
+
+fn bad(arg: &'static str, reason: impl Into<String>) -> Error {
+    Error::InvalidArgument {
+        arg,
+        reason: reason.into(),
+    }
+}
+
+/// A validated convolution in normal form: spatial extents are `[d, h, w]`, with the dims the
+/// convolution lacks set to 1 (stride 1, no padding, no dilation) at the front.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Geometry {
+    /// Spatial dims of the caller's arrays (1 to 3).
+    pub spatial: usize,
+    pub batch: usize,
+    pub input: [usize; 3],
+    pub output: [usize; 3],
+    pub kernel: [usize; 3],
+    pub stride: [usize; 3],
+    pub pad_lo: [usize; 3],
+    pub pad_hi: [usize; 3],
+    pub kernel_dilation: [usize; 3],
+    pub input_dilation: [usize; 3],
+    pub cin: usize,
+    pub cout: usize,
+    pub groups: usize,
+    pub flip: bool,
+}
+
+/// One value per spatial dim from a list of 1 or `spatial` entries, at the back of a 3-array
+/// whose unused front holds `fill`.
+fn per_dim(
+    arg: &'static str,
+    v: &[usize],
+    spatial: usize,
+    fill: usize,
+    min: usize,
+) -> Result<[usize; 3]> {
+    if v.len() != 1 && v.len() != spatial {
+        return Err(bad(
+            arg,
+            format!(
+                "needs 1 or {spatial} entries (one per spatial dim), got {}",
+                v.len()
+            ),
+        ));
+    }
+    let mut out = [fill; 3];
+    for i in 0..spatial {
+        let x = if v.len() == 1 { v[0] } else { v[i] };
+        if x < min {
+            return Err(bad(arg, format!("must be at least {min}, got {v:?}")));
+        }
+        out[3 - spatial + i] = x;
+    }
+    Ok(out)
+}
+
+/// Extents that the kernels index with 32-bit integers.
+const INDEX_LIMIT: usize = i32::MAX as usize;
+
+impl Geometry {
+    /// Checks the forward convolution of `input` (N, spatial..., C_in) with `weight`
+    /// (C_out, spatial..., C_in / groups) and works out the output.
+    pub fn new(input: &[usize], weight: &[usize], p: &ConvParams) -> Result<Geometry> {
+        let rank = input.len();
+        if !(3..=2 + MAX_SPATIAL).contains(&rank) {
+            return Err(bad(
+                "input",
+                format!(
+                    "needs rank 3 to 5 (batch, 1-3 spatial dims, channels), got shape {input:?}"
+                ),
+            ));
+        }
+        if weight.len() != rank {
+            return Err(bad(
+                "weight",
+                format!("needs the input's rank {rank}, got shape {weight:?}"),
+            ));
+        }
+        let spatial = rank - 2;
+        let stride = per_dim("strides", &p.strides, spatial, 1, 1)?;
+        let pad_lo = per_dim("padding_lo", &p.padding_lo, spatial, 0, 0)?;
+        let pad_hi = per_dim("padding_hi", &p.padding_hi, spatial, 0, 0)?;
+        let kernel_dilation = per_dim("kernel_dilation", &p.kernel_dilation, spatial, 1, 1)?;
+        let input_dilation = per_dim("input_dilation", &p.input_dilation, spatial, 1, 1)?;
+        let groups = p.groups;
+        let (cin, cout) = (input[rank - 1], weight[0]);
+        if groups == 0 {
+            return Err(bad("groups", "must be at least 1"));
+        }
+        if cin % groups != 0 {
+            return Err(bad(
+                "groups",
+                format!("input channels ({cin}) are not divisible by groups ({groups})"),
+            ));
+        }
+        if cout % groups != 0 {
+            return Err(bad(
+                "groups",
+                format!("output channels ({cout}) are not divisible by groups ({groups})"),
+            ));
+        }
+        if weight[rank - 1] != cin / groups {
+            return Err(bad(
+                "weight",
+                format!(
+                    "last dim must be input channels / groups = {}, got shape {weight:?}",
+                    cin / groups
+                ),
+            ));
+        }
+        let mut g = Geometry {
+            spatial,
+            batch: input[0],
+            input: [1; 3],
+            output: [1; 3],
+            kernel: [1; 3],
+            stride,
+            pad_lo,
+            pad_hi,
+            kernel_dilation,
+            input_dilation,
+            cin,
+            cout,
+            groups,
+            flip: p.flip,
+        };
+        for i in 0..spatial {
+            let d = 3 - spatial + i;
+            g.input[d] = input[1 + i];
+            g.kernel[d] = weight[1 + i];
+            if g.kernel[d] == 0 {
+                return Err(bad(
+                    "weight",
+                    format!("spatial dims must be at least 1, got shape {weight:?}"),
+                ));
+            }
+            // Sizes in the dilated, padded input.
+            let dilated = if g.input[d] == 0 {
+                0
+            } else {
+                (g.input[d] - 1) * input_dilation[d] + 1
+            };
+            let padded = dilated + pad_lo[d] + pad_hi[d];
+            let span = (g.kernel[d] - 1) * kernel_dilation[d] + 1;
+            if padded < span {
+                return Err(bad(
+                    "input",
+                    format!(
+                        "spatial dim {i} gives an output of size <= 0: input {} (dilated {dilated}, \
+                         padded {padded}) is smaller than the kernel's span {span}",
+                        g.input[d]
+                    ),
+                ));
+            }
+            g.output[d] = (padded - span) / stride[d] + 1;
+        }
+        let too_big = [
+            ("input", g.batch * g.input.iter().product::<usize>() * cin),
+            (
+                "output",
+                g.batch * g.output.iter().product::<usize>() * cout,
+            ),
+            ("weight", weight.iter().product::<usize>()),
+        ];
+        for (arg, n) in too_big {
+            if n > INDEX_LIMIT {
+                return Err(bad(
+                    arg,
+                    format!("{n} elements exceed kiln's 32-bit indexing ({INDEX_LIMIT})"),
+                ));
+            }
+        }
+        Ok(g)
+    }
+
+    fn shape(&self, spatial: &[usize; 3], channels: usize, lead: usize) -> Vec<usize> {
+        let mut s = vec![lead];
+        s.extend_from_slice(&spatial[3 - self.spatial..]);
+        s.push(channels);
+        s
+    }
+    pub fn input_shape(&self) -> Vec<usize> {
+        self.shape(&self.input, self.cin, self.batch)
+    }
+    pub fn output_shape(&self) -> Vec<usize> {
+        self.shape(&self.output, self.cout, self.batch)
+    }
+    pub fn weight_shape(&self) -> Vec<usize> {
+        self.shape(&self.kernel, self.cin / self.groups, self.cout)
+    }
+    pub fn kernel_size(&self) -> usize {
+        self.kernel.iter().product()
+    }
+    pub fn input_pixels(&self) -> usize {
+        self.input.iter().product()
+    }
+    pub fn output_pixels(&self) -> usize {
+        self.output.iter().product()
+    }
+    /// Multiply-adds of one pass (the same for all three): N x P x Q x K x C x R x S / groups.
+    pub fn macs(&self) -> u64 {
+        (self.batch * self.output_pixels()) as u64
+            * self.cout as u64
+            * (self.kernel_size() * self.cin / self.groups) as u64
+    }
+}
+
+/// The three passes, as one GEMM each (per group).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Pass {
+    Forward = 0,
+    BackwardData = 1,
+    BackwardWeight = 2,
+}
+
+impl Pass {
+    pub const ALL: [Pass; 3] = [Pass::Forward, Pass::BackwardData, Pass::BackwardWeight];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Pass::Forward => "forward",
+            Pass::BackwardData => "backward_data",
+            Pass::BackwardWeight => "backward_weight",
+        }
+    }
+
+    /// (m, n, k) of one group's GEMM.
+    pub fn gemm(self, g: &Geometry) -> (usize, usize, usize) {
+        let (cin_g, cout_g) = (g.cin / g.groups, g.cout / g.groups);
+        let ks = g.kernel_size();
+        match self {
+            Pass::Forward => (g.batch * g.output_pixels(), cout_g, ks * cin_g),
+            Pass::BackwardData => (g.batch * g.input_pixels(), cin_g, ks * cout_g),
+            Pass::BackwardWeight => (cout_g, ks * cin_g, g.batch * g.output_pixels()),
+        }
+    }
+}
+
+/// The kernel's view of a problem: `struct kiln_conv` in `templates/conv_igemm.cu`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Problem {
+    pub batch: i32,
+    pub input: [i32; 3],
+    pub output: [i32; 3],
+    pub kernel: [i32; 3],
+    pub stride: [i32; 3],
+    pub pad: [i32; 3],
+    pub kernel_dilation: [i32; 3],
+    pub input_dilation: [i32; 3],
+    pub cin: i32,
+    pub cout: i32,
+    pub cin_g: i32,
+    pub cout_g: i32,
+    pub ksize: i32,
+    pub flip: i32,
+    pub m: i32,
+    pub n: i32,
+    pub k: i32,
+    pub k_tiles_per_split: i32,
+    pub pair_store: i32,
+}
+
+fn i3(v: [usize; 3]) -> [i32; 3] {
+    v.map(|x| x as i32)
+}
+
+impl Problem {
+    /// Every extent fits in i32: `Geometry::new` bounds the tensors' sizes.
+    pub fn new(g: &Geometry, pass: Pass, k_tiles_per_split: usize, splits: usize) -> Problem {
+        let (m, n, k) = pass.gemm(g);
+        let (cin_g, cout_g) = (g.cin / g.groups, g.cout / g.groups);
+        let pair_store = match pass {
+            Pass::Forward => g.cout % 2 == 0 && cout_g % 2 == 0,
+            Pass::BackwardData => g.cin % 2 == 0 && cin_g % 2 == 0,
+            // Columns are (kernel pos, channel): pairs stay within one tap when cin_g is even,
+            // and each split's partials start 2-aligned when the weight's size is even.
+            Pass::BackwardWeight => {
+                cin_g % 2 == 0 && (splits == 1 || (g.cout * g.kernel_size() * cin_g) % 2 == 0)
+            }
+        };
+        Problem {
+            batch: g.batch as i32,
+            input: i3(g.input),
+            output: i3(g.output),
+            kernel: i3(g.kernel),
+            stride: i3(g.stride),
+            pad: i3(g.pad_lo),
+            kernel_dilation: i3(g.kernel_dilation),
+            input_dilation: i3(g.input_dilation),
+            cin: g.cin as i32,
+            cout: g.cout as i32,
+            cin_g: cin_g as i32,
+            cout_g: cout_g as i32,
+            ksize: g.kernel_size() as i32,
+            flip: g.flip as i32,
+            m: m as i32,
+            n: n as i32,
+            k: k as i32,
+            k_tiles_per_split: k_tiles_per_split.max(1) as i32,
+            pair_store: pair_store as i32,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err_arg(r: Result<Geometry>) -> &'static str {
+        match r {
+            Err(Error::InvalidArgument { arg, .. }) => arg,
+            other => panic!("expected an argument error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn output_sizes_follow_mlx() {
+        // 2-D, stride 2, padding 1/2, kernel dilation 2, input dilation 3.
+        let p = ConvParams::default()
+            .strides(&[2])
+            .padding_lo(&[1])
+            .padding_hi(&[2])
+            .kernel_dilation(&[2])
+            .input_dilation(&[3]);
+        let g = Geometry::new(&[2, 5, 4, 6], &[8, 3, 2, 6], &p).unwrap();
+        // dilated 13 and 10, padded 16 and 13, spans 5 and 3.
+        assert_eq!(g.output_shape(), vec![2, 6, 6, 8]);
+        assert_eq!(g.input, [1, 5, 4]);
+        assert_eq!(g.stride, [1, 2, 2]);
+        assert_eq!(g.pad_lo, [0, 1, 1]);
+        assert_eq!(g.weight_shape(), vec![8, 3, 2, 6]);
+        let g1 = Geometry::new(&[1, 7, 3], &[4, 7, 3], &ConvParams::default()).unwrap();
+        assert_eq!(g1.output_shape(), vec![1, 1, 4]);
+    }
+
+    #[test]
+    fn bad_input_names_the_argument() {
+        let ok = ConvParams::default();
+        assert_eq!(err_arg(Geometry::new(&[2, 3], &[2, 3], &ok)), "input");
+        assert_eq!(
+            err_arg(Geometry::new(&[2, 5, 5, 3], &[4, 3, 3], &ok)),
+            "weight"
+        );
+        assert_eq!(
+            err_arg(Geometry::new(
+                &[2, 5, 5, 6],
+                &[4, 3, 3, 3],
+                &ok.clone().groups(4)
+            )),
+            "groups"
+        );
+        assert_eq!(
+            err_arg(Geometry::new(
+                &[2, 5, 5, 6],
+                &[3, 3, 3, 3],
+                &ok.clone().groups(2)
+            )),
+            "groups"
+        );
+        assert_eq!(
+            err_arg(Geometry::new(&[2, 5, 5, 6], &[4, 3, 3, 3], &ok)),
+            "weight"
+        );
+        assert_eq!(
+            err_arg(Geometry::new(
+                &[2, 5, 5, 3],
+                &[4, 3, 3, 3],
+                &ok.clone().strides(&[0])
+            )),
+            "strides"
+        );
+        assert_eq!(
+            err_arg(Geometry::new(
+                &[2, 5, 5, 3],
+                &[4, 3, 3, 3],
+                &ok.clone().strides(&[1, 1, 1])
+            )),
+            "strides"
+        );
+        assert_eq!(
+            err_arg(Geometry::new(
+                &[2, 5, 5, 3],
+                &[4, 3, 3, 3],
+                &ok.clone().kernel_dilation(&[0])
+            )),
+            "kernel_dilation"
+        );
+        assert_eq!(
+            err_arg(Geometry::new(
+                &[2, 5, 5, 3],
+                &[4, 3, 3, 3],
+                &ok.clone().input_dilation(&[0])
+            )),
+            "input_dilation"
+        );
+        assert_eq!(
+            err_arg(Geometry::new(&[2, 2, 5, 3], &[4, 3, 3, 3], &ok)),
+            "input"
+        );
+        assert_eq!(
+            err_arg(Geometry::new(&[2, 5, 5, 3], &[4, 0, 3, 3], &ok)),
+            "weight"
+        );
+        assert_eq!(
+            err_arg(Geometry::new(&[2, 5, 5, 3], &[4, 3, 3, 3], &ok.groups(0))),
+            "groups"
+        );
+    }
+
+    #[test]
+    fn gemm_extents_per_pass() {
+        let g = Geometry::new(
+            &[2, 6, 6, 8],
+            &[12, 3, 3, 4],
+            &ConvParams::default().groups(2).padding(&[1]),
+        )
+        .unwrap();
+        assert_eq!(Pass::Forward.gemm(&g), (72, 6, 36));
+        assert_eq!(Pass::BackwardData.gemm(&g), (72, 4, 54));
+        assert_eq!(Pass::BackwardWeight.gemm(&g), (6, 36, 72));
+        assert_eq!(g.macs(), 72 * 12 * 36);
+    }
+}

@@ -1,0 +1,260 @@
+//! Convolution with MLX's `conv_general` semantics, channels last, 1 to 3 spatial dims: the
+//! forward pass and both gradients, each an implicit GEMM (see `templates/conv_igemm.cu`).
+//!
+//! Layouts: input (N, spatial..., C_in), weight (C_out, spatial..., C_in / groups), output
+//! (N, spatial..., C_out). f16 and bf16 multiply on tensor cores with f32 accumulation, f32 on
+//! the FMA units; the weight gradient of a long reduction is split over blocks and summed in f32.
+
+pub mod geometry;
+pub mod plan;
+pub mod reference;
+
+pub use geometry::{ConvParams, Geometry, Pass};
+
+use std::sync::Arc;
+
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::jit::KernelSpec;
+use crate::runtime::{Array, CommandEncoder, KernelArgs};
+use plan::{Plan, PlanKey, Tile};
+
+/// Every spec the convolutions can choose.
+pub fn specs() -> Vec<KernelSpec> {
+    plan::specs()
+}
+
+fn bad(arg: &'static str, reason: impl Into<String>) -> Error {
+    Error::InvalidArgument {
+        arg,
+        reason: reason.into(),
+    }
+}
+
+fn check_dtypes(pairs: &[(&'static str, &Array)]) -> Result<DType> {
+    let dtype = pairs[0].1.dtype();
+    for (name, a) in &pairs[1..] {
+        if a.dtype() != dtype {
+            return Err(bad(
+                name,
+                format!("has dtype {} but {} has {}", a.dtype(), pairs[0].0, dtype),
+            ));
+        }
+    }
+    Ok(dtype)
+}
+
+fn check_shape(name: &'static str, a: &Array, want: &[usize]) -> Result<()> {
+    if a.shape() != want {
+        return Err(bad(
+            name,
+            format!("must have shape {want:?}, got {:?}", a.shape()),
+        ));
+    }
+    Ok(())
+}
+
+/// MLX's `conv_general`: the forward convolution with every parameter spelled out.
+#[allow(clippy::too_many_arguments)]
+pub fn conv_general(
+    enc: &mut CommandEncoder,
+    input: &Array,
+    weight: &Array,
+    strides: &[usize],
+    padding_lo: &[usize],
+    padding_hi: &[usize],
+    kernel_dilation: &[usize],
+    input_dilation: &[usize],
+    groups: usize,
+    flip: bool,
+) -> Result<Array> {
+    let params = ConvParams {
+        strides: strides.to_vec(),
+        padding_lo: padding_lo.to_vec(),
+        padding_hi: padding_hi.to_vec(),
+        kernel_dilation: kernel_dilation.to_vec(),
+        input_dilation: input_dilation.to_vec(),
+        groups,
+        flip,
+    };
+    conv_forward(enc, input, weight, &params)
+}
+
+/// The output of convolving `input` with `weight`.
+pub fn conv_forward(
+    enc: &mut CommandEncoder,
+    input: &Array,
+    weight: &Array,
+    params: &ConvParams,
+) -> Result<Array> {
+    let dtype = check_dtypes(&[("input", input), ("weight", weight)])?;
+    let g = Geometry::new(input.shape(), weight.shape(), params)?;
+    run(enc, Pass::Forward, &g, dtype, input, weight, None)
+}
+
+/// The input gradient of the forward convolution of an input of `input_shape` with `weight`,
+/// given the output's cotangent.
+pub fn conv_backward_data(
+    enc: &mut CommandEncoder,
+    cotangent: &Array,
+    weight: &Array,
+    input_shape: &[usize],
+    params: &ConvParams,
+) -> Result<Array> {
+    let dtype = check_dtypes(&[("cotangent", cotangent), ("weight", weight)])?;
+    let g = Geometry::new(input_shape, weight.shape(), params)?;
+    check_shape("cotangent", cotangent, &g.output_shape())?;
+    run(enc, Pass::BackwardData, &g, dtype, cotangent, weight, None)
+}
+
+/// The weight gradient (shape `weight_shape`) of the forward convolution of `input`, given the
+/// output's cotangent.
+pub fn conv_backward_weight(
+    enc: &mut CommandEncoder,
+    input: &Array,
+    cotangent: &Array,
+    weight_shape: &[usize],
+    params: &ConvParams,
+) -> Result<Array> {
+    let dtype = check_dtypes(&[("input", input), ("cotangent", cotangent)])?;
+    let g = Geometry::new(input.shape(), weight_shape, params)?;
+    check_shape("cotangent", cotangent, &g.output_shape())?;
+    run(enc, Pass::BackwardWeight, &g, dtype, cotangent, input, None)
+}
+
+/// Explicit tile and split choices, for benchmark sweeps. The arguments are checked as by the
+/// public ops; the plan is built fresh and not cached.
+pub mod tuning {
+    use super::*;
+
+    pub use super::plan::{Tile, FMA_TILES, TENSOR_TILES};
+
+    /// Runs `pass` with operands as the public op takes them: forward (input, weight),
+    /// backward-data (cotangent, weight), backward-weight (input, cotangent).
+    pub fn run_with(
+        enc: &mut CommandEncoder,
+        pass: Pass,
+        g: &Geometry,
+        first: &Array,
+        second: &Array,
+        tile: Tile,
+        splits: usize,
+    ) -> Result<Array> {
+        let dtype = check_dtypes(&[("first", first), ("second", second)])?;
+        let (a, b) = match pass {
+            Pass::BackwardWeight => (second, first),
+            _ => (first, second),
+        };
+        run(enc, pass, g, dtype, a, b, Some((tile, splits)))
+    }
+}
+
+/// Whether `a` (contiguous) may be read with 16-byte vectors: its base is 16-byte aligned.
+fn aligned(a: &Array) -> bool {
+    (a.offset() * a.dtype().size()) % 16 == 0
+}
+
+/// Runs one pass. `a` and `b` are the GEMM's operand tensors: forward (input, weight),
+/// backward-data (cotangent, weight), backward-weight (cotangent, input).
+fn run(
+    enc: &mut CommandEncoder,
+    pass: Pass,
+    g: &Geometry,
+    dtype: DType,
+    a: &Array,
+    b: &Array,
+    chosen: Option<(Tile, usize)>,
+) -> Result<Array> {
+    let (a_shape, b_shape, out_shape) = match pass {
+        Pass::Forward => (g.input_shape(), g.weight_shape(), g.output_shape()),
+        Pass::BackwardData => (g.output_shape(), g.weight_shape(), g.input_shape()),
+        Pass::BackwardWeight => (g.output_shape(), g.input_shape(), g.weight_shape()),
+    };
+    let (a_name, b_name) = match pass {
+        Pass::Forward => ("input", "weight"),
+        Pass::BackwardData => ("cotangent", "weight"),
+        Pass::BackwardWeight => ("cotangent", "input"),
+    };
+    check_shape(a_name, a, &a_shape)?;
+    check_shape(b_name, b, &b_shape)?;
+    let out = Array::empty(enc.device(), dtype, &out_shape)?;
+    let (m, n, _) = pass.gemm(g);
+    if m == 0 || n == 0 || g.groups == 0 {
+        return Ok(out);
+    }
+    // The kernels read row-major tensors; anything else is copied once.
+    let a = a.contiguous(enc)?;
+    let b = b.contiguous(enc)?;
+    let (cin_g, cout_g) = (g.cin / g.groups, g.cout / g.groups);
+    let w = dtype.vec_width();
+    // The channel run each operand's vectors lie in (see the template's gather).
+    let (run_a, run_b) = match pass {
+        Pass::Forward => (cin_g, cin_g),
+        Pass::BackwardData => (cout_g, cin_g),
+        Pass::BackwardWeight => (cout_g, cin_g),
+    };
+    let key = PlanKey {
+        device: enc.device().ordinal(),
+        dtype,
+        pass,
+        geometry: *g,
+        vec_a: run_a % w == 0 && aligned(&a),
+        vec_b: run_b % w == 0 && aligned(&b),
+    };
+    let plan = match chosen {
+        Some((t, splits)) => Arc::new(plan::plan_with(enc.device(), key, t, splits)?),
+        None => plan::plan(enc.device(), key)?,
+    };
+    launch(enc, &plan, &a, &b, &out)?;
+    Ok(out)
+}
+
+fn launch(enc: &mut CommandEncoder, plan: &Plan, a: &Array, b: &Array, out: &Array) -> Result<()> {
+    // A split reduction writes one f32 partial weight gradient per split.
+    let partial = if plan.splits > 1 {
+        Some(Array::empty(
+            enc.device(),
+            DType::F32,
+            &[plan.splits * out.size()],
+        )?)
+    } else {
+        None
+    };
+    let mut args = KernelArgs::new();
+    args.push(a.device_ptr())
+        .push(b.device_ptr())
+        .push(out.device_ptr())
+        .push(partial.as_ref().map_or(0, |p| p.device_ptr()))
+        .push(plan.problem);
+    let target = partial.as_ref().unwrap_or(out);
+    enc.launch(
+        &plan.kernel,
+        plan.grid,
+        plan.threads,
+        plan.shared,
+        args,
+        &[a, b],
+        &[target],
+    )?;
+    if let Some(p) = &partial {
+        let spec = plan::split_sum_spec(out.dtype());
+        let kernel = enc.device().kernel(&spec)?;
+        let n = out.size();
+        let mut args = KernelArgs::new();
+        args.push(p.device_ptr())
+            .push(out.device_ptr())
+            .push(n as i64)
+            .push(plan.splits as i32);
+        let blocks = super::grid_stride_blocks(enc, n, plan::SPLIT_SUM_BLOCK);
+        enc.launch(
+            &kernel,
+            blocks as u32,
+            plan::SPLIT_SUM_BLOCK as u32,
+            0,
+            args,
+            &[p],
+            &[out],
+        )?;
+    }
+    Ok(())
+}

@@ -1,0 +1,546 @@
+// Implicit-GEMM convolution, channels last: input (batch, d, h, w, cin), weight
+// (cout, kd, kh, kw, cin / groups), output (batch, od, oh, ow, cout). Fewer spatial dims are
+// leading extents of 1. Each group is one GEMM, C[m, n] = sum_k A[m, k] * B[k, n], whose A and B
+// tiles are gathered from the tensors as they are loaded (no im2col buffer):
+//   PASS 0 forward:         m = (batch, out pos), n = out channel, k = (kernel pos, in channel)
+//   PASS 1 backward-data:   m = (batch, in pos),  n = in channel,  k = (kernel pos, out channel)
+//   PASS 2 backward-weight: m = out channel, n = (kernel pos, in channel), k = (batch, out pos)
+// A block computes BM x BN of C, stepping BK along k through STAGES shared-memory buffers.
+// 16-bit types multiply on tensor cores (mma.sync m16n8k16, f32 accumulators), WM x WN warps;
+// f32 runs on the FMA units, each thread a square tile. Backward-weight may split k over blocks
+// (blockIdx.z), writing f32 partial sums that conv_split_sum adds up.
+{{> prelude}}
+
+typedef {{dtype}} T;
+constexpr int PASS = {{PASS}};
+constexpr int BM = {{BM}}, BN = {{BN}}, WM = {{WM}}, WN = {{WN}}, STAGES = {{STAGES}};
+constexpr int VEC_A = {{VEC_A}}, VEC_B = {{VEC_B}};
+constexpr int THREADS = {{block_dim}};
+constexpr bool TENSOR = sizeof(T) == 2;
+constexpr int BK = TENSOR ? 32 : 8;
+
+// Mirrors ops::conv::Problem (repr(C)).
+struct kiln_conv {
+  int batch;
+  int in[3], out[3], ks[3];
+  int stride[3], pad[3], kdil[3], idil[3];
+  int cin, cout, cin_g, cout_g, ksize;  // ksize = ks[0] * ks[1] * ks[2]
+  int flip;
+  int m, n, k;                          // GEMM extents, per group
+  int k_tiles_per_split;
+  int pair_store;                       // outputs (n, n + 1) are adjacent and 2-aligned
+};
+
+// What a k index of the current tile means, decoded once per tile into shared memory.
+//   forward:         t = kk * kdil,            c = in channel, w = offset in the weight row
+//   backward-data:   t = -kk * kdil,           c = out channel, w = weight offset (o, kernel pos)
+//   backward-weight: t = out pos * stride - pad, c = k (cotangent row), w = batch * in pixels
+struct kiln_kinfo {
+  int t[3];
+  int c, w, valid, pad0, pad1;
+};
+
+// What a row m (of A) or column n (of B) means, decoded once per thread.
+struct kiln_mninfo {
+  int t[3];
+  int base;  // sample base in pixels, a channel, or a weight row offset (see mn_info)
+  int valid;
+};
+
+__device__ __forceinline__ kiln_kinfo k_info(const kiln_conv& p, int k) {
+  kiln_kinfo e;
+  e.valid = k < p.k;
+  e.pad0 = e.pad1 = 0;
+  if (!e.valid) k = 0;
+  if (PASS == 0 || PASS == 1) {
+    const int chans = PASS == 0 ? p.cin_g : p.cout_g;
+    const int ks = k / chans, c = k - ks * chans;
+    const int kd = ks / (p.ks[1] * p.ks[2]), r = ks - kd * p.ks[1] * p.ks[2];
+    const int kh = r / p.ks[2], kw = r - kh * p.ks[2];
+    const int sign = PASS == 0 ? 1 : -1;
+    e.t[0] = sign * kd * p.kdil[0];
+    e.t[1] = sign * kh * p.kdil[1];
+    e.t[2] = sign * kw * p.kdil[2];
+    const int ks_w = p.flip ? p.ksize - 1 - ks : ks;
+    e.c = c;
+    e.w = PASS == 0 ? ks_w * p.cin_g + c : (c * p.ksize + ks_w) * p.cin_g;
+  } else {
+    const int pixels = p.out[0] * p.out[1] * p.out[2];
+    const int b = k / pixels, r = k - b * pixels;
+    const int od = r / (p.out[1] * p.out[2]), r2 = r - od * p.out[1] * p.out[2];
+    const int oh = r2 / p.out[2], ow = r2 - oh * p.out[2];
+    e.t[0] = od * p.stride[0] - p.pad[0];
+    e.t[1] = oh * p.stride[1] - p.pad[1];
+    e.t[2] = ow * p.stride[2] - p.pad[2];
+    e.c = k;
+    e.w = b * p.in[0] * p.in[1] * p.in[2];
+  }
+  return e;
+}
+
+// IS_A: row m of A, else column n of B; g is the group.
+template <bool IS_A>
+__device__ __forceinline__ kiln_mninfo mn_info(const kiln_conv& p, int i, int g) {
+  kiln_mninfo e;
+  e.valid = i < (IS_A ? p.m : p.n);
+  if (!e.valid) i = 0;
+  e.t[0] = e.t[1] = e.t[2] = 0;
+  if (IS_A && PASS != 2) {
+    // An output pixel (forward) or an input pixel (backward-data).
+    const int* ext = PASS == 0 ? p.out : p.in;
+    const int pixels = ext[0] * ext[1] * ext[2];
+    const int b = i / pixels, r = i - b * pixels;
+    const int x0 = r / (ext[1] * ext[2]), r2 = r - x0 * ext[1] * ext[2];
+    const int x1 = r2 / ext[2], x2 = r2 - x1 * ext[2];
+    const int x[3] = {x0, x1, x2};
+#pragma unroll
+    for (int d = 0; d < 3; ++d)
+      e.t[d] = PASS == 0 ? x[d] * p.stride[d] - p.pad[d] : x[d] * p.idil[d] + p.pad[d];
+    e.base = b * (PASS == 0 ? p.in[0] * p.in[1] * p.in[2] : p.out[0] * p.out[1] * p.out[2]);
+  } else if (IS_A) {
+    e.base = g * p.cout_g + i;  // backward-weight: a cotangent channel
+  } else if (PASS == 0) {
+    e.base = (g * p.cout_g + i) * p.ksize * p.cin_g;  // forward: a weight row
+  } else if (PASS == 1) {
+    e.base = i;  // backward-data: an input channel
+  } else {
+    // backward-weight: (kernel pos, in channel)
+    const int ks = i / p.cin_g, c = i - ks * p.cin_g;
+    const int kd = ks / (p.ks[1] * p.ks[2]), r = ks - kd * p.ks[1] * p.ks[2];
+    const int kh = r / p.ks[2], kw = r - kh * p.ks[2];
+    e.t[0] = kd * p.kdil[0];
+    e.t[1] = kh * p.kdil[1];
+    e.t[2] = kw * p.kdil[2];
+    e.base = c;
+  }
+  return e;
+}
+
+// Element offset of A[m, k] (IS_A) or B[k, n] in its tensor, or -1 where the gathered value is
+// padding (or past the edge of the GEMM).
+template <bool IS_A>
+__device__ __forceinline__ long long gather(const kiln_conv& p, const kiln_mninfo& mn,
+                                            const kiln_kinfo& ki, int g) {
+  if (!(mn.valid && ki.valid)) return -1;
+  if ((IS_A && PASS == 0) || (!IS_A && PASS == 2)) {
+    // An input pixel: the position in the dilated input must land on a real pixel.
+    int pos[3];
+#pragma unroll
+    for (int d = 0; d < 3; ++d) {
+      int q = mn.t[d] + ki.t[d];
+      if (q < 0) return -1;
+      if (p.idil[d] != 1) {
+        if (q % p.idil[d] != 0) return -1;
+        q /= p.idil[d];
+      }
+      if (q >= p.in[d]) return -1;
+      pos[d] = q;
+    }
+    const int sample = IS_A ? mn.base : ki.w;
+    const int chan = IS_A ? ki.c : mn.base;
+    const long long pixel = sample + (pos[0] * p.in[1] + pos[1]) * p.in[2] + pos[2];
+    return pixel * p.cin + g * p.cin_g + chan;
+  }
+  if (IS_A && PASS == 1) {
+    // A cotangent pixel: the output position that reads this input pixel through this tap.
+    int pos[3];
+#pragma unroll
+    for (int d = 0; d < 3; ++d) {
+      int q = mn.t[d] + ki.t[d];
+      if (q < 0) return -1;
+      if (p.stride[d] != 1) {
+        if (q % p.stride[d] != 0) return -1;
+        q /= p.stride[d];
+      }
+      if (q >= p.out[d]) return -1;
+      pos[d] = q;
+    }
+    const long long pixel = mn.base + (pos[0] * p.out[1] + pos[1]) * p.out[2] + pos[2];
+    return pixel * p.cout + g * p.cout_g + ki.c;
+  }
+  if (IS_A) return (long long)ki.c * p.cout + mn.base;  // backward-weight: cotangent row k
+  if (PASS == 0) return (long long)mn.base + ki.w;     // forward: weight row + (tap, channel)
+  return (long long)g * p.cout_g * p.ksize * p.cin_g + ki.w + mn.base;  // backward-data
+}
+
+// ---- Operand tiles: global -> shared -------------------------------------------------------
+
+// Whether an operand is contiguous along k in global memory (else along m or n).
+constexpr bool A_GLOBAL_K = PASS != 2;
+constexpr bool B_GLOBAL_K = PASS == 0;
+
+template <bool IS_A> struct kiln_operand {
+  static constexpr int ROWS = IS_A ? BM : BN;  // extent along m (A) or n (B)
+  static constexpr int VEC = IS_A ? VEC_A : VEC_B;
+  static constexpr bool GLOBAL_K = IS_A ? A_GLOBAL_K : B_GLOBAL_K;
+  // Tensor cores read fragments with ldmatrix, which transposes as needed, so shared memory
+  // keeps the global order. The FMA path wants [k][m] and [k][n].
+  static constexpr bool SHARED_K = TENSOR && GLOBAL_K;
+  // Row padding keeps ldmatrix and float4 reads free of bank conflicts.
+  static constexpr int PITCH = SHARED_K ? BK + 8 : ROWS + (TENSOR ? 8 : 4);
+  static constexpr int STAGE_ELEMS = SHARED_K ? ROWS * PITCH : BK * PITCH;
+  // Vectors of VEC elements: along k (GLOBAL_K) or along rows.
+  static constexpr int PER_LINE = GLOBAL_K ? BK / VEC : ROWS / VEC;
+  static constexpr int CHUNKS = (GLOBAL_K ? ROWS : BK) * PER_LINE / THREADS;
+  static constexpr bool ASYNC = (SHARED_K == GLOBAL_K) && VEC * sizeof(T) >= 4;
+  static_assert(CHUNKS >= 1, "tile too small for the block");
+  static_assert(GLOBAL_K ? PER_LINE % CHUNKS == 0 : THREADS % PER_LINE == 0,
+                "each thread's vectors share one row");
+};
+
+template <int BYTES>
+__device__ __forceinline__ void kiln_cp_async(void* smem, const void* gmem, bool valid) {
+  const unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
+  const int src_bytes = valid ? BYTES : 0;  // 0: fill with zeros, read nothing
+  if constexpr (BYTES == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
+                 "r"(src_bytes));
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(gmem),
+                 "n"(BYTES), "r"(src_bytes));
+}
+__device__ __forceinline__ void kiln_cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::);
+}
+template <int N> __device__ __forceinline__ void kiln_cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// One operand's loader: its fixed row (or column) and, on the register path, the values in
+// flight between the global load and the shared store.
+template <bool IS_A> struct kiln_loader {
+  typedef kiln_operand<IS_A> O;
+  kiln_mninfo mn;
+  int line, first;  // GLOBAL_K: the row and its first vector; else the vector and first k row
+  kiln_vec<T, O::VEC> held[O::ASYNC ? 1 : O::CHUNKS];
+
+  __device__ __forceinline__ void init(const kiln_conv& p, int row0, int g) {
+    const int t = threadIdx.x;
+    if (O::GLOBAL_K) {
+      line = t * O::CHUNKS / O::PER_LINE;
+      first = t * O::CHUNKS % O::PER_LINE;
+      mn = mn_info<IS_A>(p, row0 + line, g);
+    } else {
+      line = t % O::PER_LINE;
+      first = t / O::PER_LINE;
+      mn = mn_info<IS_A>(p, row0 + line * O::VEC, g);
+    }
+  }
+
+  // k row (within the tile) and row/column (within the tile) of chunk c.
+  __device__ __forceinline__ int chunk_k(int c) const {
+    return O::GLOBAL_K ? (first + c) * O::VEC : first + c * (THREADS / O::PER_LINE);
+  }
+  __device__ __forceinline__ int chunk_row(int c) const {
+    return O::GLOBAL_K ? line : line * O::VEC;
+  }
+  __device__ __forceinline__ T* slot(T* stage, int kl, int row) const {
+    return O::SHARED_K ? stage + row * O::PITCH + kl : stage + kl * O::PITCH + row;
+  }
+
+  // Starts the loads of one tile: straight to shared memory (cp.async) or into registers.
+  __device__ __forceinline__ void fetch(const kiln_conv& p, const T* src, const kiln_kinfo* table,
+                                        T* stage, int g) {
+#pragma unroll
+    for (int c = 0; c < O::CHUNKS; ++c) {
+      const int kl = chunk_k(c);
+      const long long off = gather<IS_A>(p, mn, table[kl], g);
+      if constexpr (O::ASYNC) {
+        kiln_cp_async<O::VEC * sizeof(T)>(slot(stage, kl, chunk_row(c)), off >= 0 ? src + off : src,
+                                          off >= 0);
+      } else if (off >= 0) {
+        held[c] = *reinterpret_cast<const kiln_vec<T, O::VEC>*>(src + off);
+      } else {
+#pragma unroll
+        for (int v = 0; v < O::VEC; ++v) held[c].v[v] = kiln_from_float<T>(0.0f);
+      }
+    }
+  }
+
+  // Register path: writes what fetch loaded (transposing when shared memory is [k][rows]).
+  __device__ __forceinline__ void stash(T* stage) const {
+    if constexpr (!O::ASYNC) {
+#pragma unroll
+      for (int c = 0; c < O::CHUNKS; ++c) {
+        const int kl = chunk_k(c), row = chunk_row(c);
+        if (O::SHARED_K == O::GLOBAL_K) {
+          *reinterpret_cast<kiln_vec<T, O::VEC>*>(slot(stage, kl, row)) = held[c];
+        } else {
+#pragma unroll
+          for (int v = 0; v < O::VEC; ++v) *slot(stage, kl + v, row) = held[c].v[v];
+        }
+      }
+    }
+  }
+};
+
+// ---- Tensor-core tiles ---------------------------------------------------------------------
+
+template <typename U> struct kiln_mma;
+template <> struct kiln_mma<kiln_f16> {
+  static __device__ __forceinline__ void run(float (&c)[4], const unsigned (&a)[4],
+                                             unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+template <> struct kiln_mma<kiln_bf16> {
+  static __device__ __forceinline__ void run(float (&c)[4], const unsigned (&a)[4],
+                                             unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+template <> struct kiln_mma<float> {
+  static __device__ __forceinline__ void run(float (&)[4], const unsigned (&)[4], unsigned,
+                                             unsigned) {}
+};
+
+template <bool TRANS>
+__device__ __forceinline__ void kiln_ldmatrix_x4(unsigned (&r)[4], const void* smem) {
+  const unsigned a = (unsigned)__cvta_generic_to_shared(smem);
+  if (TRANS)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+constexpr int WTM = TENSOR ? BM / WM : 1, WTN = TENSOR ? BN / WN : 1;
+constexpr int MT = TENSOR ? WTM / 16 : 1, NT = TENSOR ? WTN / 8 : 2;
+
+struct kiln_tensor_tile {
+  float acc[MT][NT][4];
+
+  __device__ __forceinline__ void compute(const T* sa, const T* sb) {
+    typedef kiln_operand<true> OA;
+    typedef kiln_operand<false> OB;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, j = lane / 8, r8 = lane % 8;
+    const int wm = warp % WM, wn = warp / WM;
+#pragma unroll
+    for (int kk = 0; kk < BK; kk += 16) {
+      unsigned a[MT][4], b[NT][2];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const int m = wm * WTM + mt * 16;
+        if (OA::SHARED_K)
+          kiln_ldmatrix_x4<false>(a[mt], sa + (m + r8 + 8 * (j % 2)) * OA::PITCH + kk + 8 * (j / 2));
+        else
+          kiln_ldmatrix_x4<true>(a[mt], sa + (kk + 8 * (j / 2) + r8) * OA::PITCH + m + 8 * (j % 2));
+      }
+#pragma unroll
+      for (int np = 0; np < NT / 2; ++np) {
+        const int n = wn * WTN + np * 16;
+        unsigned r[4];
+        if (OB::SHARED_K)
+          kiln_ldmatrix_x4<false>(r, sb + (n + r8 + 8 * (j / 2)) * OB::PITCH + kk + 8 * (j % 2));
+        else
+          kiln_ldmatrix_x4<true>(r, sb + (kk + 8 * (j % 2) + r8) * OB::PITCH + n + 8 * (j / 2));
+        b[2 * np][0] = r[0];
+        b[2 * np][1] = r[1];
+        b[2 * np + 1][0] = r[2];
+        b[2 * np + 1][1] = r[3];
+      }
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) kiln_mma<T>::run(acc[mt][nt], a[mt], b[nt][0], b[nt][1]);
+    }
+  }
+
+  // Calls store(m, n, v0, v1) for each pair of adjacent columns this thread holds.
+  template <typename Store> __device__ __forceinline__ void each_pair(Store store) const {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int wm = warp % WM, wn = warp / WM;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const int m = wm * WTM + mt * 16 + lane / 4, n = wn * WTN + nt * 8 + (lane % 4) * 2;
+        store(m, n, acc[mt][nt][0], acc[mt][nt][1]);
+        store(m + 8, n, acc[mt][nt][2], acc[mt][nt][3]);
+      }
+  }
+};
+
+// ---- FMA tiles (f32) -----------------------------------------------------------------------
+
+__host__ __device__ constexpr int isqrt_exact(int v) {
+  int r = 1;
+  while (r * r < v) ++r;
+  return r;
+}
+constexpr int TT = TENSOR ? 4 : isqrt_exact(BM * BN / THREADS);  // each thread: TT x TT
+constexpr int TY = BM / TT, TX = BN / TT;
+static_assert(TENSOR || (TT * TT * THREADS == BM * BN && TT % 4 == 0 && TY * TX == THREADS),
+              "FMA tile: square per-thread tiles of a multiple of 4");
+static_assert(!TENSOR || (WM * WN * 32 == THREADS && WTM % 16 == 0 && WTN % 16 == 0),
+              "tensor tile: warps cover the tile in 16 x 16 steps");
+
+struct kiln_fma_tile {
+  float acc[TT][TT];
+
+  __device__ __forceinline__ void compute(const float* sa, const float* sb) {
+    typedef kiln_operand<true> OA;
+    typedef kiln_operand<false> OB;
+    const int ty = threadIdx.x / TX, tx = threadIdx.x % TX;
+#pragma unroll
+    for (int k = 0; k < BK; ++k) {
+      float a[TT], b[TT];
+#pragma unroll
+      for (int i = 0; i < TT / 4; ++i) {
+        const float4 va = *reinterpret_cast<const float4*>(sa + k * OA::PITCH + i * TY * 4 + ty * 4);
+        const float4 vb = *reinterpret_cast<const float4*>(sb + k * OB::PITCH + i * TX * 4 + tx * 4);
+        a[4 * i] = va.x, a[4 * i + 1] = va.y, a[4 * i + 2] = va.z, a[4 * i + 3] = va.w;
+        b[4 * i] = vb.x, b[4 * i + 1] = vb.y, b[4 * i + 2] = vb.z, b[4 * i + 3] = vb.w;
+      }
+#pragma unroll
+      for (int i = 0; i < TT; ++i)
+#pragma unroll
+        for (int j = 0; j < TT; ++j) acc[i][j] += a[i] * b[j];
+    }
+  }
+
+  template <typename Store> __device__ __forceinline__ void each_pair(Store store) const {
+    const int ty = threadIdx.x / TX, tx = threadIdx.x % TX;
+#pragma unroll
+    for (int i = 0; i < TT; ++i)
+#pragma unroll
+      for (int j = 0; j < TT; j += 2) {
+        const int m = (i / 4) * TY * 4 + ty * 4 + i % 4, n = (j / 4) * TX * 4 + tx * 4 + j % 4;
+        store(m, n, acc[i][j], acc[i][j + 1]);
+      }
+  }
+};
+
+// Offset of C[m, n] in the output tensor.
+__device__ __forceinline__ long long out_offset(const kiln_conv& p, int m, int n, int g) {
+  if (PASS == 0) return (long long)m * p.cout + g * p.cout_g + n;
+  if (PASS == 1) return (long long)m * p.cin + g * p.cin_g + n;
+  const int ks = n / p.cin_g, c = n - ks * p.cin_g;
+  const int ks_w = p.flip ? p.ksize - 1 - ks : ks;
+  return ((long long)(g * p.cout_g + m) * p.ksize + ks_w) * p.cin_g + c;
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS) {{kernel}}(
+    const T* __restrict__ a_src, const T* __restrict__ b_src, T* __restrict__ out,
+    float* __restrict__ partial, kiln_conv p) {
+  extern __shared__ __align__(16) unsigned char kiln_smem[];
+  typedef kiln_operand<true> OA;
+  typedef kiln_operand<false> OB;
+  T* sa = reinterpret_cast<T*>(kiln_smem);
+  T* sb = sa + STAGES * OA::STAGE_ELEMS;
+  kiln_kinfo* tables = reinterpret_cast<kiln_kinfo*>(sb + STAGES * OB::STAGE_ELEMS);  // [2][BK]
+
+  const int k_tiles = (p.k + BK - 1) / BK;
+  const int per_split = p.k_tiles_per_split;  // >= 1
+  const int n_splits = max((k_tiles + per_split - 1) / per_split, 1);
+  const int g = blockIdx.z / n_splits, split = blockIdx.z % n_splits;
+  const int kt0 = split * per_split;
+  const int kt_end = min(k_tiles, kt0 + per_split);
+  const int tiles = max(kt_end - kt0, 0);
+  const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
+
+  kiln_loader<true> la;
+  kiln_loader<false> lb;
+  la.init(p, m0, g);
+  lb.init(p, n0, g);
+
+  auto build_table = [&](int t) {
+    if (threadIdx.x < BK) tables[(t % 2) * BK + threadIdx.x] = k_info(p, (kt0 + t) * BK + threadIdx.x);
+  };
+  auto fetch = [&](int t) {
+    const kiln_kinfo* table = tables + (t % 2) * BK;
+    la.fetch(p, a_src, table, sa + (t % STAGES) * OA::STAGE_ELEMS, g);
+    lb.fetch(p, b_src, table, sb + (t % STAGES) * OB::STAGE_ELEMS, g);
+  };
+  auto stash = [&](int t) {
+    la.stash(sa + (t % STAGES) * OA::STAGE_ELEMS);
+    lb.stash(sb + (t % STAGES) * OB::STAGE_ELEMS);
+  };
+
+  // The accumulators of whichever path this dtype takes.
+  kiln_tensor_tile tc;
+  kiln_fma_tile fm;
+  if (TENSOR) {
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) tc.acc[i][j][r] = 0.0f;
+  } else {
+#pragma unroll
+    for (int i = 0; i < TT; ++i)
+#pragma unroll
+      for (int j = 0; j < TT; ++j) fm.acc[i][j] = 0.0f;
+  }
+
+  // Prologue: tiles 0 .. STAGES-2 in flight, the table for STAGES-1 built.
+#pragma unroll 1
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < tiles) build_table(s);
+    __syncthreads();
+    if (s < tiles) {
+      fetch(s);
+      stash(s);
+    }
+    kiln_cp_async_commit();
+  }
+  if (STAGES - 1 < tiles) build_table(STAGES - 1);
+
+#pragma unroll 1
+  for (int t = 0; t < tiles; ++t) {
+    kiln_cp_async_wait<STAGES - 2>();
+    __syncthreads();  // tile t is in shared memory; tile t-1's buffers are free
+    const int next = t + STAGES - 1;
+    if (next < tiles) fetch(next);
+    kiln_cp_async_commit();
+    if (next + 1 < tiles) build_table(next + 1);
+    if constexpr (TENSOR)
+      tc.compute(sa + (t % STAGES) * OA::STAGE_ELEMS, sb + (t % STAGES) * OB::STAGE_ELEMS);
+    else
+      fm.compute(reinterpret_cast<const float*>(sa + (t % STAGES) * OA::STAGE_ELEMS),
+                 reinterpret_cast<const float*>(sb + (t % STAGES) * OB::STAGE_ELEMS));
+    if (next < tiles) stash(next);
+  }
+  kiln_cp_async_wait<0>();
+
+  const long long total = (long long)p.cout * p.ksize * p.cin_g;  // backward-weight partials
+  auto store = [&](int mi, int ni, float v0, float v1) {
+    const int m = m0 + mi, n = n0 + ni;
+    if (m >= p.m || n >= p.n) return;
+    const long long o = out_offset(p, m, n, g);
+    const bool both = n + 1 < p.n;
+    if (partial != nullptr) {
+      float* dst = partial + split * total;
+      if (both && p.pair_store) {
+        *reinterpret_cast<float2*>(dst + o) = make_float2(v0, v1);
+      } else {
+        dst[o] = v0;
+        if (both) dst[out_offset(p, m, n + 1, g)] = v1;
+      }
+    } else if (both && p.pair_store) {
+      kiln_vec<T, 2> v;
+      v.v[0] = kiln_from_float<T>(v0);
+      v.v[1] = kiln_from_float<T>(v1);
+      *reinterpret_cast<kiln_vec<T, 2>*>(out + o) = v;
+    } else {
+      out[o] = kiln_from_float<T>(v0);
+      if (both) out[out_offset(p, m, n + 1, g)] = kiln_from_float<T>(v1);
+    }
+  };
+  if constexpr (TENSOR)
+    tc.each_pair(store);
+  else
+    fm.each_pair(store);
+}

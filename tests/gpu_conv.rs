@@ -1,0 +1,539 @@
+//! Convolution forward, backward-data and backward-weight against the f64 CPU reference on the
+//! GPU, over MLX's whole configuration space: 1/2/3-D, strides (also larger than the kernel),
+//! asymmetric padding, kernel and input dilation, groups (depthwise too), flip, 1x1, C_in = 3,
+//! channels that are not a multiple of 8, batch 1, outputs of size 1; every dtype; graph and
+//! direct mode; every tile kiln registers. Skipped without a GPU (unless KILN_REQUIRE_GPU=1).
+//!
+//! Tolerance per element: |out - ref| <= r * |ref| + 2e-5 * S, where S is the sum of |terms|
+//! (which bounds any summation order's rounding) and r is the output type's rounding: 1e-6
+//! (f32), 1e-3 (f16, half an ulp is 4.9e-4), 8e-3 (bf16, half an ulp is 3.9e-3). Inputs are
+//! exact in their dtype, so products are exact in f32 and only the sums round.
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+
+use kiln::env::Config;
+use kiln::ops::conv::{self, plan, reference, tuning, ConvParams, Geometry, Pass};
+use kiln::runtime::{Array, CommandEncoder, Device};
+use kiln::selfcheck::TestRng;
+use kiln::{DType, Error};
+
+/// The plan cache is process-wide and one test counts its hits: the tests run one at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn encoder(dev: &Arc<Device>, graphs: bool) -> CommandEncoder {
+    let mut config = Config::from_env().unwrap();
+    config.use_cuda_graphs = graphs;
+    CommandEncoder::with_config(dev, &config).unwrap()
+}
+
+fn rounding(dtype: DType) -> f64 {
+    match dtype {
+        DType::F32 => 1e-6,
+        DType::F16 => 1e-3,
+        DType::BF16 => 8e-3,
+    }
+}
+
+fn random(rng: &mut TestRng, dtype: DType, n: usize) -> Vec<f64> {
+    let v: Vec<f64> = (0..n).map(|_| rng.next_f64() * 2.0 - 1.0).collect();
+    kiln::dtype::decode(dtype, &kiln::dtype::encode(dtype, &v))
+}
+
+struct Case {
+    name: &'static str,
+    x: Vec<usize>,
+    w: Vec<usize>,
+    p: ConvParams,
+}
+
+fn case(name: &'static str, x: &[usize], w: &[usize], p: ConvParams) -> Case {
+    Case {
+        name,
+        x: x.to_vec(),
+        w: w.to_vec(),
+        p,
+    }
+}
+
+fn cases() -> Vec<Case> {
+    let d = ConvParams::default;
+    vec![
+        case("1d pad 1", &[2, 17, 8], &[16, 3, 8], d().padding(&[1])),
+        case(
+            "1d stride 3 > kernel 2, pad 0/2",
+            &[3, 20, 8],
+            &[8, 2, 8],
+            d().strides(&[3]).padding_lo(&[0]).padding_hi(&[2]),
+        ),
+        case(
+            "2d 3x3 pad 1",
+            &[2, 9, 9, 16],
+            &[32, 3, 3, 16],
+            d().padding(&[1]),
+        ),
+        case(
+            "2d stride 2, pad 1/0 and 0/2",
+            &[2, 11, 10, 16],
+            &[24, 4, 3, 16],
+            d().strides(&[2]).padding_lo(&[1, 0]).padding_hi(&[0, 2]),
+        ),
+        case(
+            "2d stride (3, 4) > kernel 2",
+            &[1, 13, 14, 8],
+            &[8, 2, 2, 8],
+            d().strides(&[3, 4]),
+        ),
+        case(
+            "2d kernel dilation (2, 3)",
+            &[2, 12, 13, 8],
+            &[16, 3, 3, 8],
+            d().kernel_dilation(&[2, 3]).padding(&[2]),
+        ),
+        case(
+            "2d input dilation 2, pad 1",
+            &[2, 6, 7, 16],
+            &[8, 3, 3, 16],
+            d().input_dilation(&[2]).padding(&[1]),
+        ),
+        case(
+            "2d input dilation (3, 2), stride 2, kernel dilation 2",
+            &[1, 5, 6, 8],
+            &[16, 2, 3, 8],
+            d().input_dilation(&[3, 2])
+                .strides(&[2])
+                .kernel_dilation(&[2, 1])
+                .padding_lo(&[2, 0])
+                .padding_hi(&[0, 1]),
+        ),
+        case(
+            "2d groups 2",
+            &[2, 8, 8, 32],
+            &[16, 3, 3, 16],
+            d().groups(2).padding(&[1]),
+        ),
+        case(
+            "2d depthwise",
+            &[2, 9, 9, 24],
+            &[24, 3, 3, 1],
+            d().groups(24).padding(&[1]),
+        ),
+        case(
+            "2d depthwise x2 stride 2",
+            &[1, 10, 10, 8],
+            &[16, 3, 3, 1],
+            d().groups(8).strides(&[2]),
+        ),
+        case(
+            "2d flip, stride 2, pad 2/1",
+            &[2, 9, 8, 16],
+            &[8, 3, 2, 16],
+            d().flip(true)
+                .strides(&[2])
+                .padding_lo(&[2])
+                .padding_hi(&[1]),
+        ),
+        case("2d 1x1", &[2, 7, 7, 24], &[40, 1, 1, 24], d()),
+        case(
+            "2d 1x1 stride 2",
+            &[2, 8, 8, 32],
+            &[16, 1, 1, 32],
+            d().strides(&[2]),
+        ),
+        case(
+            "2d C_in 3, 7x7 stride 2 pad 3",
+            &[2, 20, 20, 3],
+            &[16, 7, 7, 3],
+            d().strides(&[2]).padding(&[3]),
+        ),
+        case(
+            "2d channels 5 -> 7, groups 1",
+            &[2, 6, 7, 5],
+            &[7, 3, 3, 5],
+            d().padding(&[1]),
+        ),
+        case(
+            "2d channels 12 -> 6 groups 3",
+            &[1, 7, 6, 12],
+            &[6, 2, 3, 4],
+            d().groups(3),
+        ),
+        case("batch 1, output 1x1", &[1, 5, 5, 8], &[6, 5, 5, 8], d()),
+        case(
+            "output 1 after stride",
+            &[3, 4, 4, 16],
+            &[8, 3, 3, 16],
+            d().strides(&[5]),
+        ),
+        case(
+            "3d stride (1, 2, 1), pad (1, 0, 1)",
+            &[2, 5, 6, 7, 8],
+            &[8, 3, 2, 3, 8],
+            d().strides(&[1, 2, 1]).padding(&[1, 0, 1]),
+        ),
+        case(
+            "3d dilations, groups 2, flip",
+            &[1, 4, 5, 5, 8],
+            &[8, 2, 2, 3, 4],
+            d().kernel_dilation(&[2, 1, 2])
+                .input_dilation(&[1, 2, 1])
+                .groups(2)
+                .flip(true)
+                .padding_lo(&[1, 0, 2])
+                .padding_hi(&[0, 1, 1]),
+        ),
+        // Several tiles in every direction, and a reduction long enough to split.
+        case(
+            "2d 3x3 64 -> 144 channels",
+            &[4, 14, 14, 64],
+            &[144, 3, 3, 64],
+            d().padding(&[1]),
+        ),
+        case(
+            "2d long reduction (backward-weight splits)",
+            &[8, 30, 30, 16],
+            &[24, 3, 3, 16],
+            d().padding(&[1]),
+        ),
+    ]
+}
+
+/// Runs one pass on the GPU and returns (got, reference).
+fn run_pass(
+    enc: &mut CommandEncoder,
+    dtype: DType,
+    c: &Case,
+    pass: Pass,
+    explicit: Option<(plan::Tile, usize)>,
+    seed: u64,
+) -> (Vec<f64>, reference::Reference, Geometry) {
+    let g = Geometry::new(&c.x, &c.w, &c.p).unwrap();
+    let mut rng = TestRng::new(seed);
+    let x = random(&mut rng, dtype, c.x.iter().product());
+    let w = random(&mut rng, dtype, c.w.iter().product());
+    let dy = random(&mut rng, dtype, g.output_shape().iter().product());
+    let up = |enc: &mut CommandEncoder, v: &[f64], s: &[usize]| {
+        Array::from_f64(enc, dtype, v, s).unwrap()
+    };
+    let (want, first, second) = match pass {
+        Pass::Forward => (
+            reference::forward(&g, &x, &w),
+            up(enc, &x, &c.x),
+            up(enc, &w, &c.w),
+        ),
+        Pass::BackwardData => (
+            reference::backward_data(&g, &dy, &w),
+            up(enc, &dy, &g.output_shape()),
+            up(enc, &w, &c.w),
+        ),
+        Pass::BackwardWeight => (
+            reference::backward_weight(&g, &x, &dy),
+            up(enc, &x, &c.x),
+            up(enc, &dy, &g.output_shape()),
+        ),
+    };
+    let out = match explicit {
+        Some((t, splits)) => tuning::run_with(enc, pass, &g, &first, &second, t, splits).unwrap(),
+        None => match pass {
+            Pass::Forward => conv::conv_forward(enc, &first, &second, &c.p).unwrap(),
+            Pass::BackwardData => {
+                conv::conv_backward_data(enc, &first, &second, &c.x, &c.p).unwrap()
+            }
+            Pass::BackwardWeight => {
+                conv::conv_backward_weight(enc, &first, &second, &c.w, &c.p).unwrap()
+            }
+        },
+    };
+    (out.to_f64(enc).unwrap(), want, g)
+}
+
+/// The largest error over the tolerance (<= 1 passes) and where it is.
+fn worst(dtype: DType, got: &[f64], want: &reference::Reference) -> (f64, usize) {
+    assert_eq!(got.len(), want.values.len());
+    let mut worst = (0.0, 0);
+    for (i, (&g, (&r, &s))) in got
+        .iter()
+        .zip(want.values.iter().zip(&want.magnitude))
+        .enumerate()
+    {
+        let tol = rounding(dtype) * r.abs() + 2e-5 * s + 1e-30;
+        let ratio = if g.is_finite() {
+            (g - r).abs() / tol
+        } else {
+            f64::INFINITY
+        };
+        if ratio > worst.0 {
+            worst = (ratio, i);
+        }
+    }
+    worst
+}
+
+fn matrix(graphs: bool) {
+    let dev = Device::get(0).unwrap();
+    let mut enc = encoder(&dev, graphs);
+    let mut failures = Vec::new();
+    let mut checked = 0;
+    for (ci, c) in cases().iter().enumerate() {
+        for dtype in DType::ALL {
+            for pass in Pass::ALL {
+                let (got, want, _) = run_pass(&mut enc, dtype, c, pass, None, ci as u64 * 7 + 1);
+                let (ratio, at) = worst(dtype, &got, &want);
+                checked += 1;
+                if ratio > 1.0 {
+                    failures.push(format!(
+                        "{} {dtype} {}: error {ratio:.2}x tolerance at {at}: got {} want {}",
+                        c.name,
+                        pass.name(),
+                        got[at],
+                        want.values[at]
+                    ));
+                }
+            }
+        }
+    }
+    eprintln!(
+        "conv matrix ({}): {checked} checks, {} failed",
+        if graphs { "graph" } else { "direct" },
+        failures.len()
+    );
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn matrix_graph_mode() {
+    if common::gpus_or_skip("matrix_graph_mode").is_none() {
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    matrix(true);
+}
+
+#[test]
+fn matrix_direct_mode() {
+    if common::gpus_or_skip("matrix_direct_mode").is_none() {
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    matrix(false);
+}
+
+/// Every registered tile and vector width, whichever the plans would pick: a case whose
+/// channels allow 16-byte vectors and one whose channels do not, split and unsplit.
+#[test]
+fn every_tile_and_vector_width() {
+    if common::gpus_or_skip("every_tile_and_vector_width").is_none() {
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = Device::get(0).unwrap();
+    let mut enc = encoder(&dev, true);
+    let d = ConvParams::default;
+    let shapes = [
+        case(
+            "vectors",
+            &[2, 10, 9, 32],
+            &[40, 3, 3, 32],
+            d().padding(&[1]).strides(&[1, 2]),
+        ),
+        case(
+            "scalars",
+            &[2, 9, 10, 6],
+            &[10, 3, 2, 3],
+            d().groups(2).padding_lo(&[1]).flip(true),
+        ),
+    ];
+    let mut failures = Vec::new();
+    let mut checked = 0;
+    for c in &shapes {
+        for dtype in DType::ALL {
+            for &t in plan::tiles(dtype) {
+                for pass in Pass::ALL {
+                    let splits: &[usize] = if pass == Pass::BackwardWeight {
+                        &[1, 3]
+                    } else {
+                        &[1]
+                    };
+                    for &s in splits {
+                        let (got, want, _) = run_pass(&mut enc, dtype, c, pass, Some((t, s)), 5);
+                        let (ratio, at) = worst(dtype, &got, &want);
+                        checked += 1;
+                        if ratio > 1.0 {
+                            failures.push(format!(
+                                "{} {dtype} {} {t:?} splits {s}: {ratio:.2}x tolerance at {at}",
+                                c.name,
+                                pass.name()
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    eprintln!("every tile: {checked} checks, {} failed", failures.len());
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Non-contiguous operands are copied once and give the same result.
+#[test]
+fn strided_input_is_copied() {
+    if common::gpus_or_skip("strided_input_is_copied").is_none() {
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = Device::get(0).unwrap();
+    let mut enc = encoder(&dev, false);
+    let p = ConvParams::default().padding(&[1]);
+    let g = Geometry::new(&[2, 6, 5, 8], &[8, 3, 3, 8], &p).unwrap();
+    let mut rng = TestRng::new(11);
+    let x = random(&mut rng, DType::F32, 2 * 6 * 5 * 8);
+    let w = random(&mut rng, DType::F32, 8 * 9 * 8);
+    // x stored as (2, 5, 6, 8) and viewed with its spatial axes swapped.
+    let mut xt = vec![0.0; x.len()];
+    for b in 0..2 {
+        for i in 0..6 {
+            for j in 0..5 {
+                for c in 0..8 {
+                    xt[((b * 5 + j) * 6 + i) * 8 + c] = x[((b * 6 + i) * 5 + j) * 8 + c];
+                }
+            }
+        }
+    }
+    let xv = Array::from_f64(&mut enc, DType::F32, &xt, &[2, 5, 6, 8])
+        .unwrap()
+        .swapaxes(1, 2)
+        .unwrap();
+    let wa = Array::from_f64(&mut enc, DType::F32, &w, &[8, 3, 3, 8]).unwrap();
+    let y = conv::conv_forward(&mut enc, &xv, &wa, &p).unwrap();
+    let want = reference::forward(&g, &x, &w);
+    let (ratio, _) = worst(DType::F32, &y.to_f64(&mut enc).unwrap(), &want);
+    assert!(ratio <= 1.0, "{ratio}");
+}
+
+#[test]
+fn bad_arguments_are_errors() {
+    if common::gpus_or_skip("bad_arguments_are_errors").is_none() {
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = Device::get(0).unwrap();
+    let mut enc = encoder(&dev, false);
+    let arr = |enc: &mut CommandEncoder, dtype, shape: &[usize]| {
+        Array::from_f64(enc, dtype, &vec![0.0; shape.iter().product()], shape).unwrap()
+    };
+    let x = arr(&mut enc, DType::F32, &[1, 5, 5, 4]);
+    let w = arr(&mut enc, DType::F32, &[8, 3, 3, 4]);
+    let wh = arr(&mut enc, DType::F16, &[8, 3, 3, 4]);
+    let d = ConvParams::default();
+    let arg = |r: kiln::Result<Array>| match r {
+        Err(Error::InvalidArgument { arg, .. }) => arg,
+        other => panic!(
+            "expected an argument error, got {:?}",
+            other.map(|a| a.shape().to_vec())
+        ),
+    };
+    assert_eq!(arg(conv::conv_forward(&mut enc, &x, &wh, &d)), "weight");
+    assert_eq!(
+        arg(conv::conv_forward(
+            &mut enc,
+            &x,
+            &w,
+            &d.clone().strides(&[0])
+        )),
+        "strides"
+    );
+    assert_eq!(
+        arg(conv::conv_forward(&mut enc, &x, &w, &d.clone().groups(3))),
+        "groups"
+    );
+    assert_eq!(
+        arg(conv::conv_general(
+            &mut enc,
+            &x,
+            &w,
+            &[1],
+            &[0],
+            &[0],
+            &[1],
+            &[0],
+            1,
+            false
+        )),
+        "input_dilation"
+    );
+    let small = arr(&mut enc, DType::F32, &[1, 2, 2, 4]);
+    assert_eq!(arg(conv::conv_forward(&mut enc, &small, &w, &d)), "input");
+    let dy_wrong = arr(&mut enc, DType::F32, &[1, 4, 3, 8]);
+    assert_eq!(
+        arg(conv::conv_backward_data(
+            &mut enc,
+            &dy_wrong,
+            &w,
+            &[1, 5, 5, 4],
+            &d
+        )),
+        "cotangent"
+    );
+    assert_eq!(
+        arg(conv::conv_backward_weight(
+            &mut enc,
+            &x,
+            &dy_wrong,
+            &[8, 3, 3, 4],
+            &d
+        )),
+        "cotangent"
+    );
+}
+
+/// An empty batch gives an empty output and input gradient and a zero weight gradient.
+#[test]
+fn empty_batch() {
+    if common::gpus_or_skip("empty_batch").is_none() {
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = Device::get(0).unwrap();
+    let mut enc = encoder(&dev, true);
+    let d = ConvParams::default().padding(&[1]);
+    for dtype in DType::ALL {
+        let x = Array::from_f64(&mut enc, dtype, &[], &[0, 5, 5, 8]).unwrap();
+        let w = Array::from_f64(&mut enc, dtype, &vec![1.0; 8 * 9 * 8], &[8, 3, 3, 8]).unwrap();
+        let y = conv::conv_forward(&mut enc, &x, &w, &d).unwrap();
+        assert_eq!(y.shape(), &[0, 5, 5, 8]);
+        let dx = conv::conv_backward_data(&mut enc, &y, &w, &[0, 5, 5, 8], &d).unwrap();
+        assert_eq!(dx.shape(), &[0, 5, 5, 8]);
+        let dw = conv::conv_backward_weight(&mut enc, &x, &y, &[8, 3, 3, 8], &d).unwrap();
+        assert_eq!(dw.shape(), &[8, 3, 3, 8]);
+        assert!(dw.to_f64(&mut enc).unwrap().iter().all(|&v| v == 0.0));
+    }
+}
+
+/// A repeated convolution reuses its plan; a different one (here: input dilation only, which
+/// MLX's key leaves out) gets its own.
+#[test]
+fn plans_are_cached() {
+    if common::gpus_or_skip("plans_are_cached").is_none() {
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = Device::get(0).unwrap();
+    let mut enc = encoder(&dev, false);
+    let x = Array::from_f64(
+        &mut enc,
+        DType::F16,
+        &vec![0.5; 2 * 7 * 7 * 8],
+        &[2, 7, 7, 8],
+    )
+    .unwrap();
+    let w = Array::from_f64(&mut enc, DType::F16, &vec![0.25; 8 * 9 * 8], &[8, 3, 3, 8]).unwrap();
+    let p = ConvParams::default().padding(&[1]);
+    let (h0, m0, _) = plan::cache_stats();
+    conv::conv_forward(&mut enc, &x, &w, &p).unwrap();
+    conv::conv_forward(&mut enc, &x, &w, &p).unwrap();
+    conv::conv_forward(&mut enc, &x, &w, &p.clone().input_dilation(&[2])).unwrap();
+    enc.synchronize().unwrap();
+    let (h1, m1, _) = plan::cache_stats();
+    assert_eq!((h1 - h0, m1 - m0), (1, 2));
+}
