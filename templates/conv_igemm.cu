@@ -8,7 +8,10 @@
 // A block computes BM x BN of C, stepping BK along k through STAGES shared-memory buffers.
 // 16-bit types multiply on tensor cores (mma.sync m16n8k16, f32 accumulators), WM x WN warps;
 // f32 runs on the FMA units, each thread a square tile. Backward-weight may split k over blocks
-// (blockIdx.z), writing f32 partial sums that conv_split_sum adds up.
+// (blockIdx.z), writing f32 partial sums that conv_split_sum adds up. Strided backward-data
+// without dilation runs one GEMM per stride phase (blockIdx.z too): input pixels whose position
+// plus padding is congruent to the phase modulo the stride are reached only by the kernel taps
+// congruent to it, so no block gathers taps that can only read zeros.
 {{> prelude}}
 
 typedef {{dtype}} T;
@@ -29,7 +32,39 @@ struct kiln_conv {
   int m, n, k;                          // GEMM extents, per group
   int k_tiles_per_split;
   int pair_store;                       // outputs (n, n + 1) are adjacent and 2-aligned
+  int phases;                           // backward-data stride phases (1: not phased)
 };
+
+// One block's GEMM extents, and for a stride phase of backward-data the pixels and taps it has:
+// input positions first + j * stride (j < cnt), kernel taps tap0 + t * stride (t < taps).
+struct kiln_extent {
+  int m, k;
+  int first[3], cnt[3], tap0[3], taps[3];
+};
+
+__device__ __forceinline__ kiln_extent block_extent(const kiln_conv& p, int phase) {
+  kiln_extent e;
+  e.m = p.m;
+  e.k = p.k;
+  if (PASS == 1 && p.phases > 1) {
+    const int ph[3] = {phase / (p.stride[1] * p.stride[2]), (phase / p.stride[2]) % p.stride[1],
+                       phase % p.stride[2]};
+    int pixels = 1, taps = 1;
+#pragma unroll
+    for (int d = 0; d < 3; ++d) {
+      const int s = p.stride[d];
+      e.first[d] = ((ph[d] - p.pad[d]) % s + s) % s;
+      e.cnt[d] = p.in[d] > e.first[d] ? (p.in[d] - e.first[d] + s - 1) / s : 0;
+      e.tap0[d] = ph[d];
+      e.taps[d] = p.ks[d] > ph[d] ? (p.ks[d] - ph[d] + s - 1) / s : 0;
+      pixels *= e.cnt[d];
+      taps *= e.taps[d];
+    }
+    e.m = p.batch * pixels;
+    e.k = taps * p.cout_g;
+  }
+  return e;
+}
 
 // What a k index of the current tile means, decoded once per tile into shared memory.
 //   forward:         t = kk * kdil,            c = in channel, w = offset in the weight row
@@ -47,16 +82,23 @@ struct kiln_mninfo {
   int valid;
 };
 
-__device__ __forceinline__ kiln_kinfo k_info(const kiln_conv& p, int k) {
+__device__ __forceinline__ kiln_kinfo k_info(const kiln_conv& p, const kiln_extent& x, int k) {
   kiln_kinfo e;
-  e.valid = k < p.k;
+  e.valid = k < x.k;
   e.pad0 = e.pad1 = 0;
   if (!e.valid) k = 0;
   if (PASS == 0 || PASS == 1) {
     const int chans = PASS == 0 ? p.cin_g : p.cout_g;
-    const int ks = k / chans, c = k - ks * chans;
-    const int kd = ks / (p.ks[1] * p.ks[2]), r = ks - kd * p.ks[1] * p.ks[2];
-    const int kh = r / p.ks[2], kw = r - kh * p.ks[2];
+    const int tap = k / chans, c = k - tap * chans;
+    // Phased: the tap indexes this phase's taps; otherwise all of them.
+    const bool phased = PASS == 1 && p.phases > 1;
+    const int* n = phased ? x.taps : p.ks;
+    const int t0 = tap / (n[1] * n[2]), r = tap - t0 * n[1] * n[2];
+    const int t1 = r / n[2], t2 = r - t1 * n[2];
+    const int kd = phased ? x.tap0[0] + t0 * p.stride[0] : t0;
+    const int kh = phased ? x.tap0[1] + t1 * p.stride[1] : t1;
+    const int kw = phased ? x.tap0[2] + t2 * p.stride[2] : t2;
+    const int ks = (kd * p.ks[1] + kh) * p.ks[2] + kw;
     const int sign = PASS == 0 ? 1 : -1;
     e.t[0] = sign * kd * p.kdil[0];
     e.t[1] = sign * kh * p.kdil[1];
@@ -79,20 +121,35 @@ __device__ __forceinline__ kiln_kinfo k_info(const kiln_conv& p, int k) {
 }
 
 // IS_A: row m of A, else column n of B; g is the group.
+// Row m of A as (batch, pixel position): an output pixel (forward) or an input pixel
+// (backward-data; within a phase, the phase's pixels).
+__device__ __forceinline__ void row_pixel(const kiln_conv& p, const kiln_extent& x, int m, int& b,
+                                          int (&pos)[3]) {
+  const bool phased = PASS == 1 && p.phases > 1;
+  const int* ext = PASS == 0 ? p.out : (phased ? x.cnt : p.in);
+  const int pixels = ext[0] * ext[1] * ext[2];
+  b = m / pixels;
+  const int r = m - b * pixels;
+  pos[0] = r / (ext[1] * ext[2]);
+  const int r2 = r - pos[0] * ext[1] * ext[2];
+  pos[1] = r2 / ext[2];
+  pos[2] = r2 - pos[1] * ext[2];
+  if (phased) {
+#pragma unroll
+    for (int d = 0; d < 3; ++d) pos[d] = x.first[d] + pos[d] * p.stride[d];
+  }
+}
+
 template <bool IS_A>
-__device__ __forceinline__ kiln_mninfo mn_info(const kiln_conv& p, int i, int g) {
+__device__ __forceinline__ kiln_mninfo mn_info(const kiln_conv& p, const kiln_extent& ext, int i,
+                                               int g) {
   kiln_mninfo e;
-  e.valid = i < (IS_A ? p.m : p.n);
+  e.valid = i < (IS_A ? ext.m : p.n);
   if (!e.valid) i = 0;
   e.t[0] = e.t[1] = e.t[2] = 0;
   if (IS_A && PASS != 2) {
-    // An output pixel (forward) or an input pixel (backward-data).
-    const int* ext = PASS == 0 ? p.out : p.in;
-    const int pixels = ext[0] * ext[1] * ext[2];
-    const int b = i / pixels, r = i - b * pixels;
-    const int x0 = r / (ext[1] * ext[2]), r2 = r - x0 * ext[1] * ext[2];
-    const int x1 = r2 / ext[2], x2 = r2 - x1 * ext[2];
-    const int x[3] = {x0, x1, x2};
+    int b, x[3];
+    row_pixel(p, ext, i, b, x);
 #pragma unroll
     for (int d = 0; d < 3; ++d)
       e.t[d] = PASS == 0 ? x[d] * p.stride[d] - p.pad[d] : x[d] * p.idil[d] + p.pad[d];
@@ -119,7 +176,8 @@ __device__ __forceinline__ kiln_mninfo mn_info(const kiln_conv& p, int i, int g)
 // Element offset of A[m, k] (IS_A) or B[k, n] in its tensor, or -1 where the gathered value is
 // padding (or past the edge of the GEMM).
 template <bool IS_A>
-__device__ __forceinline__ long long gather(const kiln_conv& p, const kiln_mninfo& mn,
+// Offsets fit in int: the host bounds every tensor to fewer than 2^31 elements.
+__device__ __forceinline__ int gather(const kiln_conv& p, const kiln_mninfo& mn,
                                             const kiln_kinfo& ki, int g) {
   if (!(mn.valid && ki.valid)) return -1;
   if ((IS_A && PASS == 0) || (!IS_A && PASS == 2)) {
@@ -138,7 +196,7 @@ __device__ __forceinline__ long long gather(const kiln_conv& p, const kiln_mninf
     }
     const int sample = IS_A ? mn.base : ki.w;
     const int chan = IS_A ? ki.c : mn.base;
-    const long long pixel = sample + (pos[0] * p.in[1] + pos[1]) * p.in[2] + pos[2];
+    const int pixel = sample + (pos[0] * p.in[1] + pos[1]) * p.in[2] + pos[2];
     return pixel * p.cin + g * p.cin_g + chan;
   }
   if (IS_A && PASS == 1) {
@@ -155,12 +213,12 @@ __device__ __forceinline__ long long gather(const kiln_conv& p, const kiln_mninf
       if (q >= p.out[d]) return -1;
       pos[d] = q;
     }
-    const long long pixel = mn.base + (pos[0] * p.out[1] + pos[1]) * p.out[2] + pos[2];
+    const int pixel = mn.base + (pos[0] * p.out[1] + pos[1]) * p.out[2] + pos[2];
     return pixel * p.cout + g * p.cout_g + ki.c;
   }
-  if (IS_A) return (long long)ki.c * p.cout + mn.base;  // backward-weight: cotangent row k
-  if (PASS == 0) return (long long)mn.base + ki.w;     // forward: weight row + (tap, channel)
-  return (long long)g * p.cout_g * p.ksize * p.cin_g + ki.w + mn.base;  // backward-data
+  if (IS_A) return ki.c * p.cout + mn.base;  // backward-weight: cotangent row k
+  if (PASS == 0) return mn.base + ki.w;     // forward: weight row + (tap, channel)
+  return g * p.cout_g * p.ksize * p.cin_g + ki.w + mn.base;  // backward-data
 }
 
 // ---- Operand tiles: global -> shared -------------------------------------------------------
@@ -214,16 +272,16 @@ template <bool IS_A> struct kiln_loader {
   int line, first;  // GLOBAL_K: the row and its first vector; else the vector and first k row
   kiln_vec<T, O::VEC> held[O::ASYNC ? 1 : O::CHUNKS];
 
-  __device__ __forceinline__ void init(const kiln_conv& p, int row0, int g) {
+  __device__ __forceinline__ void init(const kiln_conv& p, const kiln_extent& x, int row0, int g) {
     const int t = threadIdx.x;
     if (O::GLOBAL_K) {
       line = t * O::CHUNKS / O::PER_LINE;
       first = t * O::CHUNKS % O::PER_LINE;
-      mn = mn_info<IS_A>(p, row0 + line, g);
+      mn = mn_info<IS_A>(p, x, row0 + line, g);
     } else {
       line = t % O::PER_LINE;
       first = t / O::PER_LINE;
-      mn = mn_info<IS_A>(p, row0 + line * O::VEC, g);
+      mn = mn_info<IS_A>(p, x, row0 + line * O::VEC, g);
     }
   }
 
@@ -244,7 +302,7 @@ template <bool IS_A> struct kiln_loader {
 #pragma unroll
     for (int c = 0; c < O::CHUNKS; ++c) {
       const int kl = chunk_k(c);
-      const long long off = gather<IS_A>(p, mn, table[kl], g);
+      const int off = gather<IS_A>(p, mn, table[kl], g);
       if constexpr (O::ASYNC) {
         kiln_cp_async<O::VEC * sizeof(T)>(slot(stage, kl, chunk_row(c)), off >= 0 ? src + off : src,
                                           off >= 0);
@@ -357,17 +415,23 @@ struct kiln_tensor_tile {
     }
   }
 
-  // Calls store(m, n, v0, v1) for each pair of adjacent columns this thread holds.
-  template <typename Store> __device__ __forceinline__ void each_pair(Store store) const {
+  // Calls store(row, m, n, v0, v1) for each pair of adjacent columns this thread holds, with
+  // row = row_base(m) computed once per row.
+  template <typename Row, typename Store>
+  __device__ __forceinline__ void each_pair(Row row_base, Store store) const {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int wm = warp % WM, wn = warp / WM;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const int m = wm * WTM + mt * 16 + lane / 4, n = wn * WTN + nt * 8 + (lane % 4) * 2;
-        store(m, n, acc[mt][nt][0], acc[mt][nt][1]);
-        store(m + 8, n, acc[mt][nt][2], acc[mt][nt][3]);
+      for (int h = 0; h < 2; ++h) {
+        const int m = wm * WTM + mt * 16 + lane / 4 + 8 * h;
+        const int row = row_base(m);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const int n = wn * WTN + nt * 8 + (lane % 4) * 2;
+          store(row, m, n, acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1]);
+        }
       }
   }
 };
@@ -410,25 +474,37 @@ struct kiln_fma_tile {
     }
   }
 
-  template <typename Store> __device__ __forceinline__ void each_pair(Store store) const {
+  template <typename Row, typename Store>
+  __device__ __forceinline__ void each_pair(Row row_base, Store store) const {
     const int ty = threadIdx.x / TX, tx = threadIdx.x % TX;
 #pragma unroll
-    for (int i = 0; i < TT; ++i)
+    for (int i = 0; i < TT; ++i) {
+      const int m = (i / 4) * TY * 4 + ty * 4 + i % 4;
+      const int row = row_base(m);
 #pragma unroll
       for (int j = 0; j < TT; j += 2) {
-        const int m = (i / 4) * TY * 4 + ty * 4 + i % 4, n = (j / 4) * TX * 4 + tx * 4 + j % 4;
-        store(m, n, acc[i][j], acc[i][j + 1]);
+        const int n = (j / 4) * TX * 4 + tx * 4 + j % 4;
+        store(row, m, n, acc[i][j], acc[i][j + 1]);
       }
+    }
   }
 };
 
-// Offset of C[m, n] in the output tensor.
-__device__ __forceinline__ long long out_offset(const kiln_conv& p, int m, int n, int g) {
-  if (PASS == 0) return (long long)m * p.cout + g * p.cout_g + n;
-  if (PASS == 1) return (long long)m * p.cin + g * p.cin_g + n;
+// The offset of C[m, n] in the output tensor is row_offset(m) + col_offset(n).
+__device__ __forceinline__ int row_offset(const kiln_conv& p, const kiln_extent& x, int m, int g) {
+  if (PASS == 0) return m * p.cout + g * p.cout_g;
+  if (PASS == 1) {
+    int b, pos[3];
+    row_pixel(p, x, m, b, pos);
+    const int pixel = ((b * p.in[0] + pos[0]) * p.in[1] + pos[1]) * p.in[2] + pos[2];
+    return pixel * p.cin + g * p.cin_g;
+  }
+  return (g * p.cout_g + m) * p.ksize * p.cin_g;
+}
+__device__ __forceinline__ int col_offset(const kiln_conv& p, int n) {
+  if (PASS != 2 || !p.flip) return n;
   const int ks = n / p.cin_g, c = n - ks * p.cin_g;
-  const int ks_w = p.flip ? p.ksize - 1 - ks : ks;
-  return ((long long)(g * p.cout_g + m) * p.ksize + ks_w) * p.cin_g + c;
+  return (p.ksize - 1 - ks) * p.cin_g + c;
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS) {{kernel}}(
@@ -441,22 +517,30 @@ extern "C" __global__ void __launch_bounds__(THREADS) {{kernel}}(
   T* sb = sa + STAGES * OA::STAGE_ELEMS;
   kiln_kinfo* tables = reinterpret_cast<kiln_kinfo*>(sb + STAGES * OB::STAGE_ELEMS);  // [2][BK]
 
-  const int k_tiles = (p.k + BK - 1) / BK;
+  // blockIdx.z = (group * phases + phase) * splits + split.
   const int per_split = p.k_tiles_per_split;  // >= 1
-  const int n_splits = max((k_tiles + per_split - 1) / per_split, 1);
-  const int g = blockIdx.z / n_splits, split = blockIdx.z % n_splits;
+  const int n_splits = max(((p.k + BK - 1) / BK + per_split - 1) / per_split, 1);
+  const int split = blockIdx.z % n_splits, gp = blockIdx.z / n_splits;
+  const int g = gp / p.phases;
+  const kiln_extent ext = block_extent(p, gp % p.phases);
+  const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
+  if (m0 >= ext.m) return;  // a phase with fewer pixels than the largest
+  const int k_tiles = (ext.k + BK - 1) / BK;
   const int kt0 = split * per_split;
   const int kt_end = min(k_tiles, kt0 + per_split);
   const int tiles = max(kt_end - kt0, 0);
-  const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
 
   kiln_loader<true> la;
   kiln_loader<false> lb;
-  la.init(p, m0, g);
-  lb.init(p, n0, g);
+  la.init(p, ext, m0, g);
+  lb.init(p, ext, n0, g);
 
+  // Each tile's k table is built by one warp, a different one each tile.
+  constexpr int WARPS = THREADS / 32;
   auto build_table = [&](int t) {
-    if (threadIdx.x < BK) tables[(t % 2) * BK + threadIdx.x] = k_info(p, (kt0 + t) * BK + threadIdx.x);
+    const int lane = threadIdx.x % 32;
+    if (threadIdx.x / 32 == t % WARPS && lane < BK)
+      tables[(t % 2) * BK + lane] = k_info(p, ext, (kt0 + t) * BK + lane);
   };
   auto fetch = [&](int t) {
     const kiln_kinfo* table = tables + (t % 2) * BK;
@@ -516,10 +600,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) {{kernel}}(
   kiln_cp_async_wait<0>();
 
   const long long total = (long long)p.cout * p.ksize * p.cin_g;  // backward-weight partials
-  auto store = [&](int mi, int ni, float v0, float v1) {
+  auto row_base = [&](int mi) { return m0 + mi < ext.m ? row_offset(p, ext, m0 + mi, g) : 0; };
+  auto store = [&](int row, int mi, int ni, float v0, float v1) {
     const int m = m0 + mi, n = n0 + ni;
-    if (m >= p.m || n >= p.n) return;
-    const long long o = out_offset(p, m, n, g);
+    if (m >= ext.m || n >= p.n) return;
+    const int o = row + col_offset(p, n);
     const bool both = n + 1 < p.n;
     if (partial != nullptr) {
       float* dst = partial + split * total;
@@ -527,7 +612,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) {{kernel}}(
         *reinterpret_cast<float2*>(dst + o) = make_float2(v0, v1);
       } else {
         dst[o] = v0;
-        if (both) dst[out_offset(p, m, n + 1, g)] = v1;
+        if (both) dst[row + col_offset(p, n + 1)] = v1;
       }
     } else if (both && p.pair_store) {
       kiln_vec<T, 2> v;
@@ -536,11 +621,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) {{kernel}}(
       *reinterpret_cast<kiln_vec<T, 2>*>(out + o) = v;
     } else {
       out[o] = kiln_from_float<T>(v0);
-      if (both) out[out_offset(p, m, n + 1, g)] = kiln_from_float<T>(v1);
+      if (both) out[row + col_offset(p, n + 1)] = kiln_from_float<T>(v1);
     }
   };
   if constexpr (TENSOR)
-    tc.each_pair(store);
+    tc.each_pair(row_base, store);
   else
-    fm.each_pair(store);
+    fm.each_pair(row_base, store);
 }

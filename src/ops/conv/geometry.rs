@@ -300,6 +300,33 @@ impl Pass {
         }
     }
 
+    /// Stride phases backward-data runs as separate GEMMs: the product of the strides when some
+    /// stride exceeds 1 and nothing is dilated (then each input pixel's phase, its position plus
+    /// padding modulo the stride, selects the only taps that reach it); otherwise 1.
+    pub fn phases(self, g: &Geometry) -> usize {
+        let phased = self == Pass::BackwardData
+            && g.stride.iter().any(|&s| s > 1)
+            && g.kernel_dilation.iter().all(|&d| d == 1)
+            && g.input_dilation.iter().all(|&d| d == 1);
+        if phased {
+            g.stride.iter().product()
+        } else {
+            1
+        }
+    }
+
+    /// (m, n, k) of the largest GEMM one block works on: a group's, or with phases the largest
+    /// phase's (phase 0 has the most pixels and the most taps).
+    pub fn block_gemm(self, g: &Geometry) -> (usize, usize, usize) {
+        let (m, n, k) = self.gemm(g);
+        if self.phases(g) == 1 {
+            return (m, n, k);
+        }
+        let pixels: usize = (0..3).map(|d| g.input[d].div_ceil(g.stride[d])).product();
+        let taps: usize = (0..3).map(|d| g.kernel[d].div_ceil(g.stride[d])).product();
+        (g.batch * pixels, n, taps * (g.cout / g.groups))
+    }
+
     /// (m, n, k) of one group's GEMM.
     pub fn gemm(self, g: &Geometry) -> (usize, usize, usize) {
         let (cin_g, cout_g) = (g.cin / g.groups, g.cout / g.groups);
@@ -335,6 +362,7 @@ pub struct Problem {
     pub k: i32,
     pub k_tiles_per_split: i32,
     pub pair_store: i32,
+    pub phases: i32,
 }
 
 fn i3(v: [usize; 3]) -> [i32; 3] {
@@ -344,7 +372,7 @@ fn i3(v: [usize; 3]) -> [i32; 3] {
 impl Problem {
     /// Every extent fits in i32: `Geometry::new` bounds the tensors' sizes.
     pub fn new(g: &Geometry, pass: Pass, k_tiles_per_split: usize, splits: usize) -> Problem {
-        let (m, n, k) = pass.gemm(g);
+        let (m, n, k) = pass.block_gemm(g);
         let (cin_g, cout_g) = (g.cin / g.groups, g.cout / g.groups);
         let pair_store = match pass {
             Pass::Forward => g.cout % 2 == 0 && cout_g % 2 == 0,
@@ -375,6 +403,7 @@ impl Problem {
             k: k as i32,
             k_tiles_per_split: k_tiles_per_split.max(1) as i32,
             pair_store: pair_store as i32,
+            phases: pass.phases(g) as i32,
         }
     }
 }
@@ -496,5 +525,19 @@ mod tests {
         assert_eq!(Pass::BackwardData.gemm(&g), (72, 4, 54));
         assert_eq!(Pass::BackwardWeight.gemm(&g), (6, 36, 72));
         assert_eq!(g.macs(), 72 * 12 * 36);
+        assert_eq!(Pass::BackwardData.phases(&g), 1);
+    }
+
+    #[test]
+    fn strided_backward_data_runs_by_phase() {
+        let p = ConvParams::default().strides(&[2, 3]).padding(&[1]);
+        let g = Geometry::new(&[2, 7, 8, 4], &[6, 3, 3, 4], &p).unwrap();
+        assert_eq!(Pass::BackwardData.phases(&g), 6);
+        assert_eq!(Pass::Forward.phases(&g), 1);
+        // Phase 0: ceil(7/2) x ceil(8/3) pixels, ceil(3/2) x ceil(3/3) taps.
+        assert_eq!(Pass::BackwardData.block_gemm(&g), (2 * 4 * 3, 4, 2 * 6));
+        let dilated =
+            Geometry::new(&[2, 7, 8, 4], &[6, 3, 3, 4], &p.kernel_dilation(&[2])).unwrap();
+        assert_eq!(Pass::BackwardData.phases(&dilated), 1);
     }
 }

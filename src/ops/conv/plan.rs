@@ -10,7 +10,7 @@ use lru::LruCache;
 use super::geometry::{Geometry, Pass, Problem};
 use crate::dtype::DType;
 use crate::env::Config;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::jit::{KernelSpec, LoadedKernel, TemplateDef};
 use crate::runtime::Device;
 
@@ -59,11 +59,13 @@ const fn tile(bm: u16, bn: u16, wm: u16, wn: u16, stages: u16, threads: u16, eff
 }
 
 /// Tensor-core tiles (f16, bf16): k steps of 32.
-pub const TENSOR_TILES: [Tile; 4] = [
+pub const TENSOR_TILES: [Tile; 5] = [
     tile(128, 128, 2, 4, 4, 256, 100),
     tile(128, 64, 2, 2, 4, 128, 85),
     tile(64, 128, 2, 2, 4, 128, 85),
     tile(64, 64, 2, 2, 4, 128, 65),
+    // For few output columns (backward-data of 3 input channels, say).
+    tile(128, 32, 4, 1, 4, 128, 55),
 ];
 /// FMA tiles (f32): k steps of 8, square per-thread tiles of 8 x 8.
 pub const FMA_TILES: [Tile; 3] = [
@@ -248,15 +250,24 @@ fn build(device: &Device, key: &PlanKey, t: Tile, splits: usize) -> Result<Plan>
         )?;
     }
     let g = &key.geometry;
-    let (m, n, k) = key.pass.gemm(g);
+    let (m, n, k) = key.pass.block_gemm(g);
     let k_tiles = k.div_ceil(block_k(key.dtype));
     let per_split = k_tiles.div_ceil(splits.max(1)).max(1);
     let splits = k_tiles.div_ceil(per_split).max(1);
-    let grid = (
-        m.div_ceil(t.bm as usize) as u32,
-        n.div_ceil(t.bn as usize) as u32,
-        (g.groups * splits) as u32,
-    );
+    let z = g.groups * key.pass.phases(g) * splits;
+    let y = n.div_ceil(t.bn as usize);
+    if z > MAX_GRID_YZ || y > MAX_GRID_YZ {
+        return Err(Error::InvalidArgument {
+            arg: "groups",
+            reason: format!(
+                "{} groups x {} stride phases x {splits} splits and {y} column tiles exceed the \
+                 grid's limit of {MAX_GRID_YZ} blocks along y and z",
+                g.groups,
+                key.pass.phases(g)
+            ),
+        });
+    }
+    let grid = (m.div_ceil(t.bm as usize) as u32, y as u32, z as u32);
     Ok(Plan {
         kernel,
         spec,
@@ -278,7 +289,8 @@ fn choose(device: &Device, key: &PlanKey) -> (Tile, usize) {
     let sms = info.multiprocessors as usize;
     let optin = info.max_shared_per_block as usize;
     let g = &key.geometry;
-    let (m, n, k) = key.pass.gemm(g);
+    let (m, n, k) = key.pass.block_gemm(g);
+    let groups = g.groups * key.pass.phases(g);
     let bk = block_k(key.dtype);
     let mut best: Option<(f64, Tile, usize)> = None;
     for &t in tiles(key.dtype) {
@@ -286,7 +298,7 @@ fn choose(device: &Device, key: &PlanKey) -> (Tile, usize) {
         if shared > optin || n.div_ceil(t.bn as usize) > MAX_GRID_YZ {
             continue;
         }
-        let blocks = m.div_ceil(t.bm as usize) * n.div_ceil(t.bn as usize) * g.groups;
+        let blocks = m.div_ceil(t.bm as usize) * n.div_ceil(t.bn as usize) * groups;
         // Blocks that fit an SM at once: by threads (2048), shared memory and registers
         // (about 128 per thread for these tiles).
         let per_sm = (2048 / t.threads as usize)
@@ -300,10 +312,7 @@ fn choose(device: &Device, key: &PlanKey) -> (Tile, usize) {
             // least 8 k tiles, within the grid's z limit.
             let k_tiles = k.div_ceil(bk).max(1);
             let want = (2 * slots).div_ceil(blocks.max(1));
-            let most = (k_tiles / 8)
-                .max(1)
-                .min(MAX_GRID_YZ / g.groups.max(1))
-                .max(1);
+            let most = (k_tiles / 8).max(1).min(MAX_GRID_YZ / groups.max(1)).max(1);
             splits = want.clamp(1, most);
         }
         let waves = (blocks * splits).div_ceil(slots) as f64;
