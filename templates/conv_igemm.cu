@@ -92,9 +92,10 @@ __device__ __forceinline__ kiln_kinfo k_info(const kiln_conv& p, const kiln_exte
     const int tap = k / chans, c = k - tap * chans;
     // Phased: the tap indexes this phase's taps; otherwise all of them.
     const bool phased = PASS == 1 && p.phases > 1;
-    const int* n = phased ? x.taps : p.ks;
-    const int t0 = tap / (n[1] * n[2]), r = tap - t0 * n[1] * n[2];
-    const int t1 = r / n[2], t2 = r - t1 * n[2];
+    // Values, not a pointer to either array: a pointer would put x in local memory.
+    const int n1 = phased ? x.taps[1] : p.ks[1], n2 = phased ? x.taps[2] : p.ks[2];
+    const int t0 = tap / (n1 * n2), r = tap - t0 * n1 * n2;
+    const int t1 = r / n2, t2 = r - t1 * n2;
     const int kd = phased ? x.tap0[0] + t0 * p.stride[0] : t0;
     const int kh = phased ? x.tap0[1] + t1 * p.stride[1] : t1;
     const int kw = phased ? x.tap0[2] + t2 * p.stride[2] : t2;
@@ -126,14 +127,16 @@ __device__ __forceinline__ kiln_kinfo k_info(const kiln_conv& p, const kiln_exte
 __device__ __forceinline__ void row_pixel(const kiln_conv& p, const kiln_extent& x, int m, int& b,
                                           int (&pos)[3]) {
   const bool phased = PASS == 1 && p.phases > 1;
-  const int* ext = PASS == 0 ? p.out : (phased ? x.cnt : p.in);
-  const int pixels = ext[0] * ext[1] * ext[2];
+  int e[3];
+#pragma unroll
+  for (int d = 0; d < 3; ++d) e[d] = PASS == 0 ? p.out[d] : (phased ? x.cnt[d] : p.in[d]);
+  const int pixels = e[0] * e[1] * e[2];
   b = m / pixels;
   const int r = m - b * pixels;
-  pos[0] = r / (ext[1] * ext[2]);
-  const int r2 = r - pos[0] * ext[1] * ext[2];
-  pos[1] = r2 / ext[2];
-  pos[2] = r2 - pos[1] * ext[2];
+  pos[0] = r / (e[1] * e[2]);
+  const int r2 = r - pos[0] * e[1] * e[2];
+  pos[1] = r2 / e[2];
+  pos[2] = r2 - pos[1] * e[2];
   if (phased) {
 #pragma unroll
     for (int d = 0; d < 3; ++d) pos[d] = x.first[d] + pos[d] * p.stride[d];
@@ -237,13 +240,23 @@ template <bool IS_A> struct kiln_operand {
   // Row padding keeps ldmatrix and float4 reads free of bank conflicts.
   static constexpr int PITCH = SHARED_K ? BK + 8 : ROWS + (TENSOR ? 8 : 4);
   static constexpr int STAGE_ELEMS = SHARED_K ? ROWS * PITCH : BK * PITCH;
-  // Vectors of VEC elements: along k (GLOBAL_K) or along rows.
-  static constexpr int PER_LINE = GLOBAL_K ? BK / VEC : ROWS / VEC;
-  static constexpr int CHUNKS = (GLOBAL_K ? ROWS : BK) * PER_LINE / THREADS;
+  // The tile moves in vectors of VEC elements along the global contiguous dim. A line is what
+  // shares one mn_info: a row (GLOBAL_K; its vectors run along k) or a vector's span of rows
+  // (its vectors are the BK k rows).
+  static constexpr int LINES_TOTAL = GLOBAL_K ? ROWS : ROWS / VEC;
+  static constexpr int PER_LINE = GLOBAL_K ? BK / VEC : BK;
+  static constexpr int CHUNKS = LINES_TOTAL * PER_LINE / THREADS;  // vectors per thread
+  // GLOBAL_K: a thread takes CHUNKS consecutive vectors (of one row, or of whole rows), so
+  // neighbouring threads read neighbouring bytes. Else thread t takes lines t, t + THREADS, ...
+  // of k row after k row, for the same reason.
+  static constexpr int LINES = GLOBAL_K ? (CHUNKS > PER_LINE ? CHUNKS / PER_LINE : 1)
+                                        : (LINES_TOTAL > THREADS ? LINES_TOTAL / THREADS : 1);
   static constexpr bool ASYNC = (SHARED_K == GLOBAL_K) && VEC * sizeof(T) >= 4;
-  static_assert(CHUNKS >= 1, "tile too small for the block");
-  static_assert(GLOBAL_K ? PER_LINE % CHUNKS == 0 : THREADS % PER_LINE == 0,
-                "each thread's vectors share one row");
+  static_assert(CHUNKS >= 1 && CHUNKS * THREADS == LINES_TOTAL * PER_LINE,
+                "the block's threads share the tile evenly");
+  static_assert(GLOBAL_K ? (PER_LINE % CHUNKS == 0 || CHUNKS % PER_LINE == 0)
+                         : (THREADS % LINES_TOTAL == 0 || LINES_TOTAL % THREADS == 0),
+                "each thread's vectors cover whole lines or part of one");
 };
 
 template <int BYTES>
@@ -268,30 +281,35 @@ template <int N> __device__ __forceinline__ void kiln_cp_async_wait() {
 // flight between the global load and the shared store.
 template <bool IS_A> struct kiln_loader {
   typedef kiln_operand<IS_A> O;
-  kiln_mninfo mn;
-  int line, first;  // GLOBAL_K: the row and its first vector; else the vector and first k row
+  kiln_mninfo mn[O::LINES];
   kiln_vec<T, O::VEC> held[O::ASYNC ? 1 : O::CHUNKS];
 
-  __device__ __forceinline__ void init(const kiln_conv& p, const kiln_extent& x, int row0, int g) {
+  // Chunk c of this thread: its line (index into mn), k row and row within the tile.
+  __device__ __forceinline__ void chunk(int c, int& li, int& kl, int& row) const {
     const int t = threadIdx.x;
     if (O::GLOBAL_K) {
-      line = t * O::CHUNKS / O::PER_LINE;
-      first = t * O::CHUNKS % O::PER_LINE;
-      mn = mn_info<IS_A>(p, x, row0 + line, g);
+      const int id = t * O::CHUNKS + c;
+      li = O::LINES > 1 ? c / O::PER_LINE : 0;  // a constant, so mn stays in registers
+      kl = (id % O::PER_LINE) * O::VEC;
+      row = id / O::PER_LINE;
     } else {
-      line = t % O::PER_LINE;
-      first = t / O::PER_LINE;
-      mn = mn_info<IS_A>(p, x, row0 + line * O::VEC, g);
+      const int id = t + c * THREADS;
+      li = c % O::LINES;
+      kl = id / O::LINES_TOTAL;
+      row = (id % O::LINES_TOTAL) * O::VEC;
     }
   }
 
-  // k row (within the tile) and row/column (within the tile) of chunk c.
-  __device__ __forceinline__ int chunk_k(int c) const {
-    return O::GLOBAL_K ? (first + c) * O::VEC : first + c * (THREADS / O::PER_LINE);
+  __device__ __forceinline__ void init(const kiln_conv& p, const kiln_extent& x, int row0, int g) {
+    const int t = threadIdx.x;
+#pragma unroll
+    for (int li = 0; li < O::LINES; ++li) {
+      const int line = O::GLOBAL_K ? t * O::CHUNKS / O::PER_LINE + li
+                                   : t % O::LINES_TOTAL + li * THREADS;
+      mn[li] = mn_info<IS_A>(p, x, row0 + (O::GLOBAL_K ? line : line * O::VEC), g);
+    }
   }
-  __device__ __forceinline__ int chunk_row(int c) const {
-    return O::GLOBAL_K ? line : line * O::VEC;
-  }
+
   __device__ __forceinline__ T* slot(T* stage, int kl, int row) const {
     return O::SHARED_K ? stage + row * O::PITCH + kl : stage + kl * O::PITCH + row;
   }
@@ -301,10 +319,11 @@ template <bool IS_A> struct kiln_loader {
                                         T* stage, int g) {
 #pragma unroll
     for (int c = 0; c < O::CHUNKS; ++c) {
-      const int kl = chunk_k(c);
-      const int off = gather<IS_A>(p, mn, table[kl], g);
+      int li, kl, row;
+      chunk(c, li, kl, row);
+      const int off = gather<IS_A>(p, mn[li], table[kl], g);
       if constexpr (O::ASYNC) {
-        kiln_cp_async<O::VEC * sizeof(T)>(slot(stage, kl, chunk_row(c)), off >= 0 ? src + off : src,
+        kiln_cp_async<O::VEC * sizeof(T)>(slot(stage, kl, row), off >= 0 ? src + off : src,
                                           off >= 0);
       } else if (off >= 0) {
         held[c] = *reinterpret_cast<const kiln_vec<T, O::VEC>*>(src + off);
@@ -320,7 +339,8 @@ template <bool IS_A> struct kiln_loader {
     if constexpr (!O::ASYNC) {
 #pragma unroll
       for (int c = 0; c < O::CHUNKS; ++c) {
-        const int kl = chunk_k(c), row = chunk_row(c);
+        int li, kl, row;
+        chunk(c, li, kl, row);
         if (O::SHARED_K == O::GLOBAL_K) {
           *reinterpret_cast<kiln_vec<T, O::VEC>*>(slot(stage, kl, row)) = held[c];
         } else {
@@ -507,7 +527,11 @@ __device__ __forceinline__ int col_offset(const kiln_conv& p, int n) {
   return (p.ksize - 1 - ks) * p.cin_g + c;
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS) {{kernel}}(
+// The 256-thread f32 tile asks for 128 registers a thread, so that two blocks share an SM
+// (measured: it helps f32; capping the tensor tiles the same way made them slower).
+constexpr int MIN_BLOCKS = !TENSOR && THREADS == 256 ? 2 : 1;
+
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{kernel}}(
     const T* __restrict__ a_src, const T* __restrict__ b_src, T* __restrict__ out,
     float* __restrict__ partial, kiln_conv p) {
   extern __shared__ __align__(16) unsigned char kiln_smem[];

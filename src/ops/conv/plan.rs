@@ -68,10 +68,12 @@ pub const TENSOR_TILES: [Tile; 5] = [
     tile(128, 32, 4, 1, 4, 128, 55),
 ];
 /// FMA tiles (f32): k steps of 8, square per-thread tiles of 8 x 8.
-pub const FMA_TILES: [Tile; 3] = [
+pub const FMA_TILES: [Tile; 4] = [
     tile(128, 128, 0, 0, 3, 256, 100),
     tile(128, 64, 0, 0, 3, 128, 90),
     tile(64, 64, 0, 0, 3, 64, 75),
+    // For few output columns.
+    tile(128, 32, 0, 0, 3, 64, 60),
 ];
 
 pub fn tiles(dtype: DType) -> &'static [Tile] {
