@@ -9,7 +9,8 @@
 //! PyTorch with CUDA events. `--sweep` times every tile (and split) kiln has on each shape and
 //! marks the plan's choice.
 
-use std::process::Command;
+mod common;
+
 use std::time::Instant;
 
 use kiln::ops::conv::{self, plan, tuning, ConvParams, Geometry, Pass};
@@ -145,21 +146,8 @@ fn main() {
         sweep(&mut enc);
         return;
     }
-    let script = [
-        "benches/conv_torch.py",
-        concat!(env!("CARGO_MANIFEST_DIR"), "/benches/conv_torch.py"),
-    ]
-    .into_iter()
-    .find(|p| std::path::Path::new(p).exists())
-    .unwrap_or("benches/conv_torch.py");
     let shape_args: Vec<String> = SHAPES.iter().map(name).collect();
-    let torch = Command::new("python3")
-        .arg(script)
-        .args(&shape_args)
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .and_then(|o| serde_json::from_slice::<serde_json::Value>(&o.stdout).ok());
+    let torch = common::run_anchor("conv_torch.py", &shape_args);
     println!(
         "conv bench on {}; anchor: {}",
         dev.info().name,

@@ -5,7 +5,8 @@
 //!
 //! Targets (issue 3): graph mode <= 2.0 us per op; direct mode within 1.2x of raw cuLaunchKernel.
 
-use std::process::Command;
+mod common;
+
 use std::ptr;
 use std::sync::Arc;
 use std::time::Instant;
@@ -223,15 +224,7 @@ fn main() {
     let (graph_default, _) = kiln_chain(&dev, true, None);
     let default_ops = CommandEncoder::new(&dev).unwrap().limits().0;
 
-    let torch = Command::new("python3")
-        .arg(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/benches/launch_torch.py"
-        ))
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .and_then(|o| serde_json::from_slice::<serde_json::Value>(&o.stdout).ok());
+    let torch = common::run_anchor("launch_torch.py", &[]);
 
     println!(
         "{:<52} {:>9} {:>12}",

@@ -8,7 +8,8 @@
 //! kiln is timed on the host around many calls (graph mode, one synchronise at the end), so its
 //! figures include any host time the GPU waits for; PyTorch is timed with CUDA events.
 
-use std::process::Command;
+mod common;
+
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -181,21 +182,8 @@ fn main() {
         return;
     }
     let copy = copy_gbs(&dev, &mut enc);
-    let script = [
-        "benches/norm_torch.py",
-        concat!(env!("CARGO_MANIFEST_DIR"), "/benches/norm_torch.py"),
-    ]
-    .into_iter()
-    .find(|p| std::path::Path::new(p).exists())
-    .unwrap_or("benches/norm_torch.py");
     let shape_args: Vec<String> = SHAPES.iter().map(|(r, d)| format!("{r},{d}")).collect();
-    let torch = Command::new("python3")
-        .arg(script)
-        .args(&shape_args)
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .and_then(|o| serde_json::from_slice::<serde_json::Value>(&o.stdout).ok());
+    let torch = common::run_anchor("norm_torch.py", &shape_args);
     let torch_copy = torch.as_ref().and_then(|t| t["copy_gbs"].as_f64());
     println!(
         "norm bench on {}: copy bandwidth {copy:.0} GB/s (kiln memcpy node){}",

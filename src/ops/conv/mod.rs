@@ -179,7 +179,7 @@ fn run(
     check_shape(b_name, b, &b_shape)?;
     let out = Array::empty(enc.device(), dtype, &out_shape)?;
     let (m, n, _) = pass.gemm(g);
-    if m == 0 || n == 0 || g.groups == 0 {
+    if m == 0 || n == 0 {
         return Ok(out);
     }
     // The kernels read row-major tensors; anything else is copied once.
@@ -236,9 +236,7 @@ fn launch(enc: &mut CommandEncoder, plan: &Plan, a: &Array, b: &Array, out: &Arr
         &[a, b],
         &[target],
     )?;
-    if let Some(p) = &partial {
-        let spec = plan::split_sum_spec(out.dtype());
-        let kernel = enc.device().kernel(&spec)?;
+    if let (Some(p), Some(kernel)) = (&partial, &plan.split_sum) {
         let n = out.size();
         let mut args = KernelArgs::new();
         args.push(p.device_ptr())
@@ -247,7 +245,7 @@ fn launch(enc: &mut CommandEncoder, plan: &Plan, a: &Array, b: &Array, out: &Arr
             .push(plan.splits as i32);
         let blocks = super::grid_stride_blocks(enc, n, plan::SPLIT_SUM_BLOCK);
         enc.launch(
-            &kernel,
+            kernel,
             blocks as u32,
             plan::SPLIT_SUM_BLOCK as u32,
             0,

@@ -164,6 +164,8 @@ pub struct Plan {
     pub shared: u32,
     /// Blocks along the reduction (backward-weight); >1 means f32 partials and a split sum.
     pub splits: usize,
+    /// The kernel that adds the partials up, when `splits` > 1.
+    pub split_sum: Option<Arc<LoadedKernel>>,
     pub problem: Problem,
 }
 
@@ -270,6 +272,11 @@ fn build(device: &Device, key: &PlanKey, t: Tile, splits: usize) -> Result<Plan>
         });
     }
     let grid = (m.div_ceil(t.bm as usize) as u32, y as u32, z as u32);
+    let split_sum = if splits > 1 {
+        Some(device.kernel(&split_sum_spec(key.dtype))?)
+    } else {
+        None
+    };
     Ok(Plan {
         kernel,
         spec,
@@ -277,6 +284,7 @@ fn build(device: &Device, key: &PlanKey, t: Tile, splits: usize) -> Result<Plan>
         threads: t.threads as u32,
         shared: shared as u32,
         splits,
+        split_sum,
         problem: Problem::new(g, key.pass, per_split, splits),
     })
 }
