@@ -12,12 +12,18 @@
 // without dilation runs one GEMM per stride phase (blockIdx.z too): input pixels whose position
 // plus padding is congruent to the phase modulo the stride are reached only by the kernel taps
 // congruent to it, so no block gathers taps that can only read zeros.
+// TAP_TILES (forward and backward-data, when the channels per group are a multiple of BK): every
+// k tile lies within one kernel tap, so a tile's k indices mean one tap and a first channel for
+// the whole block. Then no k table is built, and a row of A is bounds-checked once per tile
+// instead of once per vector. Tiles then run through the taps first and the channels second, so
+// that consecutive tiles of A read neighbouring pixels, which its loads keep in L1.
 {{> prelude}}
 
 typedef {{dtype}} T;
 constexpr int PASS = {{PASS}};
 constexpr int BM = {{BM}}, BN = {{BN}}, WM = {{WM}}, WN = {{WN}}, STAGES = {{STAGES}};
 constexpr int VEC_A = {{VEC_A}}, VEC_B = {{VEC_B}};
+constexpr bool TAP_TILES = {{TAP_TILES}} != 0;
 constexpr int THREADS = {{block_dim}};
 constexpr bool TENSOR = sizeof(T) == 2;
 constexpr int BK = TENSOR ? 32 : 8;
@@ -120,6 +126,48 @@ __device__ __forceinline__ kiln_kinfo k_info(const kiln_conv& p, const kiln_exte
   }
   return e;
 }
+
+// TAP_TILES: the tap and first channel of the tile being fetched, stepped one tile at a time,
+// taps first. Taps count within the phase's taps for phased backward-data.
+struct kiln_tap_cursor {
+  int t[3], c0;
+  int n[3], chans;
+
+  __device__ __forceinline__ void start(const kiln_conv& p, const kiln_extent& x, int k0) {
+    const bool phased = PASS == 1 && p.phases > 1;
+#pragma unroll
+    for (int d = 0; d < 3; ++d) n[d] = phased ? x.taps[d] : p.ks[d];
+    chans = PASS == 0 ? p.cin_g : p.cout_g;
+    // Tile i is channel block i / taps at tap i % taps.
+    const int taps = n[0] * n[1] * n[2], i = k0 / BK;
+    c0 = i / taps * BK;
+    const int tap = i % taps;
+    t[0] = tap / (n[1] * n[2]);
+    const int r = tap - t[0] * n[1] * n[2];
+    t[1] = r / n[2];
+    t[2] = r - t[1] * n[2];
+  }
+
+  __device__ __forceinline__ void advance() {
+    if (++t[2] < n[2]) return;
+    t[2] = 0;
+    if (++t[1] < n[1]) return;
+    t[1] = 0;
+    if (++t[0] < n[0]) return;
+    t[0] = 0;
+    c0 += BK;
+  }
+
+  // The tap's offset, in taps, within a weight row (counted from the far end for flip).
+  __device__ __forceinline__ int weight_tap(const kiln_conv& p, const kiln_extent& x) const {
+    const bool phased = PASS == 1 && p.phases > 1;
+    int kp[3];
+#pragma unroll
+    for (int d = 0; d < 3; ++d) kp[d] = phased ? x.tap0[d] + t[d] * p.stride[d] : t[d];
+    const int ks = (kp[0] * p.ks[1] + kp[1]) * p.ks[2] + kp[2];
+    return p.flip ? p.ksize - 1 - ks : ks;
+  }
+};
 
 // IS_A: row m of A, else column n of B; g is the group.
 // Row m of A as (batch, pixel position): an output pixel (forward) or an input pixel
@@ -259,11 +307,12 @@ template <bool IS_A> struct kiln_operand {
                 "each thread's vectors cover whole lines or part of one");
 };
 
-template <int BYTES>
+// L1: keep the line in L1 (.ca), for data the block reads again soon; else L2 only (.cg).
+template <int BYTES, bool L1>
 __device__ __forceinline__ void kiln_cp_async(void* smem, const void* gmem, bool valid) {
   const unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
   const int src_bytes = valid ? BYTES : 0;  // 0: fill with zeros, read nothing
-  if constexpr (BYTES == 16)
+  if constexpr (BYTES == 16 && !L1)
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
                  "r"(src_bytes));
   else
@@ -307,24 +356,75 @@ template <bool IS_A> struct kiln_loader {
       const int line = O::GLOBAL_K ? t * O::CHUNKS / O::PER_LINE + li
                                    : t % O::LINES_TOTAL + li * THREADS;
       mn[li] = mn_info<IS_A>(p, x, row0 + (O::GLOBAL_K ? line : line * O::VEC), g);
+      if (TAP_TILES && IS_A && PASS == 1 && p.phases > 1) {
+        // In output pixels, less the phase's first tap: the cotangent row a phase tap t reads
+        // is then t[d] = mn.t[d] - t (exact: the pixel and tap share the phase).
+#pragma unroll
+        for (int d = 0; d < 3; ++d) mn[li].t[d] = (mn[li].t[d] - x.tap0[d]) / p.stride[d];
+      }
     }
+  }
+
+  // TAP_TILES: the offset of this line's element at the tile's first k (kl = 0), or -1 where
+  // the line reads padding (or lies past the edge of the GEMM).
+  __device__ __forceinline__ int tap_line(const kiln_conv& p, const kiln_extent& x,
+                                          const kiln_tap_cursor& tap, const kiln_mninfo& e,
+                                          int g) const {
+    if (!e.valid) return -1;
+    if (IS_A) {
+      // An input pixel (forward) or a cotangent pixel (backward-data) at this tap.
+      int extent[3], q[3];
+#pragma unroll
+      for (int d = 0; d < 3; ++d) {
+        extent[d] = PASS == 0 ? p.in[d] : p.out[d];
+        q[d] = PASS == 0 ? e.t[d] + tap.t[d] * p.kdil[d] : e.t[d] - tap.t[d] * p.kdil[d];
+        if (q[d] < 0 || q[d] >= extent[d]) return -1;
+      }
+      const int pixel = e.base + (q[0] * extent[1] + q[1]) * extent[2] + q[2];
+      return PASS == 0 ? pixel * p.cin + g * p.cin_g + tap.c0
+                       : pixel * p.cout + g * p.cout_g + tap.c0;
+    }
+    const int w_tap = tap.weight_tap(p, x);
+    if (PASS == 0) return e.base + w_tap * p.cin_g + tap.c0;
+    return g * p.cout_g * p.ksize * p.cin_g + (tap.c0 * p.ksize + w_tap) * p.cin_g + e.base;
   }
 
   __device__ __forceinline__ T* slot(T* stage, int kl, int row) const {
     return O::SHARED_K ? stage + row * O::PITCH + kl : stage + kl * O::PITCH + row;
   }
 
-  // Starts the loads of one tile: straight to shared memory (cp.async) or into registers.
+  // Starts the loads of one tile through its k table.
   __device__ __forceinline__ void fetch(const kiln_conv& p, const T* src, const kiln_kinfo* table,
                                         T* stage, int g) {
+    load(src, stage, [&](int li, int kl) { return gather<IS_A>(p, mn[li], table[kl], g); });
+  }
+
+  // TAP_TILES: starts the loads of the tile at `tap`, one offset per line.
+  __device__ __forceinline__ void fetch_tap(const kiln_conv& p, const kiln_extent& x,
+                                            const kiln_tap_cursor& tap, const T* src, T* stage,
+                                            int g) {
+    int line[O::LINES];
+#pragma unroll
+    for (int li = 0; li < O::LINES; ++li) line[li] = tap_line(p, x, tap, mn[li], g);
+    // Along k a line steps through channels; only backward-data's weight (B, contiguous along
+    // n) steps through weight rows.
+    const int k_step = O::GLOBAL_K ? 1 : p.ksize * p.cin_g;
+    load(src, stage, [&](int li, int kl) { return line[li] < 0 ? -1 : line[li] + kl * k_step; });
+  }
+
+  // Starts the loads of one tile, each vector's element offset from offset(line, kl) (-1:
+  // zeros): straight to shared memory (cp.async) or into registers.
+  template <typename Offset>
+  __device__ __forceinline__ void load(const T* src, T* stage, Offset offset) {
 #pragma unroll
     for (int c = 0; c < O::CHUNKS; ++c) {
       int li, kl, row;
       chunk(c, li, kl, row);
-      const int off = gather<IS_A>(p, mn[li], table[kl], g);
+      const int off = offset(li, kl);
       if constexpr (O::ASYNC) {
-        kiln_cp_async<O::VEC * sizeof(T)>(slot(stage, kl, row), off >= 0 ? src + off : src,
-                                          off >= 0);
+        // TAP_TILES: the next tile of A reads the pixels next to this one's.
+        kiln_cp_async<O::VEC * sizeof(T), TAP_TILES && IS_A>(
+            slot(stage, kl, row), off >= 0 ? src + off : src, off >= 0);
       } else if (off >= 0) {
         held[c] = *reinterpret_cast<const kiln_vec<T, O::VEC>*>(src + off);
       } else {
@@ -559,17 +659,28 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{kernel}}(
   la.init(p, ext, m0, g);
   lb.init(p, ext, n0, g);
 
-  // Each tile's k table is built by one warp, a different one each tile.
+  // Each tile's k table is built by one warp, a different one each tile; TAP_TILES steps a
+  // cursor instead (tiles are fetched in order).
   constexpr int WARPS = THREADS / 32;
   auto build_table = [&](int t) {
     const int lane = threadIdx.x % 32;
-    if (threadIdx.x / 32 == t % WARPS && lane < BK)
+    if (!TAP_TILES && threadIdx.x / 32 == t % WARPS && lane < BK)
       tables[(t % 2) * BK + lane] = k_info(p, ext, (kt0 + t) * BK + lane);
   };
+  kiln_tap_cursor tap;
+  if (TAP_TILES) tap.start(p, ext, kt0 * BK);
   auto fetch = [&](int t) {
-    const kiln_kinfo* table = tables + (t % 2) * BK;
-    la.fetch(p, a_src, table, sa + (t % STAGES) * OA::STAGE_ELEMS, g);
-    lb.fetch(p, b_src, table, sb + (t % STAGES) * OB::STAGE_ELEMS, g);
+    T* a_stage = sa + (t % STAGES) * OA::STAGE_ELEMS;
+    T* b_stage = sb + (t % STAGES) * OB::STAGE_ELEMS;
+    if (TAP_TILES) {
+      la.fetch_tap(p, ext, tap, a_src, a_stage, g);
+      lb.fetch_tap(p, ext, tap, b_src, b_stage, g);
+      tap.advance();
+    } else {
+      const kiln_kinfo* table = tables + (t % 2) * BK;
+      la.fetch(p, a_src, table, a_stage, g);
+      lb.fetch(p, b_src, table, b_stage, g);
+    }
   };
   auto stash = [&](int t) {
     la.stash(sa + (t % STAGES) * OA::STAGE_ELEMS);

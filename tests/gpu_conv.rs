@@ -183,6 +183,35 @@ fn cases() -> Vec<Case> {
                 .padding_lo(&[1, 0, 2])
                 .padding_hi(&[0, 1, 1]),
         ),
+        // Channels per group a multiple of 32: every k tile is one kernel tap (TAP_TILES) for
+        // 16-bit types too, in forward and backward-data.
+        case(
+            "2d tap tiles, groups 2, stride 2, pad 1/2",
+            &[2, 9, 11, 64],
+            &[64, 3, 3, 32],
+            d().groups(2)
+                .strides(&[2])
+                .padding_lo(&[1])
+                .padding_hi(&[2]),
+        ),
+        case(
+            "2d tap tiles, flip, kernel dilation 2, 64 -> 96",
+            &[2, 10, 9, 64],
+            &[96, 3, 2, 64],
+            d().flip(true).kernel_dilation(&[2]).padding(&[2]),
+        ),
+        case(
+            "3d tap tiles, stride (2, 1, 3)",
+            &[1, 5, 6, 7, 32],
+            &[32, 3, 2, 2, 32],
+            d().strides(&[2, 1, 3]).padding(&[1]),
+        ),
+        case(
+            "2d tap tiles, input dilation 2",
+            &[1, 5, 6, 32],
+            &[32, 3, 3, 32],
+            d().input_dilation(&[2]).padding(&[1]),
+        ),
         // Several tiles in every direction, and a reduction long enough to split.
         case(
             "2d 3x3 64 -> 144 channels",
@@ -320,7 +349,8 @@ fn matrix_direct_mode() {
 }
 
 /// Every registered tile and vector width, whichever the plans would pick: a case whose
-/// channels allow 16-byte vectors and one whose channels do not, split and unsplit.
+/// channels allow 16-byte vectors, one whose channels do not, and one whose k tiles each lie
+/// within one kernel tap (the TAP_TILES kernels), split and unsplit.
 #[test]
 fn every_tile_and_vector_width() {
     if common::gpus_or_skip("every_tile_and_vector_width").is_none() {
@@ -343,7 +373,27 @@ fn every_tile_and_vector_width() {
             &[10, 3, 2, 3],
             d().groups(2).padding_lo(&[1]).flip(true),
         ),
+        case(
+            "tap tiles",
+            &[2, 10, 9, 64],
+            &[96, 3, 3, 64],
+            d().padding(&[1]).strides(&[2, 1]).flip(true),
+        ),
     ];
+    let tap = &shapes[2];
+    for dtype in DType::ALL {
+        for pass in [Pass::Forward, Pass::BackwardData] {
+            let key = plan::PlanKey {
+                device: 0,
+                dtype,
+                pass,
+                geometry: Geometry::new(&tap.x, &tap.w, &tap.p).unwrap(),
+                vec_a: true,
+                vec_b: true,
+            };
+            assert!(plan::tap_tiles(&key), "{dtype} {}", pass.name());
+        }
+    }
     let mut failures = Vec::new();
     let mut checked = 0;
     for c in &shapes {

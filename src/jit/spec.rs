@@ -6,7 +6,7 @@ use std::hash::{Hash, Hasher};
 use crate::dtype::DType;
 
 /// The most named constants one template family may take.
-pub const MAX_CONSTS: usize = 8;
+pub const MAX_CONSTS: usize = 9;
 
 /// A kernel family: one handlebars CUDA source in `templates/`, embedded at compile time.
 ///

@@ -18,7 +18,17 @@ pub static IGEMM: TemplateDef = TemplateDef {
     name: "conv_igemm",
     source: include_str!("../../../templates/conv_igemm.cu"),
     kernel: "kiln_conv_igemm",
-    const_names: &["PASS", "BM", "BN", "WM", "WN", "STAGES", "VEC_A", "VEC_B"],
+    const_names: &[
+        "PASS",
+        "BM",
+        "BN",
+        "WM",
+        "WN",
+        "STAGES",
+        "VEC_A",
+        "VEC_B",
+        "TAP_TILES",
+    ],
     arch_specific: false,
 };
 
@@ -42,7 +52,8 @@ pub struct Tile {
     pub wn: u16,
     pub stages: u16,
     pub threads: u16,
-    /// Relative throughput of a block of this tile when the GPU is full (the big tile is 1).
+    /// Throughput of an SM full of blocks of this tile, relative to the best tile of its path
+    /// (100), as the bench's sweep measured it on the H100.
     efficiency: u8,
 }
 
@@ -61,19 +72,19 @@ const fn tile(bm: u16, bn: u16, wm: u16, wn: u16, stages: u16, threads: u16, eff
 /// Tensor-core tiles (f16, bf16): k steps of 32.
 pub const TENSOR_TILES: [Tile; 5] = [
     tile(128, 128, 2, 4, 4, 256, 100),
-    tile(128, 64, 2, 2, 4, 128, 85),
-    tile(64, 128, 2, 2, 4, 128, 85),
+    tile(128, 64, 2, 2, 4, 128, 75),
+    tile(64, 128, 2, 2, 4, 128, 65),
     tile(64, 64, 2, 2, 4, 128, 65),
     // For few output columns (backward-data of 3 input channels, say).
     tile(128, 32, 4, 1, 4, 128, 55),
 ];
 /// FMA tiles (f32): k steps of 8, square per-thread tiles of 8 x 8.
 pub const FMA_TILES: [Tile; 4] = [
-    tile(128, 128, 0, 0, 3, 256, 100),
-    tile(128, 64, 0, 0, 3, 128, 90),
-    tile(64, 64, 0, 0, 3, 64, 75),
+    tile(128, 128, 0, 0, 3, 256, 85),
+    tile(128, 64, 0, 0, 3, 128, 100),
+    tile(64, 64, 0, 0, 3, 64, 95),
     // For few output columns.
-    tile(128, 32, 0, 0, 3, 64, 60),
+    tile(128, 32, 0, 0, 3, 64, 90),
 ];
 
 pub fn tiles(dtype: DType) -> &'static [Tile] {
@@ -96,7 +107,15 @@ fn vec_widths(dtype: DType) -> [u8; 2] {
     [dtype.vec_width() as u8, 1]
 }
 
-pub fn igemm_spec(dtype: DType, pass: Pass, t: Tile, vec_a: u8, vec_b: u8) -> KernelSpec {
+/// `tap_tiles`: every k tile lies within one kernel tap (see [`tap_tiles`]).
+pub fn igemm_spec(
+    dtype: DType,
+    pass: Pass,
+    t: Tile,
+    vec_a: u8,
+    vec_b: u8,
+    tap_tiles: bool,
+) -> KernelSpec {
     KernelSpec::new(
         &IGEMM,
         dtype,
@@ -111,6 +130,7 @@ pub fn igemm_spec(dtype: DType, pass: Pass, t: Tile, vec_a: u8, vec_b: u8) -> Ke
             t.stages as i32,
             vec_a as i32,
             vec_b as i32,
+            tap_tiles as i32,
         ],
     )
 }
@@ -127,8 +147,12 @@ pub fn specs() -> Vec<KernelSpec> {
             for &t in tiles(dtype) {
                 for va in vec_widths(dtype) {
                     for vb in vec_widths(dtype) {
-                        out.push(igemm_spec(dtype, pass, t, va, vb));
+                        out.push(igemm_spec(dtype, pass, t, va, vb, false));
                     }
+                }
+                if pass != Pass::BackwardWeight {
+                    let v = dtype.vec_width() as u8;
+                    out.push(igemm_spec(dtype, pass, t, v, v, true));
                 }
             }
         }
@@ -236,6 +260,26 @@ fn vec_for(dtype: DType, allowed: bool) -> u8 {
     }
 }
 
+/// Whether every k tile lies within one kernel tap, so the kernel can skip its per-tile table
+/// of what each k index means: forward and backward-data whose reduced channels per group are a
+/// multiple of the k step, with 16-byte loads on both operands; forward without input dilation
+/// (which leaves holes between taps), backward-data by stride phase or at stride 1 (a strided
+/// unphased tap may land between cotangent pixels).
+pub fn tap_tiles(key: &PlanKey) -> bool {
+    let g = &key.geometry;
+    let bk = block_k(key.dtype);
+    let ones = |v: &[usize; 3]| v.iter().all(|&x| x == 1);
+    key.vec_a
+        && key.vec_b
+        && match key.pass {
+            Pass::Forward => (g.cin / g.groups) % bk == 0 && ones(&g.input_dilation),
+            Pass::BackwardData => {
+                (g.cout / g.groups) % bk == 0 && (key.pass.phases(g) > 1 || ones(&g.stride))
+            }
+            Pass::BackwardWeight => false,
+        }
+}
+
 fn build(device: &Device, key: &PlanKey, t: Tile, splits: usize) -> Result<Plan> {
     let spec = igemm_spec(
         key.dtype,
@@ -243,6 +287,7 @@ fn build(device: &Device, key: &PlanKey, t: Tile, splits: usize) -> Result<Plan>
         t,
         vec_for(key.dtype, key.vec_a),
         vec_for(key.dtype, key.vec_b),
+        tap_tiles(key),
     );
     let kernel = device.kernel(&spec)?;
     let shared = shared_bytes(key.dtype, key.pass, t);
@@ -292,28 +337,49 @@ fn build(device: &Device, key: &PlanKey, t: Tile, splits: usize) -> Result<Plan>
 /// Largest grid dims the driver takes along y and z.
 const MAX_GRID_YZ: usize = 65535;
 
-/// Picks the tile with the least modelled time (waves of blocks, each costing its tile's area
-/// over its efficiency) and, for backward-weight, splits the reduction until the GPU is full.
+/// Registers a thread of the kernel uses, roughly as ptxas reports them for sm_90: the
+/// 256-thread f32 tile is capped at 128, the tap-tile kernels need fewer than the table ones.
+fn registers(dtype: DType, t: Tile, tap_tiles: bool) -> usize {
+    match (dtype, t.threads, tap_tiles) {
+        (DType::F32, 256, _) => 128,
+        (DType::F32, _, _) => 192,
+        (_, _, true) => 168,
+        (_, _, false) => 248,
+    }
+}
+
+/// Picks the tile with the least modelled time and, for backward-weight, splits the reduction
+/// until the GPU is full. The model: blocks spread over the SMs, each SM holding as many at once
+/// as fit (threads, shared memory, registers) but no more than its share; an SM needs about 8
+/// warps to reach its tile's throughput; the time is the rounds of such SM loads times the work
+/// of one.
 fn choose(device: &Device, key: &PlanKey) -> (Tile, usize) {
     let info = device.info();
-    let sms = info.multiprocessors as usize;
-    let optin = info.max_shared_per_block as usize;
+    pick(
+        info.multiprocessors as usize,
+        info.max_shared_per_block as usize,
+        key,
+    )
+}
+
+/// [`choose`] for a GPU of `sms` multiprocessors and `optin` bytes of shared memory per block.
+fn pick(sms: usize, optin: usize, key: &PlanKey) -> (Tile, usize) {
     let g = &key.geometry;
     let (m, n, k) = key.pass.block_gemm(g);
     let groups = g.groups * key.pass.phases(g);
     let bk = block_k(key.dtype);
+    let tap = tap_tiles(key);
     let mut best: Option<(f64, Tile, usize)> = None;
     for &t in tiles(key.dtype) {
         let shared = shared_bytes(key.dtype, key.pass, t);
         if shared > optin || n.div_ceil(t.bn as usize) > MAX_GRID_YZ {
             continue;
         }
+        let threads = t.threads as usize;
         let blocks = m.div_ceil(t.bm as usize) * n.div_ceil(t.bn as usize) * groups;
-        // Blocks that fit an SM at once: by threads (2048), shared memory and registers
-        // (about 128 per thread for these tiles).
-        let per_sm = (2048 / t.threads as usize)
+        let per_sm = (2048 / threads)
             .min(optin / shared.max(1))
-            .min(65536 / (128 * t.threads as usize))
+            .min(65536 / (registers(key.dtype, t, tap) * threads))
             .max(1);
         let slots = sms * per_sm;
         let mut splits = 1;
@@ -325,9 +391,12 @@ fn choose(device: &Device, key: &PlanKey) -> (Tile, usize) {
             let most = (k_tiles / 8).max(1).min(MAX_GRID_YZ / groups.max(1)).max(1);
             splits = want.clamp(1, most);
         }
-        let waves = (blocks * splits).div_ceil(slots) as f64;
+        let total = blocks * splits;
+        let at_once = per_sm.min(total.div_ceil(sms)).max(1);
+        let rounds = total.div_ceil(sms * at_once) as f64;
+        let rate = t.efficiency as f64 * (at_once as f64 * threads as f64 / 256.0).min(1.0);
         let k_work = k.div_ceil(splits).max(1) as f64;
-        let cost = waves * (t.bm as f64 * t.bn as f64) * k_work / t.efficiency as f64;
+        let cost = rounds * at_once as f64 * (t.bm as f64 * t.bn as f64) * k_work / rate;
         if best.map_or(true, |(c, _, _)| cost < c) {
             best = Some((cost, t, splits));
         }
@@ -350,14 +419,96 @@ mod tests {
                 for &t in tiles(dtype) {
                     for a in [true, false] {
                         for b in [true, false] {
-                            let s =
-                                igemm_spec(dtype, pass, t, vec_for(dtype, a), vec_for(dtype, b));
-                            assert!(unique.contains(&s), "{s} is not registered");
+                            for tap in [false, true] {
+                                let s = igemm_spec(
+                                    dtype,
+                                    pass,
+                                    t,
+                                    vec_for(dtype, a),
+                                    vec_for(dtype, b),
+                                    tap,
+                                );
+                                // tap_tiles asks for both vectors, and not backward-weight.
+                                let possible = !tap || (a && b && pass != Pass::BackwardWeight);
+                                assert_eq!(unique.contains(&s), possible, "{s}");
+                            }
                         }
                     }
                 }
             }
         }
+    }
+
+    #[test]
+    fn tap_tiles_where_every_k_tile_is_one_tap() {
+        use super::super::geometry::ConvParams;
+        let key = |dtype, pass, cin: usize, cout: usize, p: ConvParams| PlanKey {
+            device: 0,
+            dtype,
+            pass,
+            geometry: Geometry::new(&[2, 9, 9, cin], &[cout, 3, 3, cin / p.groups], &p).unwrap(),
+            vec_a: true,
+            vec_b: true,
+        };
+        let d = ConvParams::default;
+        let (f16, f32) = (DType::F16, DType::F32);
+        let (fwd, dgrad, wgrad) = (Pass::Forward, Pass::BackwardData, Pass::BackwardWeight);
+        assert!(tap_tiles(&key(f16, fwd, 64, 40, d())));
+        assert!(
+            !tap_tiles(&key(f16, fwd, 48, 64, d())),
+            "48 channels span taps"
+        );
+        assert!(tap_tiles(&key(f32, fwd, 48, 64, d())));
+        assert!(
+            !tap_tiles(&key(f16, fwd, 64, 64, d().groups(4))),
+            "16 per group"
+        );
+        assert!(tap_tiles(&key(f16, fwd, 64, 64, d().groups(2))));
+        assert!(!tap_tiles(&key(f16, fwd, 64, 64, d().input_dilation(&[2]))));
+        assert!(tap_tiles(&key(f16, dgrad, 8, 64, d().input_dilation(&[2]))));
+        assert!(
+            tap_tiles(&key(f16, dgrad, 8, 64, d().strides(&[2]))),
+            "phased"
+        );
+        let unphased = d().strides(&[2]).kernel_dilation(&[2]);
+        assert!(!tap_tiles(&key(f16, dgrad, 8, 64, unphased)));
+        assert!(!tap_tiles(&key(f16, wgrad, 64, 64, d())));
+        let mut scalar = key(f16, fwd, 64, 64, d());
+        scalar.vec_b = false;
+        assert!(!tap_tiles(&scalar));
+    }
+
+    /// The model against the bench's sweep on the H100 (132 SMs, 227 KiB): the tile that
+    /// measured fastest, or within a few percent of it.
+    #[test]
+    fn the_model_picks_the_measured_tiles() {
+        let key = |shape: [usize; 9], pass| {
+            let [n, c, h, w, k, r, s, stride, pad] = shape;
+            let p = super::super::geometry::ConvParams::default()
+                .strides(&[stride])
+                .padding(&[pad]);
+            PlanKey {
+                device: 0,
+                dtype: DType::BF16,
+                pass,
+                geometry: Geometry::new(&[n, h, w, c], &[k, r, s, c], &p).unwrap(),
+                vec_a: true,
+                vec_b: true,
+            }
+        };
+        let picked = |shape, pass| {
+            let (t, _) = pick(132, 227 * 1024, &key(shape, pass));
+            (t.bm, t.bn)
+        };
+        let fwd = Pass::Forward;
+        // 1x1, 64 -> 256 at 56x56: 52 TFLOP/s against 28-39 for the smaller tiles.
+        assert_eq!(picked([32, 64, 56, 56, 256, 1, 1, 1, 0], fwd), (128, 128));
+        // 3x3 at 7x7, 512 channels: 106 against 63-80 (few blocks: small tiles fill the GPU).
+        assert_eq!(picked([32, 512, 7, 7, 512, 3, 3, 1, 1], fwd), (64, 64));
+        // 3x3 at 56x56, 64 channels (n = 64): 83 against 75 for 128x128.
+        assert_eq!(picked([32, 64, 56, 56, 64, 3, 3, 1, 1], fwd), (128, 64));
+        // 3x3 at 28x28, 128 channels: 111 against 98.
+        assert_eq!(picked([32, 128, 28, 28, 128, 3, 3, 1, 1], fwd), (128, 128));
     }
 
     #[test]

@@ -1,0 +1,65 @@
+//! A small program for profilers (ncu, compute-sanitizer): one convolution pass, run twice.
+//! Usage: conv_profile N,C,H,W,K,R,S,stride,pad f16|bf16|f32 forward|backward_data|backward_weight
+//! (default: 32,128,28,28,128,3,3,1,1 f16 forward).
+use kiln::ops::conv::{self, ConvParams, Geometry, Pass};
+use kiln::runtime::{Array, CommandEncoder, Device};
+use kiln::selfcheck::TestRng;
+use kiln::{DType, Error};
+
+fn bad(arg: &'static str, reason: &str) -> Error {
+    Error::InvalidArgument {
+        arg,
+        reason: reason.into(),
+    }
+}
+
+fn main() -> kiln::Result<()> {
+    let mut args = std::env::args().skip(1);
+    let shape: Vec<usize> = args
+        .next()
+        .unwrap_or("32,128,28,28,128,3,3,1,1".into())
+        .split(',')
+        .map(|v| v.parse().map_err(|_| bad("shape", v)))
+        .collect::<kiln::Result<_>>()?;
+    let [n, c, h, w, k, r, s, stride, pad] = shape[..] else {
+        return Err(bad("shape", "needs N,C,H,W,K,R,S,stride,pad"));
+    };
+    let dtype: DType = match args.next().as_deref().unwrap_or("f16") {
+        "f16" => DType::F16,
+        "bf16" => DType::BF16,
+        "f32" => DType::F32,
+        other => return Err(bad("dtype", other)),
+    };
+    let pass = match args.next().as_deref().unwrap_or("forward") {
+        "forward" => Pass::Forward,
+        "backward_data" => Pass::BackwardData,
+        "backward_weight" => Pass::BackwardWeight,
+        other => return Err(bad("pass", other)),
+    };
+    let p = ConvParams::default().strides(&[stride]).padding(&[pad]);
+    let g = Geometry::new(&[n, h, w, c], &[k, r, s, c], &p)?;
+    let dev = Device::get(0)?;
+    let mut enc = CommandEncoder::new(&dev)?;
+    let mut rng = TestRng::new(1);
+    let mut up = |enc: &mut CommandEncoder, shape: &[usize]| {
+        let len = shape.iter().product();
+        Array::from_f64(enc, dtype, &rng.values(len, 2.0, 0.0), shape)
+    };
+    let x = up(&mut enc, &g.input_shape())?;
+    let wt = up(&mut enc, &g.weight_shape())?;
+    let dy = up(&mut enc, &g.output_shape())?;
+    for _ in 0..2 {
+        match pass {
+            Pass::Forward => conv::conv_forward(&mut enc, &x, &wt, &p)?,
+            Pass::BackwardData => {
+                conv::conv_backward_data(&mut enc, &dy, &wt, &g.input_shape(), &p)?
+            }
+            Pass::BackwardWeight => {
+                conv::conv_backward_weight(&mut enc, &x, &dy, &g.weight_shape(), &p)?
+            }
+        };
+    }
+    enc.synchronize()?;
+    println!("done");
+    Ok(())
+}
