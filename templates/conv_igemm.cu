@@ -26,7 +26,8 @@ constexpr int VEC_A = {{VEC_A}}, VEC_B = {{VEC_B}};
 constexpr bool TAP_TILES = {{TAP_TILES}} != 0;
 constexpr int THREADS = {{block_dim}};
 constexpr bool TENSOR = sizeof(T) == 2;
-constexpr int BK = TENSOR ? 32 : 8;
+// f32 backward-weight steps 16: both operands load by cp.async, so no registers hold a tile.
+constexpr int BK = TENSOR ? 32 : (PASS == 2 ? 16 : 8);
 
 // Mirrors ops::conv::Problem (repr(C)).
 struct kiln_conv {

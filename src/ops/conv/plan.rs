@@ -94,9 +94,13 @@ pub fn tiles(dtype: DType) -> &'static [Tile] {
     }
 }
 
-fn block_k(dtype: DType) -> usize {
-    match dtype {
-        DType::F32 => 8,
+/// The k step of a tile (the template's BK). f32 backward-weight takes 16: both of its operands
+/// load straight to shared memory, so the longer step costs no registers and halves the per-step
+/// overhead (table, gathers, barrier) against the FMAs.
+fn block_k(dtype: DType, pass: Pass) -> usize {
+    match (dtype, pass) {
+        (DType::F32, Pass::BackwardWeight) => 16,
+        (DType::F32, _) => 8,
         _ => 32,
     }
 }
@@ -164,7 +168,7 @@ pub fn specs() -> Vec<KernelSpec> {
 /// Shared memory a block of `t` needs: STAGES buffers of both operand tiles (rows padded as the
 /// template pads them) and two k-index tables.
 pub fn shared_bytes(dtype: DType, pass: Pass, t: Tile) -> usize {
-    let bk = block_k(dtype);
+    let bk = block_k(dtype, pass);
     let tensor = dtype != DType::F32;
     let a_k = pass != Pass::BackwardWeight;
     let b_k = pass == Pass::Forward;
@@ -267,7 +271,7 @@ fn vec_for(dtype: DType, allowed: bool) -> u8 {
 /// unphased tap may land between cotangent pixels).
 pub fn tap_tiles(key: &PlanKey) -> bool {
     let g = &key.geometry;
-    let bk = block_k(key.dtype);
+    let bk = block_k(key.dtype, key.pass);
     let ones = |v: &[usize; 3]| v.iter().all(|&x| x == 1);
     key.vec_a
         && key.vec_b
@@ -300,7 +304,7 @@ fn build(device: &Device, key: &PlanKey, t: Tile, splits: usize) -> Result<Plan>
     }
     let g = &key.geometry;
     let (m, n, k) = key.pass.block_gemm(g);
-    let k_tiles = k.div_ceil(block_k(key.dtype));
+    let k_tiles = k.div_ceil(block_k(key.dtype, key.pass));
     let per_split = k_tiles.div_ceil(splits.max(1)).max(1);
     let splits = k_tiles.div_ceil(per_split).max(1);
     let z = g.groups * key.pass.phases(g) * splits;
@@ -348,8 +352,8 @@ fn registers(dtype: DType, t: Tile, tap_tiles: bool) -> usize {
     }
 }
 
-/// Picks the tile with the least modelled time and, for backward-weight, splits the reduction
-/// until the GPU is full. The model: blocks spread over the SMs, each SM holding as many at once
+/// Picks the tile, and for backward-weight the split of the reduction, with the least modelled
+/// time. The model: blocks spread over the SMs, each SM holding as many at once
 /// as fit (threads, shared memory, registers) but no more than its share; an SM needs about 8
 /// warps to reach its tile's throughput; the time is the rounds of such SM loads times the work
 /// of one.
@@ -367,7 +371,7 @@ fn pick(sms: usize, optin: usize, key: &PlanKey) -> (Tile, usize) {
     let g = &key.geometry;
     let (m, n, k) = key.pass.block_gemm(g);
     let groups = g.groups * key.pass.phases(g);
-    let bk = block_k(key.dtype);
+    let bk = block_k(key.dtype, key.pass);
     let tap = tap_tiles(key);
     let mut best: Option<(f64, Tile, usize)> = None;
     for &t in tiles(key.dtype) {
@@ -381,24 +385,23 @@ fn pick(sms: usize, optin: usize, key: &PlanKey) -> (Tile, usize) {
             .min(optin / shared.max(1))
             .min(65536 / (registers(key.dtype, t, tap) * threads))
             .max(1);
-        let slots = sms * per_sm;
-        let mut splits = 1;
-        if key.pass == Pass::BackwardWeight {
-            // Split the long reduction until about two waves of blocks, each split keeping at
-            // least 8 k tiles, within the grid's z limit.
-            let k_tiles = k.div_ceil(bk).max(1);
-            let want = (2 * slots).div_ceil(blocks.max(1));
-            let most = (k_tiles / 8).max(1).min(MAX_GRID_YZ / groups.max(1)).max(1);
-            splits = want.clamp(1, most);
-        }
-        let total = blocks * splits;
-        let at_once = per_sm.min(total.div_ceil(sms)).max(1);
-        let rounds = total.div_ceil(sms * at_once) as f64;
-        let rate = t.efficiency as f64 * (at_once as f64 * threads as f64 / 256.0).min(1.0);
-        let k_work = k.div_ceil(splits).max(1) as f64;
-        let cost = rounds * at_once as f64 * (t.bm as f64 * t.bn as f64) * k_work / rate;
-        if best.map_or(true, |(c, _, _)| cost < c) {
-            best = Some((cost, t, splits));
+        // Backward-weight may split its reduction, each split keeping at least 8 k tiles,
+        // within the grid's z limit.
+        let most = match key.pass {
+            Pass::BackwardWeight => (k.div_ceil(bk) / 8).clamp(1, MAX_GRID_YZ / groups.max(1)),
+            _ => 1,
+        };
+        for splits in 1..=most {
+            let total = blocks * splits;
+            let at_once = per_sm.min(total.div_ceil(sms)).max(1);
+            let rounds = total.div_ceil(sms * at_once) as f64;
+            let rate = t.efficiency as f64 * (at_once as f64 * threads as f64 / 256.0).min(1.0);
+            // A block also pays about four k steps for its prologue and epilogue.
+            let k_work = (k.div_ceil(splits) + 4 * bk) as f64;
+            let cost = rounds * at_once as f64 * (t.bm as f64 * t.bn as f64) * k_work / rate;
+            if best.map_or(true, |(c, _, _)| cost < c) {
+                best = Some((cost, t, splits));
+            }
         }
     }
     let (_, t, splits) = best.unwrap_or((0.0, tiles(key.dtype)[tiles(key.dtype).len() - 1], 1));
