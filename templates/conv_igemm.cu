@@ -26,7 +26,8 @@ constexpr int VEC_A = {{VEC_A}}, VEC_B = {{VEC_B}};
 constexpr bool TAP_TILES = {{TAP_TILES}} != 0;
 constexpr int THREADS = {{block_dim}};
 constexpr bool TENSOR = sizeof(T) == 2;
-// f32 backward-weight steps 16: both operands load by cp.async, so no registers hold a tile.
+// f32 backward-weight steps 16: with 16-byte loads both operands go by cp.async, so the longer
+// step holds no tile in registers.
 constexpr int BK = TENSOR ? 32 : (PASS == 2 ? 16 : 8);
 
 // Mirrors ops::conv::Problem (repr(C)).
@@ -89,6 +90,33 @@ struct kiln_mninfo {
   int valid;
 };
 
+// Taps along dim d that a k index runs over: the phase's for phased backward-data, else the
+// kernel's. (Values, not a pointer to either array: a pointer would put x in local memory.)
+__device__ __forceinline__ int tap_count(const kiln_conv& p, const kiln_extent& x, int d) {
+  return PASS == 1 && p.phases > 1 ? x.taps[d] : p.ks[d];
+}
+
+// Tap number `tap` (counted as tap_count counts) as a position per dim.
+__device__ __forceinline__ void tap_position(const kiln_conv& p, const kiln_extent& x, int tap,
+                                             int (&t)[3]) {
+  const int n1 = tap_count(p, x, 1), n2 = tap_count(p, x, 2);
+  t[0] = tap / (n1 * n2);
+  const int r = tap - t[0] * n1 * n2;
+  t[1] = r / n2;
+  t[2] = r - t[1] * n2;
+}
+
+// The kernel position kp of tap position t, and its offset in taps within a weight row
+// (counted from the far end for flip).
+__device__ __forceinline__ int kernel_tap(const kiln_conv& p, const kiln_extent& x,
+                                          const int (&t)[3], int (&kp)[3]) {
+  const bool phased = PASS == 1 && p.phases > 1;
+#pragma unroll
+  for (int d = 0; d < 3; ++d) kp[d] = phased ? x.tap0[d] + t[d] * p.stride[d] : t[d];
+  const int ks = (kp[0] * p.ks[1] + kp[1]) * p.ks[2] + kp[2];
+  return p.flip ? p.ksize - 1 - ks : ks;
+}
+
 __device__ __forceinline__ kiln_kinfo k_info(const kiln_conv& p, const kiln_extent& x, int k) {
   kiln_kinfo e;
   e.valid = k < x.k;
@@ -97,21 +125,12 @@ __device__ __forceinline__ kiln_kinfo k_info(const kiln_conv& p, const kiln_exte
   if (PASS == 0 || PASS == 1) {
     const int chans = PASS == 0 ? p.cin_g : p.cout_g;
     const int tap = k / chans, c = k - tap * chans;
-    // Phased: the tap indexes this phase's taps; otherwise all of them.
-    const bool phased = PASS == 1 && p.phases > 1;
-    // Values, not a pointer to either array: a pointer would put x in local memory.
-    const int n1 = phased ? x.taps[1] : p.ks[1], n2 = phased ? x.taps[2] : p.ks[2];
-    const int t0 = tap / (n1 * n2), r = tap - t0 * n1 * n2;
-    const int t1 = r / n2, t2 = r - t1 * n2;
-    const int kd = phased ? x.tap0[0] + t0 * p.stride[0] : t0;
-    const int kh = phased ? x.tap0[1] + t1 * p.stride[1] : t1;
-    const int kw = phased ? x.tap0[2] + t2 * p.stride[2] : t2;
-    const int ks = (kd * p.ks[1] + kh) * p.ks[2] + kw;
+    int t[3], kp[3];
+    tap_position(p, x, tap, t);
+    const int ks_w = kernel_tap(p, x, t, kp);
     const int sign = PASS == 0 ? 1 : -1;
-    e.t[0] = sign * kd * p.kdil[0];
-    e.t[1] = sign * kh * p.kdil[1];
-    e.t[2] = sign * kw * p.kdil[2];
-    const int ks_w = p.flip ? p.ksize - 1 - ks : ks;
+#pragma unroll
+    for (int d = 0; d < 3; ++d) e.t[d] = sign * kp[d] * p.kdil[d];
     e.c = c;
     e.w = PASS == 0 ? ks_w * p.cin_g + c : (c * p.ksize + ks_w) * p.cin_g;
   } else {
@@ -132,41 +151,29 @@ __device__ __forceinline__ kiln_kinfo k_info(const kiln_conv& p, const kiln_exte
 // taps first. Taps count within the phase's taps for phased backward-data.
 struct kiln_tap_cursor {
   int t[3], c0;
-  int n[3], chans;
 
   __device__ __forceinline__ void start(const kiln_conv& p, const kiln_extent& x, int k0) {
-    const bool phased = PASS == 1 && p.phases > 1;
-#pragma unroll
-    for (int d = 0; d < 3; ++d) n[d] = phased ? x.taps[d] : p.ks[d];
-    chans = PASS == 0 ? p.cin_g : p.cout_g;
     // Tile i is channel block i / taps at tap i % taps.
-    const int taps = n[0] * n[1] * n[2], i = k0 / BK;
+    const int taps = tap_count(p, x, 0) * tap_count(p, x, 1) * tap_count(p, x, 2);
+    const int i = k0 / BK;
     c0 = i / taps * BK;
-    const int tap = i % taps;
-    t[0] = tap / (n[1] * n[2]);
-    const int r = tap - t[0] * n[1] * n[2];
-    t[1] = r / n[2];
-    t[2] = r - t[1] * n[2];
+    tap_position(p, x, i % taps, t);
   }
 
-  __device__ __forceinline__ void advance() {
-    if (++t[2] < n[2]) return;
+  __device__ __forceinline__ void advance(const kiln_conv& p, const kiln_extent& x) {
+    if (++t[2] < tap_count(p, x, 2)) return;
     t[2] = 0;
-    if (++t[1] < n[1]) return;
+    if (++t[1] < tap_count(p, x, 1)) return;
     t[1] = 0;
-    if (++t[0] < n[0]) return;
+    if (++t[0] < tap_count(p, x, 0)) return;
     t[0] = 0;
     c0 += BK;
   }
 
-  // The tap's offset, in taps, within a weight row (counted from the far end for flip).
+  // The tap's offset, in taps, within a weight row.
   __device__ __forceinline__ int weight_tap(const kiln_conv& p, const kiln_extent& x) const {
-    const bool phased = PASS == 1 && p.phases > 1;
     int kp[3];
-#pragma unroll
-    for (int d = 0; d < 3; ++d) kp[d] = phased ? x.tap0[d] + t[d] * p.stride[d] : t[d];
-    const int ks = (kp[0] * p.ks[1] + kp[1]) * p.ks[2] + kp[2];
-    return p.flip ? p.ksize - 1 - ks : ks;
+    return kernel_tap(p, x, t, kp);
   }
 };
 
@@ -676,7 +683,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{kernel}}(
     if (TAP_TILES) {
       la.fetch_tap(p, ext, tap, a_src, a_stage, g);
       lb.fetch_tap(p, ext, tap, b_src, b_stage, g);
-      tap.advance();
+      tap.advance(p, ext);
     } else {
       const kiln_kinfo* table = tables + (t % 2) * BK;
       la.fetch(p, a_src, table, a_stage, g);

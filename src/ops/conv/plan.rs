@@ -94,9 +94,9 @@ pub fn tiles(dtype: DType) -> &'static [Tile] {
     }
 }
 
-/// The k step of a tile (the template's BK). f32 backward-weight takes 16: both of its operands
-/// load straight to shared memory, so the longer step costs no registers and halves the per-step
-/// overhead (table, gathers, barrier) against the FMAs.
+/// The k step of a tile (the template's BK). f32 backward-weight takes 16: with 16-byte loads
+/// both of its operands go straight to shared memory, so the longer step costs no registers and
+/// halves the per-step overhead (table, gathers, barrier) against the FMAs.
 fn block_k(dtype: DType, pass: Pass) -> usize {
     match (dtype, pass) {
         (DType::F32, Pass::BackwardWeight) => 16,
