@@ -7,7 +7,9 @@
 //!
 //! kiln is timed on the host around many calls (graph mode, one synchronise at the end);
 //! PyTorch with CUDA events. `--sweep` times every tile (and split) kiln has on each shape and
-//! marks the plan's choice.
+//! marks the plan's choice. `--only TEXT` keeps the rows whose "dtype pass" contains TEXT (e.g.
+//! `--only "f32 backward_weight"`), `--no-anchor` skips PyTorch: both for comparing kernel
+//! variants quickly, not for the targets.
 
 mod common;
 
@@ -146,8 +148,19 @@ fn main() {
         sweep(&mut enc);
         return;
     }
+    let args: Vec<String> = std::env::args().collect();
+    let only = args
+        .iter()
+        .position(|a| a == "--only")
+        .and_then(|i| args.get(i + 1))
+        .cloned()
+        .unwrap_or_default();
     let shape_args: Vec<String> = SHAPES.iter().map(name).collect();
-    let torch = common::run_anchor("conv_torch.py", &shape_args);
+    let torch = if args.iter().any(|a| a == "--no-anchor") {
+        None
+    } else {
+        common::run_anchor("conv_torch.py", &shape_args)
+    };
     println!(
         "conv bench on {}; anchor: {}",
         dev.info().name,
@@ -166,9 +179,18 @@ fn main() {
     let mut logs = std::collections::BTreeMap::<(DType, &str), (f64, usize)>::new();
     for s in &SHAPES {
         for dtype in DType::ALL {
+            if !Pass::ALL
+                .iter()
+                .any(|p| format!("{dtype} {}", p.name()).contains(&only))
+            {
+                continue;
+            }
             let o = operands(&mut enc, s, dtype);
             let flops = 2.0 * o.g.macs() as f64;
             for pass in Pass::ALL {
+                if !format!("{dtype} {}", pass.name()).contains(&only) {
+                    continue;
+                }
                 let secs = seconds_per_call(&mut enc, |e| run(e, &o, pass));
                 let tf = flops / secs / 1e12;
                 let anchor = torch
