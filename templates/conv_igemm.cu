@@ -17,6 +17,8 @@
 // the whole block. Then no k table is built, and a row of A is bounds-checked once per tile
 // instead of once per vector. Tiles then run through the taps first and the channels second, so
 // that consecutive tiles of A read neighbouring pixels, which its loads keep in L1.
+// Backward-weight needs no table either: k is (batch, output position), which each thread keeps
+// decoded for its first row of B and steps by adding digits (kiln_out_cursor).
 {{> prelude}}
 
 typedef {{dtype}} T;
@@ -74,7 +76,8 @@ __device__ __forceinline__ kiln_extent block_extent(const kiln_conv& p, int phas
   return e;
 }
 
-// What a k index of the current tile means, decoded once per tile into shared memory.
+// What a k index means. Forward and backward-data decode it once per tile into shared memory;
+// backward-weight per thread, through kiln_out_cursor.
 //   forward:         t = kk * kdil,            c = in channel, w = offset in the weight row
 //   backward-data:   t = -kk * kdil,           c = out channel, w = weight offset (o, kernel pos)
 //   backward-weight: t = out pos * stride - pad, c = k (cotangent row), w = batch * in pixels
@@ -122,30 +125,60 @@ __device__ __forceinline__ kiln_kinfo k_info(const kiln_conv& p, const kiln_exte
   e.valid = k < x.k;
   e.pad0 = e.pad1 = 0;
   if (!e.valid) k = 0;
-  if (PASS == 0 || PASS == 1) {
-    const int chans = PASS == 0 ? p.cin_g : p.cout_g;
-    const int tap = k / chans, c = k - tap * chans;
-    int t[3], kp[3];
-    tap_position(p, x, tap, t);
-    const int ks_w = kernel_tap(p, x, t, kp);
-    const int sign = PASS == 0 ? 1 : -1;
+  const int chans = PASS == 0 ? p.cin_g : p.cout_g;
+  const int tap = k / chans, c = k - tap * chans;
+  int t[3], kp[3];
+  tap_position(p, x, tap, t);
+  const int ks_w = kernel_tap(p, x, t, kp);
+  const int sign = PASS == 0 ? 1 : -1;
 #pragma unroll
-    for (int d = 0; d < 3; ++d) e.t[d] = sign * kp[d] * p.kdil[d];
-    e.c = c;
-    e.w = PASS == 0 ? ks_w * p.cin_g + c : (c * p.ksize + ks_w) * p.cin_g;
-  } else {
-    const int pixels = p.out[0] * p.out[1] * p.out[2];
-    const int b = k / pixels, r = k - b * pixels;
-    const int od = r / (p.out[1] * p.out[2]), r2 = r - od * p.out[1] * p.out[2];
-    const int oh = r2 / p.out[2], ow = r2 - oh * p.out[2];
-    e.t[0] = od * p.stride[0] - p.pad[0];
-    e.t[1] = oh * p.stride[1] - p.pad[1];
-    e.t[2] = ow * p.stride[2] - p.pad[2];
-    e.c = k;
-    e.w = b * p.in[0] * p.in[1] * p.in[2];
-  }
+  for (int d = 0; d < 3; ++d) e.t[d] = sign * kp[d] * p.kdil[d];
+  e.c = c;
+  e.w = PASS == 0 ? ks_w * p.cin_g + c : (c * p.ksize + ks_w) * p.cin_g;
   return e;
 }
+
+// Backward-weight: k index k as (batch b, output position o). A step adds another cursor's
+// digits with carries, so the k loop divides nothing.
+struct kiln_out_cursor {
+  int k, b, o[3];
+
+  __device__ __forceinline__ void start(const kiln_conv& p, int k0) {
+    k = k0;
+    const int plane = p.out[1] * p.out[2];
+    b = k0 / (p.out[0] * plane);
+    int r = k0 - b * p.out[0] * plane;
+    o[0] = r / plane;
+    r -= o[0] * plane;
+    o[1] = r / p.out[2];
+    o[2] = r - o[1] * p.out[2];
+  }
+
+  // Moves by step.k, step being a cursor started there. Each digit stays below its extent, so
+  // one subtraction carries.
+  __device__ __forceinline__ void advance(const kiln_conv& p, const kiln_out_cursor& step) {
+    k += step.k;
+    int carry = 0;
+#pragma unroll
+    for (int d = 2; d >= 0; --d) {
+      o[d] += step.o[d] + carry;
+      carry = o[d] >= p.out[d];
+      if (carry) o[d] -= p.out[d];
+    }
+    b += step.b + carry;
+  }
+
+  __device__ __forceinline__ kiln_kinfo info(const kiln_conv& p) const {
+    kiln_kinfo e;
+    e.valid = k < p.k;
+#pragma unroll
+    for (int d = 0; d < 3; ++d) e.t[d] = o[d] * p.stride[d] - p.pad[d];
+    e.c = k;
+    e.w = b * p.in[0] * p.in[1] * p.in[2];
+    e.pad0 = e.pad1 = 0;
+    return e;
+  }
+};
 
 // TAP_TILES: the tap and first channel of the tile being fetched, stepped one tile at a time,
 // taps first. Taps count within the phase's taps for phased backward-data.
@@ -238,6 +271,7 @@ template <bool IS_A>
 // Offsets fit in int: the host bounds every tensor to fewer than 2^31 elements.
 __device__ __forceinline__ int gather(const kiln_conv& p, const kiln_mninfo& mn,
                                             const kiln_kinfo& ki, int g) {
+  static_assert(!(IS_A && PASS == 2), "backward-weight's A is read by fetch_out");
   if (!(mn.valid && ki.valid)) return -1;
   if ((IS_A && PASS == 0) || (!IS_A && PASS == 2)) {
     // An input pixel: the position in the dilated input must land on a real pixel.
@@ -275,8 +309,7 @@ __device__ __forceinline__ int gather(const kiln_conv& p, const kiln_mninfo& mn,
     const int pixel = mn.base + (pos[0] * p.out[1] + pos[1]) * p.out[2] + pos[2];
     return pixel * p.cout + g * p.cout_g + ki.c;
   }
-  if (IS_A) return ki.c * p.cout + mn.base;  // backward-weight: cotangent row k
-  if (PASS == 0) return mn.base + ki.w;     // forward: weight row + (tap, channel)
+  if (PASS == 0) return mn.base + ki.w;  // forward: weight row + (tap, channel)
   return g * p.cout_g * p.ksize * p.cin_g + ki.w + mn.base;  // backward-data
 }
 
@@ -334,12 +367,17 @@ template <int N> __device__ __forceinline__ void kiln_cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-// One operand's loader: its fixed row (or column) and, on the register path, the values in
-// flight between the global load and the shared store.
+// One operand's loader: its fixed row (or column), on the register path the values in flight
+// between the global load and the shared store, and for backward-weight's B the k of its first
+// k row in the next tile.
 template <bool IS_A> struct kiln_loader {
   typedef kiln_operand<IS_A> O;
   kiln_mninfo mn[O::LINES];
   kiln_vec<T, O::VEC> held[O::ASYNC ? 1 : O::CHUNKS];
+  // Backward-weight's B: chunk c reads k row first + (c / LINES) * ROW_STEP (see chunk), which
+  // row_step adds; tile_step moves first by BK.
+  static constexpr int ROW_STEP = THREADS < O::LINES_TOTAL ? 1 : THREADS / O::LINES_TOTAL;
+  kiln_out_cursor first, row_step, tile_step;
 
   // Chunk c of this thread: its line (index into mn), k row and row within the tile.
   __device__ __forceinline__ void chunk(int c, int& li, int& kl, int& row) const {
@@ -357,8 +395,18 @@ template <bool IS_A> struct kiln_loader {
     }
   }
 
-  __device__ __forceinline__ void init(const kiln_conv& p, const kiln_extent& x, int row0, int g) {
+  // k0: the block's first k (backward-weight's B starts its cursors there).
+  __device__ __forceinline__ void init(const kiln_conv& p, const kiln_extent& x, int row0, int g,
+                                       int k0) {
     const int t = threadIdx.x;
+    if constexpr (PASS == 2 && !IS_A) {
+      static_assert(!O::GLOBAL_K, "backward-weight's B runs along n");
+      int li, kl, row;
+      chunk(0, li, kl, row);
+      first.start(p, k0 + kl);
+      row_step.start(p, ROW_STEP);
+      tile_step.start(p, BK);
+    }
 #pragma unroll
     for (int li = 0; li < O::LINES; ++li) {
       const int line = O::GLOBAL_K ? t * O::CHUNKS / O::PER_LINE + li
@@ -404,7 +452,29 @@ template <bool IS_A> struct kiln_loader {
   // Starts the loads of one tile through its k table.
   __device__ __forceinline__ void fetch(const kiln_conv& p, const T* src, const kiln_kinfo* table,
                                         T* stage, int g) {
-    load(src, stage, [&](int li, int kl) { return gather<IS_A>(p, mn[li], table[kl], g); });
+    load(src, stage, [&](int, int li, int kl) { return gather<IS_A>(p, mn[li], table[kl], g); });
+  }
+
+  // Backward-weight: starts the loads of the tile at k0 (the next in order): A as cotangent
+  // rows k, B at the pixels of `first` and the rows after it; then `first` steps a tile.
+  __device__ __forceinline__ void fetch_out(const kiln_conv& p, int k0, const T* src, T* stage,
+                                            int g) {
+    if constexpr (IS_A) {
+      load(src, stage, [&](int, int li, int kl) {
+        const int k = k0 + kl;
+        return mn[li].valid && k < p.k ? k * p.cout + mn[li].base : -1;
+      });
+    } else {
+      int off[O::CHUNKS];
+      kiln_out_cursor row = first;
+#pragma unroll
+      for (int c = 0; c < O::CHUNKS; ++c) {
+        if (c > 0 && c % O::LINES == 0) row.advance(p, row_step);
+        off[c] = gather<false>(p, mn[c % O::LINES], row.info(p), g);
+      }
+      load(src, stage, [&](int c, int, int) { return off[c]; });
+      first.advance(p, tile_step);
+    }
   }
 
   // TAP_TILES: starts the loads of the tile at `tap`, one offset per line.
@@ -417,18 +487,19 @@ template <bool IS_A> struct kiln_loader {
     // Along k a line steps through channels; only backward-data's weight (B, contiguous along
     // n) steps through weight rows.
     const int k_step = O::GLOBAL_K ? 1 : p.ksize * p.cin_g;
-    load(src, stage, [&](int li, int kl) { return line[li] < 0 ? -1 : line[li] + kl * k_step; });
+    load(src, stage,
+         [&](int, int li, int kl) { return line[li] < 0 ? -1 : line[li] + kl * k_step; });
   }
 
-  // Starts the loads of one tile, each vector's element offset from offset(line, kl) (-1:
-  // zeros): straight to shared memory (cp.async) or into registers.
+  // Starts the loads of one tile, each vector's element offset from offset(chunk, line, kl)
+  // (-1: zeros): straight to shared memory (cp.async) or into registers.
   template <typename Offset>
   __device__ __forceinline__ void load(const T* src, T* stage, Offset offset) {
 #pragma unroll
     for (int c = 0; c < O::CHUNKS; ++c) {
       int li, kl, row;
       chunk(c, li, kl, row);
-      const int off = offset(li, kl);
+      const int off = offset(c, li, kl);
       if constexpr (O::ASYNC) {
         // TAP_TILES: the next tile of A reads the pixels next to this one's.
         kiln_cp_async<O::VEC * sizeof(T), TAP_TILES && IS_A>(
@@ -664,23 +735,28 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{kernel}}(
 
   kiln_loader<true> la;
   kiln_loader<false> lb;
-  la.init(p, ext, m0, g);
-  lb.init(p, ext, n0, g);
+  la.init(p, ext, m0, g, kt0 * BK);
+  lb.init(p, ext, n0, g, kt0 * BK);
 
-  // Each tile's k table is built by one warp, a different one each tile; TAP_TILES steps a
-  // cursor instead (tiles are fetched in order).
+  // Each tile's k table is built by one warp, a different one each tile; TAP_TILES and
+  // backward-weight step cursors instead (tiles are fetched in order).
+  constexpr bool TABLES = !TAP_TILES && PASS != 2;
   constexpr int WARPS = THREADS / 32;
   auto build_table = [&](int t) {
     const int lane = threadIdx.x % 32;
-    if (!TAP_TILES && threadIdx.x / 32 == t % WARPS && lane < BK)
-      tables[(t % 2) * BK + lane] = k_info(p, ext, (kt0 + t) * BK + lane);
+    if constexpr (TABLES)
+      if (threadIdx.x / 32 == t % WARPS && lane < BK)
+        tables[(t % 2) * BK + lane] = k_info(p, ext, (kt0 + t) * BK + lane);
   };
   kiln_tap_cursor tap;
   if (TAP_TILES) tap.start(p, ext, kt0 * BK);
   auto fetch = [&](int t) {
     T* a_stage = sa + (t % STAGES) * OA::STAGE_ELEMS;
     T* b_stage = sb + (t % STAGES) * OB::STAGE_ELEMS;
-    if (TAP_TILES) {
+    if constexpr (PASS == 2) {
+      la.fetch_out(p, (kt0 + t) * BK, a_src, a_stage, g);
+      lb.fetch_out(p, (kt0 + t) * BK, b_src, b_stage, g);
+    } else if constexpr (TAP_TILES) {
       la.fetch_tap(p, ext, tap, a_src, a_stage, g);
       lb.fetch_tap(p, ext, tap, b_src, b_stage, g);
       tap.advance(p, ext);

@@ -166,8 +166,9 @@ pub fn specs() -> Vec<KernelSpec> {
 }
 
 /// Shared memory a block of `t` needs: STAGES buffers of both operand tiles (rows padded as the
-/// template pads them) and two k-index tables.
-pub fn shared_bytes(dtype: DType, pass: Pass, t: Tile) -> usize {
+/// template pads them) and, unless tap tiles or backward-weight's cursors replace them, two
+/// k-index tables.
+pub fn shared_bytes(dtype: DType, pass: Pass, t: Tile, tap_tiles: bool) -> usize {
     let bk = block_k(dtype, pass);
     let tensor = dtype != DType::F32;
     let a_k = pass != Pass::BackwardWeight;
@@ -180,7 +181,8 @@ pub fn shared_bytes(dtype: DType, pass: Pass, t: Tile) -> usize {
         }
     };
     let elems = stage(t.bm as usize, a_k) + stage(t.bn as usize, b_k);
-    t.stages as usize * elems * dtype.size() + 2 * bk * 32
+    let tables = !tap_tiles && pass != Pass::BackwardWeight;
+    t.stages as usize * elems * dtype.size() + if tables { 2 * bk * 32 } else { 0 }
 }
 
 /// What the launch needs, chosen once per problem.
@@ -294,7 +296,7 @@ fn build(device: &Device, key: &PlanKey, t: Tile, splits: usize) -> Result<Plan>
         tap_tiles(key),
     );
     let kernel = device.kernel(&spec)?;
-    let shared = shared_bytes(key.dtype, key.pass, t);
+    let shared = shared_bytes(key.dtype, key.pass, t, tap_tiles(key));
     if shared > 48 * 1024 {
         // Beyond 48 KiB of dynamic shared memory a kernel must opt in.
         kernel.function.set_attribute(
@@ -375,7 +377,7 @@ fn pick(sms: usize, optin: usize, key: &PlanKey) -> (Tile, usize) {
     let tap = tap_tiles(key);
     let mut best: Option<(f64, Tile, usize)> = None;
     for &t in tiles(key.dtype) {
-        let shared = shared_bytes(key.dtype, key.pass, t);
+        let shared = shared_bytes(key.dtype, key.pass, t, tap);
         if shared > optin || n.div_ceil(t.bn as usize) > MAX_GRID_YZ {
             continue;
         }
@@ -520,7 +522,7 @@ mod tests {
         for dtype in DType::ALL {
             for pass in Pass::ALL {
                 for &t in tiles(dtype) {
-                    assert!(shared_bytes(dtype, pass, t) <= 163 * 1024, "{t:?}");
+                    assert!(shared_bytes(dtype, pass, t, false) <= 163 * 1024, "{t:?}");
                 }
             }
         }
