@@ -83,16 +83,7 @@ fn operands(enc: &mut CommandEncoder, s: &[usize; 9], dtype: DType) -> Operands 
 }
 
 fn run(enc: &mut CommandEncoder, o: &Operands, pass: Pass) {
-    match pass {
-        Pass::Forward => conv::conv_forward(enc, &o.x, &o.w, &o.params),
-        Pass::BackwardData => {
-            conv::conv_backward_data(enc, &o.dy, &o.w, &o.g.input_shape(), &o.params)
-        }
-        Pass::BackwardWeight => {
-            conv::conv_backward_weight(enc, &o.x, &o.dy, &o.g.weight_shape(), &o.params)
-        }
-    }
-    .unwrap();
+    conv::conv_pass(enc, pass, &o.params, &o.x, &o.w, &o.dy).unwrap();
 }
 
 fn name(s: &[usize; 9]) -> String {

@@ -49,15 +49,7 @@ fn main() -> kiln::Result<()> {
     let wt = up(&mut enc, &g.weight_shape())?;
     let dy = up(&mut enc, &g.output_shape())?;
     for _ in 0..2 {
-        match pass {
-            Pass::Forward => conv::conv_forward(&mut enc, &x, &wt, &p)?,
-            Pass::BackwardData => {
-                conv::conv_backward_data(&mut enc, &dy, &wt, &g.input_shape(), &p)?
-            }
-            Pass::BackwardWeight => {
-                conv::conv_backward_weight(&mut enc, &x, &dy, &g.weight_shape(), &p)?
-            }
-        };
+        conv::conv_pass(&mut enc, pass, &p, &x, &wt, &dy)?;
     }
     enc.synchronize()?;
     println!("done");

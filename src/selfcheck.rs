@@ -1,17 +1,35 @@
-//! `kiln check`: run LayerNorm forward and VJP through the ops and the command encoder on each
-//! GPU, on random data, and compare with the f64 CPU reference. Proves the whole path: template,
-//! NVRTC, cache, driver, encoder.
+//! `kiln check`: run LayerNorm forward and VJP, and the three convolution passes, through the
+//! ops and the command encoder on each GPU, on random data, and compare with the f64 CPU
+//! references. Proves the whole path: template, NVRTC, cache, driver, encoder.
 
 use std::time::Instant;
 
 use crate::dtype::{decode, encode, DType};
 use crate::error::{Error, Result};
 use crate::jit::Origin;
+use crate::ops::conv::{self, reference, ConvParams, Geometry};
 use crate::ops::norm::{self, Kind, Pass};
 use crate::runtime::{Array, CommandEncoder, Device, GpuInfo};
 
 /// Shapes (rows, d) the self-check runs: a single element, odd and unaligned rows, a long row.
 pub const SHAPES: &[(usize, usize)] = &[(7, 1), (5, 33), (4, 1000), (3, 4096), (2, 65536)];
+
+/// Convolutions the self-check runs, as (input shape, weight shape, params): a strided, padded
+/// 3x3 whose channels take 16-byte loads, and 3 input channels (one element at a time).
+pub fn conv_cases() -> Vec<(Vec<usize>, Vec<usize>, ConvParams)> {
+    vec![
+        (
+            vec![2, 9, 9, 32],
+            vec![64, 3, 3, 32],
+            ConvParams::default().strides(&[2]).padding(&[1]),
+        ),
+        (
+            vec![2, 12, 10, 3],
+            vec![16, 5, 5, 3],
+            ConvParams::default().padding(&[2]),
+        ),
+    ]
+}
 
 /// Per-element tolerance |out - ref| <= tol * (1 + |ref|), per dtype: a few units in the last
 /// place of the output type (f32 accumulation error is far below the f16/bf16 rounding).
@@ -28,12 +46,14 @@ pub struct CheckResult {
     pub gpu: usize,
     pub op: &'static str,
     pub spec: String,
-    pub rows: usize,
-    pub d: usize,
+    /// rows x d for the norms; N,H,W,C_in * C_out,R,S,C_in/groups for convolutions.
+    pub shape: String,
     pub origin: Origin,
     /// Time to get the loaded kernel (compile or disk read, plus module load), in ms.
     pub load_ms: f64,
-    /// Largest |out - ref| / (1 + |ref|), and the bound it must stay under.
+    /// The error measure and the bound it must stay under. Norms: the largest
+    /// |out - ref| / (1 + |ref|). Convolutions: the largest |out - ref| / (r * |ref| + 2e-5 * S),
+    /// S the sum of |terms| and r the output type's rounding, with bound 1.
     pub max_error: f64,
     pub tolerance: f64,
     pub passed: bool,
@@ -75,8 +95,15 @@ pub fn max_error(got: &[f64], want: &[f64]) -> f64 {
     })
 }
 
-/// Runs LayerNorm forward on every dtype and shape in [`SHAPES`], and the VJP on two shapes.
+/// Runs LayerNorm forward on every dtype and shape in [`SHAPES`], the VJP on two shapes, and
+/// every convolution pass on every dtype and [`conv_cases`].
 pub fn check_gpu(gpu: &GpuInfo) -> Result<Vec<CheckResult>> {
+    let mut out = check_norms(gpu)?;
+    out.extend(check_convs(gpu)?);
+    Ok(out)
+}
+
+fn check_norms(gpu: &GpuInfo) -> Result<Vec<CheckResult>> {
     let dev = Device::get(gpu.ordinal)?;
     let mut enc = CommandEncoder::new(&dev)?;
     let mut out = Vec::new();
@@ -108,8 +135,7 @@ pub fn check_gpu(gpu: &GpuInfo) -> Result<Vec<CheckResult>> {
                 gpu: gpu.ordinal,
                 op: "layer_norm",
                 spec: spec.to_string(),
-                rows,
-                d,
+                shape: format!("{rows}x{d}"),
                 origin,
                 load_ms,
                 max_error: err,
@@ -138,13 +164,96 @@ pub fn check_gpu(gpu: &GpuInfo) -> Result<Vec<CheckResult>> {
                     gpu: gpu.ordinal,
                     op: "layer_norm_vjp",
                     spec: vspec.to_string(),
-                    rows,
-                    d,
+                    shape: format!("{rows}x{d}"),
                     origin,
                     load_ms,
                     max_error: err,
                     tolerance: tol,
                     passed: err <= tol,
+                });
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The rounding of one output element of `dtype` (relative), for the convolution bound.
+fn conv_rounding(dtype: DType) -> f64 {
+    match dtype {
+        DType::F32 => 1e-6,
+        DType::F16 => 1e-3,
+        DType::BF16 => 8e-3,
+    }
+}
+
+fn check_convs(gpu: &GpuInfo) -> Result<Vec<CheckResult>> {
+    let dev = Device::get(gpu.ordinal)?;
+    let mut enc = CommandEncoder::new(&dev)?;
+    let mut out = Vec::new();
+    for dtype in DType::ALL {
+        for (i, (x_shape, w_shape, params)) in conv_cases().into_iter().enumerate() {
+            let g = Geometry::new(&x_shape, &w_shape, &params)?;
+            let mut rng = TestRng::new(100 + i as u64);
+            let q = |v: Vec<f64>| decode(dtype, &encode(dtype, &v));
+            let count = |s: &[usize]| s.iter().product::<usize>();
+            let x = q(rng.values(count(&x_shape), 1.0, 0.0));
+            let w = q(rng.values(count(&w_shape), 1.0, 0.0));
+            let dy = q(rng.values(count(&g.output_shape()), 1.0, 0.0));
+            let xa = Array::from_f64(&mut enc, dtype, &x, &x_shape)?;
+            let wa = Array::from_f64(&mut enc, dtype, &w, &w_shape)?;
+            let dya = Array::from_f64(&mut enc, dtype, &dy, &g.output_shape())?;
+            for pass in conv::Pass::ALL {
+                let started = Instant::now();
+                let plan = conv::plan_for(&enc, pass, &params, &xa, &wa, &dya)?;
+                let load_ms = started.elapsed().as_secs_f64() * 1e3;
+                let got = conv::conv_pass(&mut enc, pass, &params, &xa, &wa, &dya)?;
+                let want = match pass {
+                    conv::Pass::Forward => reference::forward(&g, &x, &w),
+                    conv::Pass::BackwardData => reference::backward_data(&g, &dy, &w),
+                    conv::Pass::BackwardWeight => reference::backward_weight(&g, &x, &dy),
+                };
+                let got = got.to_f64(&mut enc)?;
+                let err = if got.len() == want.values.len() {
+                    got.iter()
+                        .zip(want.values.iter().zip(&want.magnitude))
+                        .map(|(g, (r, s))| {
+                            let e = (g - r).abs() / (conv_rounding(dtype) * r.abs() + 2e-5 * s);
+                            if e.is_nan() {
+                                f64::INFINITY
+                            } else {
+                                e
+                            }
+                        })
+                        .fold(0.0, f64::max)
+                } else {
+                    f64::INFINITY
+                };
+                out.push(CheckResult {
+                    gpu: gpu.ordinal,
+                    op: match pass {
+                        conv::Pass::Forward => "conv_forward",
+                        conv::Pass::BackwardData => "conv_backward_data",
+                        conv::Pass::BackwardWeight => "conv_backward_weight",
+                    },
+                    spec: plan.spec.to_string(),
+                    shape: format!(
+                        "{}*{}",
+                        x_shape
+                            .iter()
+                            .map(|v| v.to_string())
+                            .collect::<Vec<_>>()
+                            .join(","),
+                        w_shape
+                            .iter()
+                            .map(|v| v.to_string())
+                            .collect::<Vec<_>>()
+                            .join(",")
+                    ),
+                    origin: plan.kernel.origin,
+                    load_ms,
+                    max_error: err,
+                    tolerance: 1.0,
+                    passed: err <= 1.0,
                 });
             }
         }

@@ -17,12 +17,17 @@ fn the_self_check_passes_on_every_gpu() {
         let results = kiln::selfcheck::check_gpu(gpu).unwrap();
         for r in &results {
             println!(
-                "gpu{} {} {} {}x{}: max err {:.2e} (tol {:.1e}) {:?} {:.2} ms",
-                r.gpu, r.op, r.spec, r.rows, r.d, r.max_error, r.tolerance, r.origin, r.load_ms
+                "gpu{} {} {} {}: max err {:.2e} (tol {:.1e}) {:?} {:.2} ms",
+                r.gpu, r.op, r.spec, r.shape, r.max_error, r.tolerance, r.origin, r.load_ms
             );
         }
         let failed: Vec<_> = results.iter().filter(|r| !r.passed).collect();
         assert!(failed.is_empty(), "{failed:#?}");
+        // Every convolution pass is checked, on every dtype.
+        for op in ["conv_forward", "conv_backward_data", "conv_backward_weight"] {
+            let want = kiln::DType::ALL.len() * kiln::selfcheck::conv_cases().len();
+            assert_eq!(results.iter().filter(|r| r.op == op).count(), want, "{op}");
+        }
         // A second request is a table hit: the same loaded kernel.
         let dev = kiln::runtime::Device::get(gpu.ordinal).unwrap();
         let spec = norm::choose_spec(
@@ -74,10 +79,9 @@ fn a_fresh_process_launches_kernels_from_the_warmed_cache() {
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
     let checks: Vec<_> = lines.iter().filter(|l| l.get("spec").is_some()).collect();
-    assert_eq!(
-        checks.len(),
-        gpus.len() * 3 * (kiln::selfcheck::SHAPES.len() + 2)
-    );
+    // Per dtype: LayerNorm on every shape, its VJP on two, three passes per convolution case.
+    let per_dtype = kiln::selfcheck::SHAPES.len() + 2 + 3 * kiln::selfcheck::conv_cases().len();
+    assert_eq!(checks.len(), gpus.len() * 3 * per_dtype);
     for c in &checks {
         assert_eq!(c["passed"], true, "{c}");
         // Every kernel came from the disk (or from this process's memory, for a repeated spec).

@@ -433,13 +433,12 @@ fn check(json: bool) -> kiln::Result<ExitCode> {
             out!("{}", serde_json::to_string(r).expect("serialisable"));
         } else {
             out!(
-                "{} gpu{} {:<15} {:<60} {:>5}x{:<6} {:<8} load {:>8.3} ms  max err {:.2e}",
+                "{} gpu{} {:<20} {:<60} {:<22} {:<8} load {:>8.3} ms  max err {:.2e}",
                 if r.passed { "ok  " } else { "FAIL" },
                 r.gpu,
                 r.op,
                 r.spec,
-                r.rows,
-                r.d,
+                r.shape,
                 format!("{:?}", r.origin).to_lowercase(),
                 r.load_ms,
                 r.max_error

@@ -122,6 +122,43 @@ pub fn conv_backward_weight(
     run(enc, Pass::BackwardWeight, &g, dtype, cotangent, input, None)
 }
 
+/// Runs `pass` on the forward's tensors: forward reads (input, weight), backward-data
+/// (cotangent, weight) and the input's shape, backward-weight (input, cotangent) and the weight's
+/// shape. For callers that hold the pass as a value (tests, benchmarks, the self-check).
+pub fn conv_pass(
+    enc: &mut CommandEncoder,
+    pass: Pass,
+    params: &ConvParams,
+    input: &Array,
+    weight: &Array,
+    cotangent: &Array,
+) -> Result<Array> {
+    match pass {
+        Pass::Forward => conv_forward(enc, input, weight, params),
+        Pass::BackwardData => conv_backward_data(enc, cotangent, weight, input.shape(), params),
+        Pass::BackwardWeight => conv_backward_weight(enc, input, cotangent, weight.shape(), params),
+    }
+}
+
+/// The plan [`conv_pass`] runs with these tensors: from the plan cache, or built (its kernel
+/// loaded or compiled) and cached now.
+pub fn plan_for(
+    enc: &CommandEncoder,
+    pass: Pass,
+    params: &ConvParams,
+    input: &Array,
+    weight: &Array,
+    cotangent: &Array,
+) -> Result<Arc<Plan>> {
+    let g = Geometry::new(input.shape(), weight.shape(), params)?;
+    let (a, b) = match pass {
+        Pass::Forward => (input, weight),
+        Pass::BackwardData => (cotangent, weight),
+        Pass::BackwardWeight => (cotangent, input),
+    };
+    plan::plan(enc.device(), plan_key(enc, pass, &g, a, b))
+}
+
 /// Explicit tile and split choices, for benchmark sweeps. The arguments are checked as by the
 /// public ops; the plan is built fresh and not cached.
 pub mod tuning {
@@ -149,9 +186,31 @@ pub mod tuning {
     }
 }
 
-/// Whether `a` (contiguous) may be read with 16-byte vectors: its base is 16-byte aligned.
+/// Whether `a` may be read with 16-byte vectors: its base is 16-byte aligned, or it is not
+/// contiguous and so will be read from a fresh (aligned) copy.
 fn aligned(a: &Array) -> bool {
-    (a.offset() * a.dtype().size()) % 16 == 0
+    !a.is_contiguous() || (a.offset() * a.dtype().size()) % 16 == 0
+}
+
+/// The plan cache's key for GEMM operands `a` and `b` (see [`run`]).
+fn plan_key(enc: &CommandEncoder, pass: Pass, g: &Geometry, a: &Array, b: &Array) -> PlanKey {
+    let dtype = a.dtype();
+    let (cin_g, cout_g) = (g.cin / g.groups, g.cout / g.groups);
+    let w = dtype.vec_width();
+    // The channel run each operand's vectors lie in (see the template's gather).
+    let (run_a, run_b) = match pass {
+        Pass::Forward => (cin_g, cin_g),
+        Pass::BackwardData => (cout_g, cin_g),
+        Pass::BackwardWeight => (cout_g, cin_g),
+    };
+    PlanKey {
+        device: enc.device().ordinal(),
+        dtype,
+        pass,
+        geometry: *g,
+        vec_a: run_a % w == 0 && aligned(a),
+        vec_b: run_b % w == 0 && aligned(b),
+    }
 }
 
 /// Runs one pass. `a` and `b` are the GEMM's operand tensors: forward (input, weight),
@@ -185,22 +244,7 @@ fn run(
     // The kernels read row-major tensors; anything else is copied once.
     let a = a.contiguous(enc)?;
     let b = b.contiguous(enc)?;
-    let (cin_g, cout_g) = (g.cin / g.groups, g.cout / g.groups);
-    let w = dtype.vec_width();
-    // The channel run each operand's vectors lie in (see the template's gather).
-    let (run_a, run_b) = match pass {
-        Pass::Forward => (cin_g, cin_g),
-        Pass::BackwardData => (cout_g, cin_g),
-        Pass::BackwardWeight => (cout_g, cin_g),
-    };
-    let key = PlanKey {
-        device: enc.device().ordinal(),
-        dtype,
-        pass,
-        geometry: *g,
-        vec_a: run_a % w == 0 && aligned(&a),
-        vec_b: run_b % w == 0 && aligned(&b),
-    };
+    let key = plan_key(enc, pass, g, &a, &b);
     let plan = match chosen {
         Some((t, splits)) => Arc::new(plan::plan_with(enc.device(), key, t, splits)?),
         None => plan::plan(enc.device(), key)?,
