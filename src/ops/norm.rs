@@ -15,7 +15,7 @@ pub static FORWARD: TemplateDef = TemplateDef {
     name: "norm_fwd",
     source: include_str!("../../templates/norm_fwd.cu"),
     kernel: "kiln_norm_fwd",
-    const_names: &["RMS", "GROUP", "ITEMS"],
+    const_names: &["RMS", "GROUP", "ITEMS", "PREFETCH"],
     arch_specific: false,
 };
 
@@ -91,13 +91,26 @@ fn spec_of(
         Pass::Vjp => &VJP,
     };
     let block = group.max(MIN_BLOCK);
-    KernelSpec::new(
-        def,
-        dtype,
-        block as u16,
-        n_reads as u8,
-        &[(kind == Kind::RmsNorm) as i32, group as i32, items as i32],
-    )
+    let rms = (kind == Kind::RmsNorm) as i32;
+    let consts = match pass {
+        Pass::Forward => vec![
+            rms,
+            group as i32,
+            items as i32,
+            prefetch(dtype, n_reads, group, items) as i32,
+        ],
+        Pass::Vjp => vec![rms, group as i32, items as i32],
+    };
+    KernelSpec::new(def, dtype, block as u16, n_reads as u8, &consts)
+}
+
+/// Whether a forward kernel loads its next row while it reduces and writes the current one (and
+/// so runs on a grid no larger than the GPU holds at once, each block looping over rows): for
+/// vectorised 16-bit rows held in registers across several warps. Measured on an H100
+/// (notes/performance.md): those rows, 768 to 16384 elements, mostly gained; f32 rows and
+/// one-warp rows of 256 lost 3-10% to the registers it takes.
+fn prefetch(dtype: DType, n_reads: usize, group: usize, items: usize) -> bool {
+    dtype.size() == 2 && n_reads > 1 && items > 0 && group >= 64
 }
 
 /// The spec for rows of `d` elements. `vectorized`: 16-byte loads are legal (rows aligned, `d`
@@ -280,11 +293,21 @@ fn forward(
         .push(bv)
         .push(eps);
     let (block, groups) = geometry(&spec);
-    let grid = rows.div_ceil(groups) as u32;
+    let mut grid = rows.div_ceil(groups);
+    if spec.consts[3] != 0 {
+        // No more blocks than fit on the GPU at once: each loops over rows, with the next row's
+        // loads in flight while it finishes the current one.
+        let sms = enc.device().info().multiprocessors as usize;
+        let per_sm = kernel
+            .function
+            .occupancy_max_active_blocks_per_multiprocessor(block as u32, 0, None)?
+            .max(1) as usize;
+        grid = grid.min(sms * per_sm).max(1);
+    }
     let mut reads = vec![&xr];
     reads.extend(w);
     reads.extend(b);
-    enc.launch(&kernel, grid, block as u32, 0, args, &reads, &[&y])?;
+    enc.launch(&kernel, grid as u32, block as u32, 0, args, &reads, &[&y])?;
     Ok(y)
 }
 
