@@ -17,6 +17,34 @@ __device__ __forceinline__ void kiln_load_row(const T* row, bool active, int lan
   }
 }
 
+// A row's vectors in their own type, for loads kept in flight while other work runs (fewer
+// registers than floats until they are used): zeros when the row is inactive or past d. The
+// vector path needs d a multiple of N_READS, as for kiln_load_row.
+template <int NI, int N_READS, int GROUP, typename T>
+__device__ __forceinline__ void kiln_fetch_row(const T* row, bool active, int lane, int d,
+                                               kiln_vec<T, N_READS> (&raw)[NI]) {
+#pragma unroll
+  for (int k = 0; k < NI; ++k) {
+    const int i = (k * GROUP + lane) * N_READS;
+    if (active && i < d) {
+      raw[k] = *reinterpret_cast<const kiln_vec<T, N_READS>*>(row + i);
+    } else {
+#pragma unroll
+      for (int j = 0; j < N_READS; ++j) raw[k].v[j] = kiln_from_float<T>(0.0f);
+    }
+  }
+}
+
+// A fetched row as floats.
+template <int NI, int N_READS, typename T>
+__device__ __forceinline__ void kiln_unpack_row(const kiln_vec<T, N_READS> (&raw)[NI],
+                                                float (&v)[NI][N_READS]) {
+#pragma unroll
+  for (int k = 0; k < NI; ++k)
+#pragma unroll
+    for (int j = 0; j < N_READS; ++j) v[k][j] = kiln_to_float(raw[k].v[j]);
+}
+
 // Mean (0 for RMSNorm) and 1 / sqrt(var + eps) of a row held in registers, in two exact passes
 // (for RMSNorm var is the mean square). Every thread of the block must call it.
 template <bool RMS, int GROUP, int BLOCK_DIM, int NI, int N_READS>

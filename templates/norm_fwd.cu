@@ -45,20 +45,9 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
       }
     };
     if constexpr (PREFETCH) {
-      // The loaded row in its own type (fewer registers than floats until it is used).
       kiln_vec<T, N_READS> raw[NI];
       auto fetch = [&](long long row) {
-        const T* xr = x + row * x_row_stride;
-#pragma unroll
-        for (int k = 0; k < NI; ++k) {
-          const int i = (k * GROUP + lane) * N_READS;
-          if (row < rows && i < d) {
-            raw[k] = *reinterpret_cast<const kiln_vec<T, N_READS>*>(xr + i);
-          } else {
-#pragma unroll
-            for (int j = 0; j < N_READS; ++j) raw[k].v[j] = kiln_from_float<T>(0.0f);
-          }
-        }
+        kiln_fetch_row<NI, N_READS, GROUP>(x + row * x_row_stride, row < rows, lane, d, raw);
       };
       // Rows r, r + step, ...; the block's groups step together (the statistics use block
       // barriers), so the loop runs on the block's first row.
@@ -67,10 +56,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
       fetch(row);
       for (long long first = row - group; first < rows; first += step, row += step) {
         float v[NI][N_READS], mean, rstd;
-#pragma unroll
-        for (int k = 0; k < NI; ++k)
-#pragma unroll
-          for (int j = 0; j < N_READS; ++j) v[k][j] = kiln_to_float(raw[k].v[j]);
+        kiln_unpack_row(raw, v);
         fetch(row + step);
         kiln_row_stats<RMS, GROUP, BLOCK_DIM>(v, lane, d, eps, scratch, mean, rstd);
         if (row < rows) write(row, v, mean, rstd);

@@ -17,6 +17,8 @@ constexpr int N_READS = {{n_reads}};
 constexpr int GROUP = {{GROUP}};
 constexpr int ITEMS = {{ITEMS}};
 constexpr bool RMS = {{RMS}};
+// The next row's x and g loads in flight while the current row is worked on (see norm_fwd.cu).
+constexpr bool PREFETCH = {{PREFETCH}} != 0 && ITEMS > 0;
 constexpr int GROUPS = BLOCK_DIM / GROUP;
 constexpr int NI = ITEMS > 0 ? ITEMS : 1;
 // Shared accumulators to combine the groups of a block (register path with GROUPS > 1).
@@ -39,14 +41,31 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
 #pragma unroll
       for (int j = 0; j < N_READS; ++j) dw[k][j] = db[k][j] = 0.0f;
 
+    kiln_vec<T, N_READS> raw_x[NI], raw_g[NI];  // unused (and removed) without PREFETCH
+    auto fetch = [&](long long row) {
+      if constexpr (PREFETCH) {
+        const bool active = row < rows;
+        kiln_fetch_row<NI, N_READS, GROUP>(x + (active ? row : 0) * x_row_stride, active, lane, d,
+                                           raw_x);
+        kiln_fetch_row<NI, N_READS, GROUP>(g + (active ? row : 0) * g_row_stride, active, lane, d,
+                                           raw_g);
+      }
+    };
+    fetch((long long)blockIdx.x * GROUPS + group);
     for (long long base = (long long)blockIdx.x * GROUPS; base < rows; base += step) {
       const long long row = base + group;
       const bool active = row < rows;
-      const T* xr = x + (active ? row : 0) * x_row_stride;
-      const T* gr = g + (active ? row : 0) * g_row_stride;
       float xv[NI][N_READS], gv[NI][N_READS], mean, rstd;
-      kiln_load_row<NI, N_READS, GROUP>(xr, active, lane, d, xv);
-      kiln_load_row<NI, N_READS, GROUP>(gr, active, lane, d, gv);
+      if constexpr (PREFETCH) {
+        kiln_unpack_row(raw_x, xv);
+        kiln_unpack_row(raw_g, gv);
+        fetch(row + step);
+      } else {
+        const T* xr = x + (active ? row : 0) * x_row_stride;
+        const T* gr = g + (active ? row : 0) * g_row_stride;
+        kiln_load_row<NI, N_READS, GROUP>(xr, active, lane, d, xv);
+        kiln_load_row<NI, N_READS, GROUP>(gr, active, lane, d, gv);
+      }
       kiln_row_stats<RMS, GROUP, BLOCK_DIM>(xv, lane, d, eps, scratch, mean, rstd);
       // xhat in place of x; wg in place of g (dw, db take g first).
       float s_wg = 0.0f, s_wgx = 0.0f;

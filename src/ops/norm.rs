@@ -23,7 +23,7 @@ pub static VJP: TemplateDef = TemplateDef {
     name: "norm_vjp",
     source: include_str!("../../templates/norm_vjp.cu"),
     kernel: "kiln_norm_vjp",
-    const_names: &["RMS", "GROUP", "ITEMS"],
+    const_names: &["RMS", "GROUP", "ITEMS", "PREFETCH"],
     arch_specific: false,
 };
 
@@ -92,25 +92,28 @@ fn spec_of(
     };
     let block = group.max(MIN_BLOCK);
     let rms = (kind == Kind::RmsNorm) as i32;
-    let consts = match pass {
-        Pass::Forward => vec![
-            rms,
-            group as i32,
-            items as i32,
-            prefetch(dtype, n_reads, group, items) as i32,
-        ],
-        Pass::Vjp => vec![rms, group as i32, items as i32],
-    };
+    let consts = [
+        rms,
+        group as i32,
+        items as i32,
+        prefetch(pass, dtype, n_reads, group, items) as i32,
+    ];
     KernelSpec::new(def, dtype, block as u16, n_reads as u8, &consts)
 }
 
-/// Whether a forward kernel loads its next row while it reduces and writes the current one (and
-/// so runs on a grid no larger than the GPU holds at once, each block looping over rows): for
-/// vectorised 16-bit rows held in registers across several warps. Measured on an H100
-/// (notes/performance.md): those rows, 768 to 16384 elements, mostly gained; f32 rows and
-/// one-warp rows of 256 lost 3-10% to the registers it takes.
-fn prefetch(dtype: DType, n_reads: usize, group: usize, items: usize) -> bool {
-    dtype.size() == 2 && n_reads > 1 && items > 0 && group >= 64
+/// Whether a kernel loads its next row while it reduces and writes the current one: for
+/// vectorised 16-bit rows held in registers across several warps (and for the VJP, which holds
+/// x, the cotangent and its partial sums, only at one vector per thread: two spill). The forward
+/// then runs on a grid no larger than the GPU holds at once, each block looping over rows, as
+/// the VJP always does. Measured on an H100 (notes/performance.md): those forward rows, 768 to
+/// 16384 elements, mostly gained; f32 rows and one-warp rows of 256 lost 3-10% to the
+/// registers it takes.
+fn prefetch(pass: Pass, dtype: DType, n_reads: usize, group: usize, items: usize) -> bool {
+    let most_items = match pass {
+        Pass::Forward => usize::MAX,
+        Pass::Vjp => 1,
+    };
+    dtype.size() == 2 && n_reads > 1 && items > 0 && items <= most_items && group >= 64
 }
 
 /// The spec for rows of `d` elements. `vectorized`: 16-byte loads are legal (rows aligned, `d`
