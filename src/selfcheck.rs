@@ -177,13 +177,23 @@ fn check_norms(gpu: &GpuInfo) -> Result<Vec<CheckResult>> {
     Ok(out)
 }
 
-/// The rounding of one output element of `dtype` (relative), for the convolution bound.
-fn conv_rounding(dtype: DType) -> f64 {
+/// The rounding of one output element of `dtype` (relative), for the convolution bound
+/// |out - ref| <= r * |ref| + 2e-5 * S (the GPU tests use the same).
+pub fn conv_rounding(dtype: DType) -> f64 {
     match dtype {
         DType::F32 => 1e-6,
         DType::F16 => 1e-3,
         DType::BF16 => 8e-3,
     }
+}
+
+/// `[2, 9, 9]` as `2,9,9`.
+fn dims(shape: &[usize]) -> String {
+    shape
+        .iter()
+        .map(|v| v.to_string())
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 fn check_convs(gpu: &GpuInfo) -> Result<Vec<CheckResult>> {
@@ -236,19 +246,7 @@ fn check_convs(gpu: &GpuInfo) -> Result<Vec<CheckResult>> {
                         conv::Pass::BackwardWeight => "conv_backward_weight",
                     },
                     spec: plan.spec.to_string(),
-                    shape: format!(
-                        "{}*{}",
-                        x_shape
-                            .iter()
-                            .map(|v| v.to_string())
-                            .collect::<Vec<_>>()
-                            .join(","),
-                        w_shape
-                            .iter()
-                            .map(|v| v.to_string())
-                            .collect::<Vec<_>>()
-                            .join(",")
-                    ),
+                    shape: format!("{}*{}", dims(&x_shape), dims(&w_shape)),
                     origin: plan.kernel.origin,
                     load_ms,
                     max_error: err,

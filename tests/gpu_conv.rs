@@ -28,14 +28,6 @@ fn encoder(dev: &Arc<Device>, graphs: bool) -> CommandEncoder {
     CommandEncoder::with_config(dev, &config).unwrap()
 }
 
-fn rounding(dtype: DType) -> f64 {
-    match dtype {
-        DType::F32 => 1e-6,
-        DType::F16 => 1e-3,
-        DType::BF16 => 8e-3,
-    }
-}
-
 fn random(rng: &mut TestRng, dtype: DType, n: usize) -> Vec<f64> {
     let v: Vec<f64> = (0..n).map(|_| rng.next_f64() * 2.0 - 1.0).collect();
     kiln::dtype::decode(dtype, &kiln::dtype::encode(dtype, &v))
@@ -286,7 +278,7 @@ fn worst(dtype: DType, got: &[f64], want: &reference::Reference) -> (f64, usize)
         .zip(want.values.iter().zip(&want.magnitude))
         .enumerate()
     {
-        let tol = rounding(dtype) * r.abs() + 2e-5 * s + 1e-30;
+        let tol = kiln::selfcheck::conv_rounding(dtype) * r.abs() + 2e-5 * s + 1e-30;
         let ratio = if g.is_finite() {
             (g - r).abs() / tol
         } else {

@@ -8,7 +8,7 @@
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::jit::{KernelSpec, TemplateDef};
+use crate::jit::{KernelSpec, LoadedKernel, TemplateDef};
 use crate::runtime::{Array, CommandEncoder, KernelArgs};
 
 pub static FORWARD: TemplateDef = TemplateDef {
@@ -114,6 +114,23 @@ fn prefetch(pass: Pass, dtype: DType, n_reads: usize, group: usize, items: usize
         Pass::Vjp => 1,
     };
     dtype.size() == 2 && n_reads > 1 && items > 0 && items <= most_items && group >= 64
+}
+
+/// At most `blocks`, and no more than the GPU holds at once (blocks of `block` threads and
+/// `shared` dynamic bytes), for kernels whose blocks loop over rows.
+fn resident_grid(
+    enc: &CommandEncoder,
+    kernel: &LoadedKernel,
+    block: usize,
+    shared: usize,
+    blocks: usize,
+) -> Result<usize> {
+    let sms = enc.device().info().multiprocessors as usize;
+    let per_sm = kernel
+        .function
+        .occupancy_max_active_blocks_per_multiprocessor(block as u32, shared, None)?
+        .max(1) as usize;
+    Ok(blocks.min(sms * per_sm).max(1))
 }
 
 /// The spec for rows of `d` elements. `vectorized`: 16-byte loads are legal (rows aligned, `d`
@@ -296,17 +313,12 @@ fn forward(
         .push(bv)
         .push(eps);
     let (block, groups) = geometry(&spec);
-    let mut grid = rows.div_ceil(groups);
-    if spec.consts[3] != 0 {
-        // No more blocks than fit on the GPU at once: each loops over rows, with the next row's
-        // loads in flight while it finishes the current one.
-        let sms = enc.device().info().multiprocessors as usize;
-        let per_sm = kernel
-            .function
-            .occupancy_max_active_blocks_per_multiprocessor(block as u32, 0, None)?
-            .max(1) as usize;
-        grid = grid.min(sms * per_sm).max(1);
-    }
+    let grid = if spec.consts[3] != 0 {
+        // Each block loops over rows, with the next row's loads in flight.
+        resident_grid(enc, &kernel, block, 0, rows.div_ceil(groups))?
+    } else {
+        rows.div_ceil(groups)
+    };
     let mut reads = vec![&xr];
     reads.extend(w);
     reads.extend(b);
@@ -400,14 +412,8 @@ fn vjp(
             shared as i32,
         )?;
     }
-    // As many blocks as fit on the GPU at once: each loops over rows, so fewer blocks means
-    // fewer partial rows to reduce.
-    let sms = enc.device().info().multiprocessors as usize;
-    let per_sm = kernel
-        .function
-        .occupancy_max_active_blocks_per_multiprocessor(block as u32, shared, None)?
-        .max(1) as usize;
-    let grid = rows.div_ceil(groups).min(sms * per_sm).max(1);
+    // Each block loops over rows, so fewer blocks means fewer partial rows to reduce.
+    let grid = resident_grid(enc, &kernel, block, shared as usize, rows.div_ceil(groups))?;
     let pw = w
         .map(|_| Array::empty(enc.device(), DType::F32, &[grid, d]))
         .transpose()?;
