@@ -7,6 +7,8 @@
 //!
 //! kiln is timed on the host around many calls (graph mode, one synchronise at the end), so its
 //! figures include any host time the GPU waits for; PyTorch is timed with CUDA events.
+//! `--only TEXT` keeps the rows whose "dtype op" contains TEXT (e.g. `--only "bf16 layer_norm"`),
+//! `--no-anchor` skips PyTorch: both for comparing kernel variants quickly, not for the targets.
 
 mod common;
 
@@ -33,8 +35,16 @@ fn seconds_per_call(
     enc: &mut CommandEncoder,
     mut call: impl FnMut(&mut CommandEncoder, usize),
 ) -> f64 {
-    for i in 0..3 {
+    // Warm up for 20 ms (3 calls at least): after the host has spent a while making the inputs
+    // the GPU's clocks need time to come back, which skewed whichever op ran first.
+    let warm = Instant::now();
+    let mut i = 0;
+    while i < 3 || warm.elapsed().as_secs_f64() < 0.02 {
         call(enc, i);
+        i += 1;
+        if i % 8 == 0 {
+            enc.synchronize().unwrap();
+        }
     }
     enc.synchronize().unwrap();
     // Median of three timed batches.
@@ -181,9 +191,20 @@ fn main() {
         sweep(&mut enc);
         return;
     }
+    let args: Vec<String> = std::env::args().collect();
+    let only = args
+        .iter()
+        .position(|a| a == "--only")
+        .and_then(|i| args.get(i + 1))
+        .cloned()
+        .unwrap_or_default();
     let copy = copy_gbs(&dev, &mut enc);
     let shape_args: Vec<String> = SHAPES.iter().map(|(r, d)| format!("{r},{d}")).collect();
-    let torch = common::run_anchor("norm_torch.py", &shape_args);
+    let torch = if args.iter().any(|a| a == "--no-anchor") {
+        None
+    } else {
+        common::run_anchor("norm_torch.py", &shape_args)
+    };
     let torch_copy = torch.as_ref().and_then(|t| t["copy_gbs"].as_f64());
     println!(
         "norm bench on {}: copy bandwidth {copy:.0} GB/s (kiln memcpy node){}",
@@ -212,37 +233,27 @@ fn main() {
             let w = Array::from_f64(&mut enc, dtype, &rng.values(d, 1.0, 1.0), &[d]).unwrap();
             let b = Array::from_f64(&mut enc, dtype, &rng.values(d, 1.0, 0.0), &[d]).unwrap();
             let bytes = (n * dtype.size()) as f64;
-            let runs: [(&str, f64, f64); 3] = [
-                (
-                    "layer_norm",
-                    2.0,
-                    seconds_per_call(&mut enc, |e, i| {
-                        norm::layer_norm(e, &xs[i % SETS], Some(&w), Some(&b), 1e-5).unwrap();
-                    }),
-                ),
-                (
-                    "rms_norm",
-                    2.0,
-                    seconds_per_call(&mut enc, |e, i| {
-                        norm::rms_norm(e, &xs[i % SETS], Some(&w), 1e-5).unwrap();
-                    }),
-                ),
-                (
-                    "layer_norm_vjp",
-                    3.0,
-                    seconds_per_call(&mut enc, |e, i| {
-                        norm::layer_norm_vjp(
-                            e,
-                            &xs[i % SETS],
-                            Some(&w),
-                            Some(&b),
-                            &gs[i % SETS],
-                            1e-5,
-                        )
+            let wanted = |op: &str| format!("{dtype} {op}").contains(&only);
+            let mut runs: Vec<(&str, f64, f64)> = Vec::new();
+            if wanted("layer_norm") {
+                let secs = seconds_per_call(&mut enc, |e, i| {
+                    norm::layer_norm(e, &xs[i % SETS], Some(&w), Some(&b), 1e-5).unwrap();
+                });
+                runs.push(("layer_norm", 2.0, secs));
+            }
+            if wanted("rms_norm") {
+                let secs = seconds_per_call(&mut enc, |e, i| {
+                    norm::rms_norm(e, &xs[i % SETS], Some(&w), 1e-5).unwrap();
+                });
+                runs.push(("rms_norm", 2.0, secs));
+            }
+            if wanted("layer_norm_vjp") {
+                let secs = seconds_per_call(&mut enc, |e, i| {
+                    norm::layer_norm_vjp(e, &xs[i % SETS], Some(&w), Some(&b), &gs[i % SETS], 1e-5)
                         .unwrap();
-                    }),
-                ),
-            ];
+                });
+                runs.push(("layer_norm_vjp", 3.0, secs));
+            }
             for (op, passes, secs) in runs {
                 let gbs = passes * bytes / secs / 1e9;
                 let torch_gbs = torch
