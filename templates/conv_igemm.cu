@@ -348,25 +348,6 @@ template <bool IS_A> struct kiln_operand {
                 "each thread's vectors cover whole lines or part of one");
 };
 
-// L1: keep the line in L1 (.ca), for data the block reads again soon; else L2 only (.cg).
-template <int BYTES, bool L1>
-__device__ __forceinline__ void kiln_cp_async(void* smem, const void* gmem, bool valid) {
-  const unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
-  const int src_bytes = valid ? BYTES : 0;  // 0: fill with zeros, read nothing
-  if constexpr (BYTES == 16 && !L1)
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
-                 "r"(src_bytes));
-  else
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(gmem),
-                 "n"(BYTES), "r"(src_bytes));
-}
-__device__ __forceinline__ void kiln_cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::);
-}
-template <int N> __device__ __forceinline__ void kiln_cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
 // One operand's loader: its fixed row (or column), on the register path the values in flight
 // between the global load and the shared store, and for backward-weight's B the k of its first
 // k row in the next tile.

@@ -17,45 +17,51 @@ __device__ __forceinline__ void kiln_load_row(const T* row, bool active, int lan
   }
 }
 
-// A row's vectors in their own type, for loads kept in flight while other work runs (fewer
-// registers than floats until they are used): zeros when the row is inactive or past d. The
-// vector path needs d a multiple of N_READS, as for kiln_load_row.
-template <int NI, int N_READS, int GROUP, typename T>
-__device__ __forceinline__ void kiln_fetch_row(const T* row, bool active, int lane, int d,
-                                               kiln_vec<T, N_READS> (&raw)[NI]) {
+// Rows in flight (STAGES > 0): a ring of row stages in dynamic shared memory, filled by
+// cp.async so that the loads of the next rows cost no registers. A stage holds each thread's NI
+// vectors at stage[k * BLOCK_DIM + threadIdx.x]; each thread copies and later reads only its own
+// vectors, so it waits for its own copies and needs no barrier. Zeros where the row is inactive
+// or past d, as for kiln_load_row. Needs 16-byte vectors (d a multiple of N_READS, rows aligned).
+template <int NI, int N_READS, int GROUP, int BLOCK_DIM, typename T>
+__device__ __forceinline__ void kiln_stage_row(const T* row, bool active, int lane, int d,
+                                               kiln_vec<T, N_READS>* stage) {
 #pragma unroll
   for (int k = 0; k < NI; ++k) {
     const int i = (k * GROUP + lane) * N_READS;
-    if (active && i < d) {
-      raw[k] = *reinterpret_cast<const kiln_vec<T, N_READS>*>(row + i);
-    } else {
-#pragma unroll
-      for (int j = 0; j < N_READS; ++j) raw[k].v[j] = kiln_from_float<T>(0.0f);
-    }
+    const bool valid = active && i < d;
+    kiln_cp_async<16, false>(stage + k * BLOCK_DIM + threadIdx.x, valid ? row + i : row, valid);
   }
 }
 
-// A fetched row as floats.
-template <int NI, int N_READS, typename T>
-__device__ __forceinline__ void kiln_unpack_row(const kiln_vec<T, N_READS> (&raw)[NI],
-                                                float (&v)[NI][N_READS]) {
+// Vector k of a thread's staged row as floats (after kiln_cp_async_wait let its group through).
+template <int N_READS, int BLOCK_DIM, typename T>
+__device__ __forceinline__ void kiln_unstage_vec(const kiln_vec<T, N_READS>* stage, int k,
+                                                 float (&v)[N_READS]) {
+  const kiln_vec<T, N_READS> r = stage[k * BLOCK_DIM + threadIdx.x];
 #pragma unroll
-  for (int k = 0; k < NI; ++k)
+  for (int j = 0; j < N_READS; ++j) v[j] = kiln_to_float(r.v[j]);
+}
+
+// A thread's whole staged row as floats.
+template <int NI, int N_READS, int BLOCK_DIM, typename T>
+__device__ __forceinline__ void kiln_unstage_row(const kiln_vec<T, N_READS>* stage,
+                                                 float (&v)[NI][N_READS]) {
 #pragma unroll
-    for (int j = 0; j < N_READS; ++j) v[k][j] = kiln_to_float(raw[k].v[j]);
+  for (int k = 0; k < NI; ++k) kiln_unstage_vec<N_READS, BLOCK_DIM>(stage, k, v[k]);
 }
 
 // Mean (0 for RMSNorm) and 1 / sqrt(var + eps) of a row held in registers, in two exact passes
 // (for RMSNorm var is the mean square). Every thread of the block must call it.
 template <bool RMS, int GROUP, int BLOCK_DIM, int NI, int N_READS>
 __device__ __forceinline__ void kiln_row_stats(const float (&v)[NI][N_READS], int lane, int d,
-                                               float eps, float* scratch, float& mean, float& rstd) {
+                                               float eps, float* scratch, int& round, float& mean,
+                                               float& rstd) {
   float s = 0.0f;
 #pragma unroll
   for (int k = 0; k < NI; ++k)
 #pragma unroll
     for (int j = 0; j < N_READS; ++j) s += v[k][j];
-  mean = RMS ? 0.0f : kiln_group_sum<GROUP, BLOCK_DIM>(s, scratch) / d;
+  mean = RMS ? 0.0f : kiln_group_sum<GROUP, BLOCK_DIM>(s, scratch, round) / d;
   float q = 0.0f;
 #pragma unroll
   for (int k = 0; k < NI; ++k) {
@@ -66,15 +72,15 @@ __device__ __forceinline__ void kiln_row_stats(const float (&v)[NI][N_READS], in
       q += c * c;
     }
   }
-  rstd = rsqrtf(kiln_group_sum<GROUP, BLOCK_DIM>(q, scratch) / d + eps);
+  rstd = rsqrtf(kiln_group_sum<GROUP, BLOCK_DIM>(q, scratch, round) / d + eps);
 }
 
 // The same statistics for a row streamed from memory (one row per block): one pass of sums
 // shifted by the row's first element, so that cancellation stays small however large the mean.
 template <bool RMS, int GROUP, int BLOCK_DIM, int N_READS, typename T>
 __device__ __forceinline__ void kiln_streamed_row_stats(const T* row, bool active, int lane, int d,
-                                                        float eps, float* scratch, float& mean,
-                                                        float& rstd) {
+                                                        float eps, float* scratch, int& round,
+                                                        float& mean, float& rstd) {
   const float shift = (RMS || !active) ? 0.0f : kiln_to_float(row[0]);
   float s = 0.0f, q = 0.0f;
   if (active) {
@@ -89,8 +95,8 @@ __device__ __forceinline__ void kiln_streamed_row_stats(const T* row, bool activ
       }
     }
   }
-  const float sum = kiln_group_sum<GROUP, BLOCK_DIM>(s, scratch) / d;
-  const float sq = kiln_group_sum<GROUP, BLOCK_DIM>(q, scratch) / d;
+  const float sum = kiln_group_sum<GROUP, BLOCK_DIM>(s, scratch, round) / d;
+  const float sq = kiln_group_sum<GROUP, BLOCK_DIM>(q, scratch, round) / d;
   mean = RMS ? 0.0f : shift + sum;
   rstd = rsqrtf((RMS ? sq : fmaxf(sq - sum * sum, 0.0f)) + eps);
 }

@@ -13,18 +13,22 @@ constexpr int N_READS = {{n_reads}};
 constexpr int GROUP = {{GROUP}};
 constexpr int ITEMS = {{ITEMS}};
 constexpr bool RMS = {{RMS}};
-constexpr bool PREFETCH = {{PREFETCH}} != 0 && ITEMS > 0;
+// STAGES > 0 (16-bit rows held in registers over several warps): the grid is what the GPU
+// holds at once and each group loops over rows, with the next STAGES - 1 rows in flight in a
+// ring of shared memory stages (norm.cuh) while the current row is reduced and written. 16-bit
+// rows carry few bytes each, and one row at a time left the loads latency-bound. Otherwise each
+// group takes one row.
+constexpr int STAGES = ITEMS > 0 ? {{STAGES}} : 0;
 constexpr int GROUPS = BLOCK_DIM / GROUP;
+static_assert(STAGES == 0 || (STAGES >= 2 && sizeof(T) * N_READS == 16),
+              "a ring holds 16-byte vectors of the current row and at least one more");
 
-// PREFETCH (16-bit rows held in registers over several warps): the grid is what the GPU holds
-// at once and each group loops over rows, with the next row's loads in flight while the current
-// row is reduced and written. 16-bit rows carry few bytes each, and one row at a time left the
-// loads latency-bound. Otherwise each group takes one row.
 extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
     const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b, T* __restrict__ y,
     long long rows, int d, long long x_row_stride, long long w_stride, long long b_stride,
     int w_vec, int b_vec, float eps) {
-  __shared__ float scratch[BLOCK_DIM / 32];
+  __shared__ float scratch[2 * BLOCK_DIM / 32];
+  int round = 0;
   const int group = threadIdx.x / GROUP, lane = threadIdx.x % GROUP;
 
   if (ITEMS > 0) {
@@ -44,29 +48,39 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
         kiln_store_floats<N_READS>(yr, i, d, v[k]);
       }
     };
-    if constexpr (PREFETCH) {
-      kiln_vec<T, N_READS> raw[NI];
-      auto fetch = [&](long long row) {
-        kiln_fetch_row<NI, N_READS, GROUP>(x + row * x_row_stride, row < rows, lane, d, raw);
+    if constexpr (STAGES > 0) {
+      typedef kiln_vec<T, N_READS> V;
+      extern __shared__ V ring[];  // STAGES stages of NI * BLOCK_DIM vectors
+      auto stage = [&](long long row, int s) {
+        const bool active = row < rows;
+        kiln_stage_row<NI, N_READS, GROUP, BLOCK_DIM>(x + (active ? row : 0) * x_row_stride, active,
+                                                      lane, d, ring + s * NI * BLOCK_DIM);
+        kiln_cp_async_commit();
       };
       // Rows r, r + step, ...; the block's groups step together (the statistics use block
       // barriers), so the loop runs on the block's first row.
       const long long step = (long long)gridDim.x * GROUPS;
       long long row = (long long)blockIdx.x * GROUPS + group;
-      fetch(row);
+#pragma unroll
+      for (int s = 0; s < STAGES - 1; ++s) stage(row + s * step, s);
+      int s = 0;
       for (long long first = row - group; first < rows; first += step, row += step) {
+        kiln_cp_async_wait<(STAGES > 2 ? STAGES - 2 : 0)>();  // this row's stage has landed
         float v[NI][N_READS], mean, rstd;
-        kiln_unpack_row(raw, v);
-        fetch(row + step);
-        kiln_row_stats<RMS, GROUP, BLOCK_DIM>(v, lane, d, eps, scratch, mean, rstd);
+        kiln_unstage_row<NI, N_READS, BLOCK_DIM>(ring + s * NI * BLOCK_DIM, v);
+        // The row STAGES - 1 ahead goes to the stage read one iteration ago.
+        stage(row + (STAGES - 1) * step, s == 0 ? STAGES - 1 : s - 1);
+        s = s == STAGES - 1 ? 0 : s + 1;
+        kiln_row_stats<RMS, GROUP, BLOCK_DIM>(v, lane, d, eps, scratch, round, mean, rstd);
         if (row < rows) write(row, v, mean, rstd);
       }
+      kiln_cp_async_wait<0>();  // no copy may land after the block has gone
     } else {
       const long long row = (long long)blockIdx.x * GROUPS + group;
       const bool active = row < rows;
       float v[NI][N_READS], mean, rstd;
       kiln_load_row<NI, N_READS, GROUP>(x + (active ? row : 0) * x_row_stride, active, lane, d, v);
-      kiln_row_stats<RMS, GROUP, BLOCK_DIM>(v, lane, d, eps, scratch, mean, rstd);
+      kiln_row_stats<RMS, GROUP, BLOCK_DIM>(v, lane, d, eps, scratch, round, mean, rstd);
       if (active) write(row, v, mean, rstd);
     }
   } else {
@@ -76,7 +90,8 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
     const T* xr = x + (active ? row : 0) * x_row_stride;
     T* yr = y + (active ? row : 0) * (long long)d;
     float mean, rstd;
-    kiln_streamed_row_stats<RMS, GROUP, BLOCK_DIM, N_READS>(xr, active, lane, d, eps, scratch, mean, rstd);
+    kiln_streamed_row_stats<RMS, GROUP, BLOCK_DIM, N_READS>(xr, active, lane, d, eps, scratch, round, mean,
+                                                            rstd);
     if (!active) return;
     for (int i = lane * N_READS; i < d; i += GROUP * N_READS) {
       float v[N_READS], wv[N_READS], bv[N_READS];

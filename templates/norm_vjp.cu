@@ -6,8 +6,10 @@
 // `partial_w` / `partial_b` ([gridDim.x, d]), which kiln_reduce_cols then sums. No n_rows x d
 // temporary, and the weight gradient is never accumulated in a 16-bit type.
 // ITEMS > 0: x and g rows and the thread's partial sums held in registers, the block's groups
-// combined once at the end; ITEMS = 0: one row per block, streamed three times, partials
-// accumulated in place in global memory (each thread owns the same columns for every row).
+// combined once at the end; with RESIDENT the rows stay in their shared memory stage instead and
+// each pass reads them there (rows too long for registers, whose partial sums still fit);
+// ITEMS = 0: one row per block, streamed three times, partials accumulated in shared memory
+// or in place in global memory (each thread owns the same columns for every row).
 {{> prelude}}
 {{> norm}}
 
@@ -17,10 +19,14 @@ constexpr int N_READS = {{n_reads}};
 constexpr int GROUP = {{GROUP}};
 constexpr int ITEMS = {{ITEMS}};
 constexpr bool RMS = {{RMS}};
-// The next row's x and g loads in flight while the current row is worked on (see norm_fwd.cu).
-constexpr bool PREFETCH = {{PREFETCH}} != 0 && ITEMS > 0;
+// STAGES > 0: the next STAGES - 1 rows of x and g in flight in a ring of shared memory stages
+// while the current row is worked on (see norm_fwd.cu).
+constexpr int STAGES = ITEMS > 0 ? {{STAGES}} : 0;
+constexpr bool RESIDENT = {{RESIDENT}} != 0 && STAGES > 0;
 constexpr int GROUPS = BLOCK_DIM / GROUP;
 constexpr int NI = ITEMS > 0 ? ITEMS : 1;
+static_assert(STAGES == 0 || (STAGES >= 2 && sizeof(T) * N_READS == 16),
+              "a ring holds 16-byte vectors of the current row and at least one more");
 // Shared accumulators to combine the groups of a block (register path with GROUPS > 1).
 constexpr int SMEM_D = (ITEMS > 0 && GROUPS > 1) ? GROUP * NI * N_READS : 1;
 
@@ -29,7 +35,8 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
     float* __restrict__ partial_w, float* __restrict__ partial_b, long long rows, int d,
     long long x_row_stride, long long g_row_stride, long long w_stride, int w_vec, float eps,
     int smem_partials) {
-  __shared__ float scratch[BLOCK_DIM / 32];
+  __shared__ float scratch[2 * BLOCK_DIM / 32];
+  int round = 0;
   const int group = threadIdx.x / GROUP, lane = threadIdx.x % GROUP;
   const long long step = (long long)gridDim.x * GROUPS;
 
@@ -41,32 +48,108 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
 #pragma unroll
       for (int j = 0; j < N_READS; ++j) dw[k][j] = db[k][j] = 0.0f;
 
-    kiln_vec<T, N_READS> raw_x[NI], raw_g[NI];  // unused (and removed) without PREFETCH
-    auto fetch = [&](long long row) {
-      if constexpr (PREFETCH) {
+    typedef kiln_vec<T, N_READS> V;
+    extern __shared__ V ring[];  // STAGES stages of x and g, NI * BLOCK_DIM vectors each
+    constexpr int STAGE = 2 * NI * BLOCK_DIM;
+    auto stage = [&](long long row, int s) {
+      if constexpr (STAGES > 0) {
         const bool active = row < rows;
-        kiln_fetch_row<NI, N_READS, GROUP>(x + (active ? row : 0) * x_row_stride, active, lane, d,
-                                           raw_x);
-        kiln_fetch_row<NI, N_READS, GROUP>(g + (active ? row : 0) * g_row_stride, active, lane, d,
-                                           raw_g);
+        const long long r = active ? row : 0;
+        kiln_stage_row<NI, N_READS, GROUP, BLOCK_DIM>(x + r * x_row_stride, active, lane, d,
+                                                      ring + s * STAGE);
+        kiln_stage_row<NI, N_READS, GROUP, BLOCK_DIM>(g + r * g_row_stride, active, lane, d,
+                                                      ring + s * STAGE + NI * BLOCK_DIM);
+        kiln_cp_async_commit();
       }
     };
-    fetch((long long)blockIdx.x * GROUPS + group);
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) stage((long long)blockIdx.x * GROUPS + group + s * step, s);
+    int s = 0;
     for (long long base = (long long)blockIdx.x * GROUPS; base < rows; base += step) {
       const long long row = base + group;
       const bool active = row < rows;
+      if constexpr (RESIDENT) {
+        kiln_cp_async_wait<(STAGES > 2 ? STAGES - 2 : 0)>();  // this row's stage has landed
+        const V* sx = ring + s * STAGE;
+        const V* sg = sx + NI * BLOCK_DIM;
+        stage(row + (STAGES - 1) * step, s == 0 ? STAGES - 1 : s - 1);
+        s = s == STAGES - 1 ? 0 : s + 1;
+        // Statistics in two exact passes over the stage (zeros past d add nothing to the sum).
+        float sum = 0.0f, q = 0.0f;
+#pragma unroll
+        for (int k = 0; k < NI; ++k) {
+          float v[N_READS];
+          kiln_unstage_vec<N_READS, BLOCK_DIM>(sx, k, v);
+#pragma unroll
+          for (int j = 0; j < N_READS; ++j) sum += v[j];
+        }
+        const float mean = RMS ? 0.0f : kiln_group_sum<GROUP, BLOCK_DIM>(sum, scratch, round) / d;
+#pragma unroll
+        for (int k = 0; k < NI; ++k) {
+          if ((k * GROUP + lane) * N_READS >= d) break;
+          float v[N_READS];
+          kiln_unstage_vec<N_READS, BLOCK_DIM>(sx, k, v);
+#pragma unroll
+          for (int j = 0; j < N_READS; ++j) q += (v[j] - mean) * (v[j] - mean);
+        }
+        const float rstd = rsqrtf(kiln_group_sum<GROUP, BLOCK_DIM>(q, scratch, round) / d + eps);
+        float s_wg = 0.0f, s_wgx = 0.0f;
+#pragma unroll
+        for (int k = 0; k < NI; ++k) {
+          const int i = (k * GROUP + lane) * N_READS;
+          if (i >= d) break;
+          // One vector at a time: loads hoisted across vectors would hold all of x and g and
+          // spill (the partial sums already take 64 registers).
+          asm volatile("" ::: "memory");
+          float xk[N_READS], gk[N_READS], wk[N_READS];
+          kiln_unstage_vec<N_READS, BLOCK_DIM>(sx, k, xk);
+          kiln_unstage_vec<N_READS, BLOCK_DIM>(sg, k, gk);
+          kiln_load_param<N_READS>(w, w_stride, w_vec, i, d, 1.0f, wk);
+#pragma unroll
+          for (int j = 0; j < N_READS; ++j) {
+            const float xh = (xk[j] - mean) * rstd, wg = wk[j] * gk[j];
+            dw[k][j] += gk[j] * xh;
+            db[k][j] += gk[j];
+            s_wg += wg;
+            s_wgx += wg * xh;
+          }
+        }
+        const float c2 = RMS ? 0.0f : kiln_group_sum<GROUP, BLOCK_DIM>(s_wg, scratch, round) / d;
+        const float c1 = kiln_group_sum<GROUP, BLOCK_DIM>(s_wgx, scratch, round) / d;
+        if (active) {
+          T* dxr = dx + row * (long long)d;
+#pragma unroll
+          for (int k = 0; k < NI; ++k) {
+            const int i = (k * GROUP + lane) * N_READS;
+            if (i >= d) break;
+            asm volatile("" ::: "memory");  // one vector at a time, as above
+            float xk[N_READS], gk[N_READS], wk[N_READS], o[N_READS];
+            kiln_unstage_vec<N_READS, BLOCK_DIM>(sx, k, xk);
+            kiln_unstage_vec<N_READS, BLOCK_DIM>(sg, k, gk);
+            kiln_load_param<N_READS>(w, w_stride, w_vec, i, d, 1.0f, wk);
+#pragma unroll
+            for (int j = 0; j < N_READS; ++j)
+              o[j] = rstd * (wk[j] * gk[j] - c2 - (xk[j] - mean) * rstd * c1);
+            kiln_store_floats<N_READS>(dxr, i, d, o);
+          }
+        }
+        continue;
+      }
       float xv[NI][N_READS], gv[NI][N_READS], mean, rstd;
-      if constexpr (PREFETCH) {
-        kiln_unpack_row(raw_x, xv);
-        kiln_unpack_row(raw_g, gv);
-        fetch(row + step);
+      if constexpr (STAGES > 0) {
+        kiln_cp_async_wait<(STAGES > 2 ? STAGES - 2 : 0)>();  // this row's stage has landed
+        kiln_unstage_row<NI, N_READS, BLOCK_DIM>(ring + s * STAGE, xv);
+        kiln_unstage_row<NI, N_READS, BLOCK_DIM>(ring + s * STAGE + NI * BLOCK_DIM, gv);
+        // The row STAGES - 1 ahead goes to the stage read one iteration ago.
+        stage(row + (STAGES - 1) * step, s == 0 ? STAGES - 1 : s - 1);
+        s = s == STAGES - 1 ? 0 : s + 1;
       } else {
         const T* xr = x + (active ? row : 0) * x_row_stride;
         const T* gr = g + (active ? row : 0) * g_row_stride;
         kiln_load_row<NI, N_READS, GROUP>(xr, active, lane, d, xv);
         kiln_load_row<NI, N_READS, GROUP>(gr, active, lane, d, gv);
       }
-      kiln_row_stats<RMS, GROUP, BLOCK_DIM>(xv, lane, d, eps, scratch, mean, rstd);
+      kiln_row_stats<RMS, GROUP, BLOCK_DIM>(xv, lane, d, eps, scratch, round, mean, rstd);
       // xhat in place of x; wg in place of g (dw, db take g first).
       float s_wg = 0.0f, s_wgx = 0.0f;
 #pragma unroll
@@ -87,8 +170,8 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
           s_wgx += wg * xh;
         }
       }
-      const float c2 = RMS ? 0.0f : kiln_group_sum<GROUP, BLOCK_DIM>(s_wg, scratch) / d;
-      const float c1 = kiln_group_sum<GROUP, BLOCK_DIM>(s_wgx, scratch) / d;
+      const float c2 = RMS ? 0.0f : kiln_group_sum<GROUP, BLOCK_DIM>(s_wg, scratch, round) / d;
+      const float c1 = kiln_group_sum<GROUP, BLOCK_DIM>(s_wgx, scratch, round) / d;
       if (active) {
         T* dxr = dx + row * (long long)d;
 #pragma unroll
@@ -102,6 +185,8 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
         }
       }
     }
+
+    if constexpr (STAGES > 0) kiln_cp_async_wait<0>();  // no copy may land after the block has gone
 
     // This block's partial sums: combine its groups (same columns per lane), then one row out.
     float* pw = partial_w + (long long)blockIdx.x * d;
@@ -156,7 +241,8 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
       const T* xr = x + row * x_row_stride;
       const T* gr = g + row * g_row_stride;
       float mean, rstd;
-      kiln_streamed_row_stats<RMS, GROUP, BLOCK_DIM, N_READS>(xr, true, lane, d, eps, scratch, mean, rstd);
+      kiln_streamed_row_stats<RMS, GROUP, BLOCK_DIM, N_READS>(xr, true, lane, d, eps, scratch, round,
+                                                              mean, rstd);
       float s_wg = 0.0f, s_wgx = 0.0f;
       for (int i = lane * N_READS; i < d; i += GROUP * N_READS) {
         float v[N_READS], gv[N_READS], wv[N_READS];
@@ -172,8 +258,8 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
           }
         }
       }
-      const float c2 = RMS ? 0.0f : kiln_group_sum<GROUP, BLOCK_DIM>(s_wg, scratch) / d;
-      const float c1 = kiln_group_sum<GROUP, BLOCK_DIM>(s_wgx, scratch) / d;
+      const float c2 = RMS ? 0.0f : kiln_group_sum<GROUP, BLOCK_DIM>(s_wg, scratch, round) / d;
+      const float c1 = kiln_group_sum<GROUP, BLOCK_DIM>(s_wgx, scratch, round) / d;
       T* dxr = dx + row * (long long)d;
       for (int i = lane * N_READS; i < d; i += GROUP * N_READS) {
         float v[N_READS], gv[N_READS], wv[N_READS], o[N_READS];

@@ -98,23 +98,48 @@ struct kiln_layout {
 };
 
 // Sum over each group of GROUP consecutive threads (GROUP a multiple of 32 dividing BLOCK_DIM),
-// returned to every thread of the group. Every thread of the block must call it (it may hold
-// __syncthreads). `scratch` holds BLOCK_DIM / 32 floats.
+// returned to every thread of the group. Every thread of the block must call it (it may hold a
+// __syncthreads). `scratch` holds 2 * BLOCK_DIM / 32 floats and `round` counts the calls: each
+// call writes the half the previous one did not, so one barrier per sum is enough (a thread
+// reads sum n's half before it reaches sum n + 1's barrier, after which sum n + 2 writes it).
 template <int GROUP, int BLOCK_DIM>
-__device__ __forceinline__ float kiln_group_sum(float v, float* scratch) {
+__device__ __forceinline__ float kiln_group_sum(float v, float* scratch, int& round) {
   static_assert(GROUP % 32 == 0 && BLOCK_DIM % GROUP == 0, "groups are whole warps");
   v = kiln_warp_sum(v);
   if (GROUP == 32) return v;
   constexpr int WARPS = GROUP / 32;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  __syncthreads();  // earlier readers of scratch are done
-  if (lane == 0) scratch[warp] = v;
+  float* half = scratch + (round++ & 1) * (BLOCK_DIM / 32);
+  if (lane == 0) half[warp] = v;
   __syncthreads();
   const int first = (warp / WARPS) * WARPS;
   float s = 0.0f;
 #pragma unroll
-  for (int i = 0; i < WARPS; ++i) s += scratch[first + i];
+  for (int i = 0; i < WARPS; ++i) s += half[first + i];
   return s;
+}
+
+// 16 bytes (or BYTES) copied from global to shared memory without passing through registers;
+// complete once kiln_cp_async_wait lets the group it was committed in through (sm_80+).
+// L1: keep the line in L1 (.ca), for data the block reads again soon; else L2 only (.cg).
+template <int BYTES, bool L1>
+__device__ __forceinline__ void kiln_cp_async(void* smem, const void* gmem, bool valid) {
+  const unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
+  const int src_bytes = valid ? BYTES : 0;  // 0: fill with zeros, read nothing
+  if constexpr (BYTES == 16 && !L1)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
+                 "r"(src_bytes));
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(gmem),
+                 "n"(BYTES), "r"(src_bytes));
+}
+__device__ __forceinline__ void kiln_cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::);
+}
+// Waits until at most N of this thread's committed groups are still in flight.
+template <int N> __device__ __forceinline__ void kiln_cp_async_wait() {
+  // "memory": shared loads of the landed data must not move above the wait.
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 // N parameter values (weight or bias) at p[i * stride ..] as floats: one vector load when

@@ -1,7 +1,8 @@
 //! The in-memory kernel table: loaded functions keyed by (device ordinal, spec). A hit is one
 //! `DashMap` lookup: no rendering, hashing, allocation or file access.
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
 use cudarc::nvrtc::Ptx;
@@ -23,6 +24,42 @@ pub struct LoadedKernel {
     pub key: CacheKey,
     /// Where its module came from when it was loaded.
     pub origin: Origin,
+    /// The dynamic shared memory launches may use, as last raised by `allow_shared`.
+    shared_allowed: AtomicUsize,
+    /// Answers of `blocks_per_sm`: (block threads, dynamic shared bytes, blocks).
+    occupancy: Mutex<Vec<(u32, usize, usize)>>,
+}
+
+impl LoadedKernel {
+    /// Lets launches use `bytes` of dynamic shared memory. The driver refuses a launch whose
+    /// static and dynamic shared memory pass 48 KiB unless the kernel opted in to that much;
+    /// opting in costs a driver call, so it is made only when `bytes` passes what was allowed.
+    pub fn allow_shared(&self, bytes: usize) -> Result<()> {
+        if bytes > self.shared_allowed.load(Ordering::Relaxed) {
+            self.function.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )?;
+            self.shared_allowed.fetch_max(bytes, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// How many blocks of `block` threads and `shared` dynamic bytes one multiprocessor holds at
+    /// once (at least 1), asked of the driver once per pair: kernels that size their grid by it
+    /// ask on every launch.
+    pub fn blocks_per_sm(&self, block: u32, shared: usize) -> Result<usize> {
+        let mut known = self.occupancy.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(&(_, _, n)) = known.iter().find(|&&(b, s, _)| b == block && s == shared) {
+            return Ok(n);
+        }
+        let n = self
+            .function
+            .occupancy_max_active_blocks_per_multiprocessor(block, shared, None)?
+            .max(1) as usize;
+        known.push((block, shared, n));
+        Ok(n)
+    }
 }
 
 #[derive(Default)]
@@ -78,6 +115,8 @@ impl KernelTable {
             module,
             key: entry.key,
             origin: compiled.origin,
+            shared_allowed: AtomicUsize::new(0),
+            occupancy: Mutex::new(Vec::new()),
         });
         // Two threads may load the same kernel at once; the first insert wins, both are valid.
         Ok(self

@@ -3,8 +3,10 @@
 //!
 //! Spec choice: GROUP threads per row, as a power of two in [32, 1024]; rows that fit stay in
 //! registers (ITEMS vectors of 16 bytes per thread), several short rows share a block, longer
-//! rows loop. The VJP writes per-block f32 partial sums of dweight/dbias and reduces them with
-//! `reduce_cols`.
+//! rows loop. Vectorised 16-bit rows keep the next row in flight in shared memory (STAGES), and
+//! 16-bit VJP rows too long for registers are read from there on every pass (RESIDENT). The VJP
+//! writes per-block f32 partial sums of dweight/dbias and reduces them with one column-sum
+//! launch.
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -15,7 +17,7 @@ pub static FORWARD: TemplateDef = TemplateDef {
     name: "norm_fwd",
     source: include_str!("../../templates/norm_fwd.cu"),
     kernel: "kiln_norm_fwd",
-    const_names: &["RMS", "GROUP", "ITEMS", "PREFETCH"],
+    const_names: &["RMS", "GROUP", "ITEMS", "STAGES"],
     arch_specific: false,
 };
 
@@ -23,7 +25,7 @@ pub static VJP: TemplateDef = TemplateDef {
     name: "norm_vjp",
     source: include_str!("../../templates/norm_vjp.cu"),
     kernel: "kiln_norm_vjp",
-    const_names: &["RMS", "GROUP", "ITEMS", "PREFETCH"],
+    const_names: &["RMS", "GROUP", "ITEMS", "STAGES", "RESIDENT"],
     arch_specific: false,
 };
 
@@ -78,6 +80,7 @@ fn preferred_items(pass: Pass, dtype: DType, n_reads: usize, vectors: usize) -> 
     max
 }
 
+/// The spec for `group` threads per row with `items` vectors each (0: the looped path).
 fn spec_of(
     pass: Pass,
     kind: Kind,
@@ -91,29 +94,56 @@ fn spec_of(
         Pass::Vjp => &VJP,
     };
     let block = group.max(MIN_BLOCK);
-    let rms = (kind == Kind::RmsNorm) as i32;
-    let consts = [
-        rms,
+    let mut consts = vec![
+        (kind == Kind::RmsNorm) as i32,
         group as i32,
         items as i32,
-        prefetch(pass, dtype, n_reads, group, items) as i32,
+        stages(dtype, n_reads, group, items) as i32,
     ];
+    if pass == Pass::Vjp {
+        consts.push(resident(pass, dtype, n_reads, group, items) as i32);
+    }
     KernelSpec::new(def, dtype, block as u16, n_reads as u8, &consts)
 }
 
-/// Whether a kernel loads its next row while it reduces and writes the current one: for
-/// vectorised 16-bit rows held in registers across several warps (and for the VJP, which holds
-/// x, the cotangent and its partial sums, only at one vector per thread: two spill). The forward
-/// then runs on a grid no larger than the GPU holds at once, each block looping over rows, as
-/// the VJP always does. Measured on an H100 (notes/performance.md): those forward rows, 768 to
-/// 16384 elements, mostly gained; f32 rows and one-warp rows of 256 lost 3-10% to the
-/// registers it takes.
-fn prefetch(pass: Pass, dtype: DType, n_reads: usize, group: usize, items: usize) -> bool {
-    let most_items = match pass {
-        Pass::Forward => usize::MAX,
-        Pass::Vjp => 1,
-    };
-    dtype.size() == 2 && n_reads > 1 && items > 0 && items <= most_items && group >= 64
+/// Threads per row of a VJP whose x and cotangent rows stay in their shared memory stages
+/// (RESIDENT), and vectors per thread: rows longer than registers hold (16-bit rows of 8,192 to
+/// 16,384 elements), with only the partial sums in registers. The stages of two rows of x and g
+/// take 128 KiB of shared memory. Measured on an H100 (notes/performance.md): 512 threads of 4
+/// vectors beat 1,024 of 2, though both spill a little.
+const RESIDENT_GROUP: usize = 512;
+const RESIDENT_ITEMS: usize = 4;
+
+/// Whether a VJP spec reads x and the cotangent from their stages on every pass instead of
+/// holding them in registers: staged rows of more vectors than the register path takes.
+fn resident(pass: Pass, dtype: DType, n_reads: usize, group: usize, items: usize) -> bool {
+    pass == Pass::Vjp
+        && group * items > max_group(pass) * max_items(pass, n_reads)
+        && stages(dtype, n_reads, group, items) > 0
+}
+
+/// Rows a kernel keeps in flight (the current one included) in a ring of shared memory stages
+/// filled by cp.async, 0 for none: for vectorised 16-bit rows of several warps (rows held in
+/// registers, and the VJP's resident rows). The kernel then runs on a grid no larger than the
+/// GPU holds at once, each block looping over rows. 16-bit rows carry half the bytes of f32 rows
+/// for the same work per row, and one row at a time left their loads latency-bound. Two stages
+/// (one row ahead): three and four were no faster on an H100 and take more shared memory
+/// (notes/performance.md). One-warp rows and f32 rows take none: they lost 3-10% to the
+/// register prefetch this replaced, and f32 rows already run near copy speed.
+fn stages(dtype: DType, n_reads: usize, group: usize, items: usize) -> usize {
+    if dtype.size() == 2 && n_reads > 1 && items > 0 && group >= 64 {
+        2
+    } else {
+        0
+    }
+}
+
+/// Dynamic shared memory of a spec's ring of stages: 16 bytes per vector, one row of x (and one
+/// of the cotangent in the VJP) per stage.
+fn ring_bytes(spec: &KernelSpec) -> usize {
+    let arrays = if spec.template.name == VJP.name { 2 } else { 1 };
+    let (items, stages) = (spec.consts[2] as usize, spec.consts[3] as usize);
+    stages * arrays * items * spec.block_dim as usize * 16
 }
 
 /// At most `blocks`, and no more than the GPU holds at once (blocks of `block` threads and
@@ -126,10 +156,7 @@ fn resident_grid(
     blocks: usize,
 ) -> Result<usize> {
     let sms = enc.device().info().multiprocessors as usize;
-    let per_sm = kernel
-        .function
-        .occupancy_max_active_blocks_per_multiprocessor(block as u32, shared, None)?
-        .max(1) as usize;
+    let per_sm = kernel.blocks_per_sm(block as u32, shared)?;
     Ok(blocks.min(sms * per_sm).max(1))
 }
 
@@ -140,6 +167,11 @@ pub fn choose_spec(pass: Pass, kind: Kind, dtype: DType, d: usize, vectorized: b
     let vectors = d.div_ceil(n_reads).max(1);
     let max = max_items(pass, n_reads);
     if vectors > max_group(pass) * max {
+        if vectors <= RESIDENT_GROUP * RESIDENT_ITEMS
+            && resident(pass, dtype, n_reads, RESIDENT_GROUP, RESIDENT_ITEMS)
+        {
+            return spec_of(pass, kind, dtype, n_reads, RESIDENT_GROUP, RESIDENT_ITEMS);
+        }
         return spec_of(pass, kind, dtype, n_reads, 1024, 0);
     }
     let group = vectors
@@ -161,6 +193,10 @@ pub fn specs() -> Vec<KernelSpec> {
                         for items in ITEMS.into_iter().filter(|&i| i <= max_items(pass, n_reads)) {
                             out.push(spec_of(pass, kind, dtype, n_reads, group, items));
                         }
+                    }
+                    if resident(pass, dtype, n_reads, RESIDENT_GROUP, RESIDENT_ITEMS) {
+                        let (group, items) = (RESIDENT_GROUP, RESIDENT_ITEMS);
+                        out.push(spec_of(pass, kind, dtype, n_reads, group, items));
                     }
                     out.push(spec_of(pass, kind, dtype, n_reads, 1024, 0));
                 }
@@ -313,16 +349,26 @@ fn forward(
         .push(bv)
         .push(eps);
     let (block, groups) = geometry(&spec);
-    let grid = if spec.consts[3] != 0 {
-        // Each block loops over rows, with the next row's loads in flight.
-        resident_grid(enc, &kernel, block, 0, rows.div_ceil(groups))?
+    let shared = ring_bytes(&spec);
+    let grid = if shared > 0 {
+        // Each block loops over rows, with the next rows' loads in flight.
+        kernel.allow_shared(shared)?;
+        resident_grid(enc, &kernel, block, shared, rows.div_ceil(groups))?
     } else {
         rows.div_ceil(groups)
     };
     let mut reads = vec![&xr];
     reads.extend(w);
     reads.extend(b);
-    enc.launch(&kernel, grid as u32, block as u32, 0, args, &reads, &[&y])?;
+    enc.launch(
+        &kernel,
+        grid as u32,
+        block as u32,
+        shared as u32,
+        args,
+        &reads,
+        &[&y],
+    )?;
     Ok(y)
 }
 
@@ -404,23 +450,23 @@ fn vjp(
     let smem_partials = looped
         && (w.is_some() || want_db)
         && smem_bytes + 1024 <= enc.device().info().max_shared_per_block as usize;
-    let shared = if smem_partials { smem_bytes } else { 0 };
-    if shared > 48 * 1024 {
-        // Beyond 48 KiB of dynamic shared memory a kernel must opt in.
-        kernel.function.set_attribute(
-            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            shared as i32,
-        )?;
-    }
+    let shared = if smem_partials {
+        smem_bytes
+    } else {
+        ring_bytes(&spec)
+    };
+    kernel.allow_shared(shared)?;
     // Each block loops over rows, so fewer blocks means fewer partial rows to reduce.
     let grid = resident_grid(enc, &kernel, block, shared as usize, rows.div_ceil(groups))?;
-    let pw = w
-        .map(|_| Array::empty(enc.device(), DType::F32, &[grid, d]))
-        .transpose()?;
-    let pb = if want_db {
-        Some(Array::empty(enc.device(), DType::F32, &[grid, d])?)
-    } else {
-        None
+    // The partial sums of dweight then dbias, [sets, grid, d], reduced in one launch.
+    let sets = w.is_some() as usize + want_db as usize;
+    let partial = Array::empty(enc.device(), DType::F32, &[sets.max(1), grid, d])?;
+    let set_ptr = |set: usize| partial.device_ptr() + (set * grid * d * 4) as u64;
+    let (pw, pb) = match (w.is_some(), want_db) {
+        (true, true) => (set_ptr(0), set_ptr(1)),
+        (true, false) => (set_ptr(0), 0),
+        (false, true) => (0, set_ptr(0)),
+        (false, false) => (0, 0),
     };
     let (wp, ws, wv) = param_args(w, vectorized);
     let mut args = KernelArgs::new();
@@ -428,8 +474,8 @@ fn vjp(
         .push(wp)
         .push(gr.device_ptr())
         .push(dx.device_ptr())
-        .push(pw.as_ref().map_or(0, |a| a.device_ptr()))
-        .push(pb.as_ref().map_or(0, |a| a.device_ptr()))
+        .push(pw)
+        .push(pb)
         .push(rows as i64)
         .push(d as i32)
         .push(xs)
@@ -440,9 +486,7 @@ fn vjp(
         .push(smem_partials as i32);
     let mut reads = vec![&xr, &gr];
     reads.extend(w);
-    let mut writes = vec![&dx];
-    writes.extend(pw.as_ref());
-    writes.extend(pb.as_ref());
+    let writes = [&dx, &partial];
     enc.launch(
         &kernel,
         grid as u32,
@@ -452,8 +496,18 @@ fn vjp(
         &reads,
         &writes,
     )?;
-    let dw = pw.map(|p| reduce_cols(enc, &p, dtype)).transpose()?;
-    let db = pb.map(|p| reduce_cols(enc, &p, dtype)).transpose()?;
+    let dw = w
+        .map(|_| Array::empty(enc.device(), dtype, &[d]))
+        .transpose()?;
+    let db = if want_db {
+        Some(Array::empty(enc.device(), dtype, &[d])?)
+    } else {
+        None
+    };
+    let outs: Vec<&Array> = dw.iter().chain(db.iter()).collect();
+    if !outs.is_empty() {
+        reduce_col_sets(enc, &partial, grid, d, &outs)?;
+    }
     Ok((dx, dw, db))
 }
 
@@ -461,25 +515,38 @@ fn vjp(
 pub fn reduce_cols(enc: &mut CommandEncoder, partial: &Array, dtype: DType) -> Result<Array> {
     let (rows, d) = (partial.shape()[0], partial.shape()[1]);
     let out = Array::empty(enc.device(), dtype, &[d])?;
-    let spec = reduce_cols_spec(dtype);
+    reduce_col_sets(enc, partial, rows, d, &[&out])?;
+    Ok(out)
+}
+
+/// Column sums of `outs.len()` f32 [rows, d] matrices stored one after another in `partial`,
+/// into `outs` (one launch for all).
+fn reduce_col_sets(
+    enc: &mut CommandEncoder,
+    partial: &Array,
+    rows: usize,
+    d: usize,
+    outs: &[&Array],
+) -> Result<()> {
+    let spec = reduce_cols_spec(outs[0].dtype());
     let kernel = enc.device().kernel(&spec)?;
     let mut args = KernelArgs::new();
     args.push(partial.device_ptr())
-        .push(out.device_ptr())
+        .push(outs[0].device_ptr())
+        .push(outs.last().expect("one output at least").device_ptr())
         .push(rows as i64)
         .push(d as i32);
     // The block size comes from the spec: the kernel's row lanes are compiled from it.
     let block = spec.block_dim as u32;
     enc.launch(
         &kernel,
-        d.div_ceil(32) as u32,
+        (d.div_ceil(32) as u32, outs.len() as u32, 1),
         block,
         0,
         args,
         &[partial],
-        &[&out],
-    )?;
-    Ok(out)
+        outs,
+    )
 }
 
 /// LayerNorm's VJP: (dx, dweight if weight is given, dbias if bias is given).

@@ -297,13 +297,7 @@ fn build(device: &Device, key: &PlanKey, t: Tile, splits: usize) -> Result<Plan>
     );
     let kernel = device.kernel(&spec)?;
     let shared = shared_bytes(key.dtype, key.pass, t, tap_tiles(key));
-    if shared > 48 * 1024 {
-        // Beyond 48 KiB of dynamic shared memory a kernel must opt in.
-        kernel.function.set_attribute(
-            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            shared as i32,
-        )?;
-    }
+    kernel.allow_shared(shared)?;
     let g = &key.geometry;
     let (m, n, k) = key.pass.block_gemm(g);
     let k_tiles = k.div_ceil(block_k(key.dtype, key.pass));
