@@ -139,15 +139,9 @@ fn main() {
         sweep(&mut enc);
         return;
     }
-    let args: Vec<String> = std::env::args().collect();
-    let only = args
-        .iter()
-        .position(|a| a == "--only")
-        .and_then(|i| args.get(i + 1))
-        .cloned()
-        .unwrap_or_default();
+    let (only, no_anchor) = common::variant_flags();
     let shape_args: Vec<String> = SHAPES.iter().map(name).collect();
-    let torch = if args.iter().any(|a| a == "--no-anchor") {
+    let torch = if no_anchor {
         None
     } else {
         common::run_anchor("conv_torch.py", &shape_args)

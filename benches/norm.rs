@@ -191,16 +191,10 @@ fn main() {
         sweep(&mut enc);
         return;
     }
-    let args: Vec<String> = std::env::args().collect();
-    let only = args
-        .iter()
-        .position(|a| a == "--only")
-        .and_then(|i| args.get(i + 1))
-        .cloned()
-        .unwrap_or_default();
+    let (only, no_anchor) = common::variant_flags();
     let copy = copy_gbs(&dev, &mut enc);
     let shape_args: Vec<String> = SHAPES.iter().map(|(r, d)| format!("{r},{d}")).collect();
-    let torch = if args.iter().any(|a| a == "--no-anchor") {
+    let torch = if no_anchor {
         None
     } else {
         common::run_anchor("norm_torch.py", &shape_args)

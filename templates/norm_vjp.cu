@@ -30,6 +30,26 @@ static_assert(STAGES == 0 || (STAGES >= 2 && sizeof(T) * N_READS == 16),
 // Shared accumulators to combine the groups of a block (register path with GROUPS > 1).
 constexpr int SMEM_D = (ITEMS > 0 && GROUPS > 1) ? GROUP * NI * N_READS : 1;
 
+// One vector's share of the row sums: with xhat = (x - mean) * rstd and wg = w * g (both 0 where
+// the vector lies past d; a vector lies wholly inside or outside), dw += g * xhat, db += g,
+// s_wg += wg, s_wgx += wg * xhat. x and g become xhat and wg, which the dx pass uses.
+template <int N>
+__device__ __forceinline__ void kiln_vjp_sums(float (&x)[N], float (&g)[N], const float (&w)[N],
+                                              bool in, float mean, float rstd, float (&dw)[N],
+                                              float (&db)[N], float& s_wg, float& s_wgx) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    const float xh = in ? (x[j] - mean) * rstd : 0.0f;
+    const float wg = in ? w[j] * g[j] : 0.0f;
+    dw[j] += g[j] * xh;
+    db[j] += g[j];
+    s_wg += wg;
+    s_wgx += wg * xh;
+    x[j] = xh;
+    g[j] = wg;
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
     const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ g, T* __restrict__ dx,
     float* __restrict__ partial_w, float* __restrict__ partial_b, long long rows, int d,
@@ -68,12 +88,16 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
     for (long long base = (long long)blockIdx.x * GROUPS; base < rows; base += step) {
       const long long row = base + group;
       const bool active = row < rows;
-      if constexpr (RESIDENT) {
+      // This row's stages of x and g (STAGES > 0).
+      const V* sx = ring + s * STAGE;
+      const V* sg = sx + NI * BLOCK_DIM;
+      if constexpr (STAGES > 0) {
         kiln_cp_async_wait<(STAGES > 2 ? STAGES - 2 : 0)>();  // this row's stage has landed
-        const V* sx = ring + s * STAGE;
-        const V* sg = sx + NI * BLOCK_DIM;
+        // The row STAGES - 1 ahead goes to the stage read one iteration ago.
         stage(row + (STAGES - 1) * step, s == 0 ? STAGES - 1 : s - 1);
         s = s == STAGES - 1 ? 0 : s + 1;
+      }
+      if constexpr (RESIDENT) {
         // Statistics in two exact passes over the stage (zeros past d add nothing to the sum).
         float sum = 0.0f, q = 0.0f;
 #pragma unroll
@@ -105,14 +129,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
           kiln_unstage_vec<N_READS, BLOCK_DIM>(sx, k, xk);
           kiln_unstage_vec<N_READS, BLOCK_DIM>(sg, k, gk);
           kiln_load_param<N_READS>(w, w_stride, w_vec, i, d, 1.0f, wk);
-#pragma unroll
-          for (int j = 0; j < N_READS; ++j) {
-            const float xh = (xk[j] - mean) * rstd, wg = wk[j] * gk[j];
-            dw[k][j] += gk[j] * xh;
-            db[k][j] += gk[j];
-            s_wg += wg;
-            s_wgx += wg * xh;
-          }
+          kiln_vjp_sums(xk, gk, wk, true, mean, rstd, dw[k], db[k], s_wg, s_wgx);
         }
         const float c2 = RMS ? 0.0f : kiln_group_sum<GROUP, BLOCK_DIM>(s_wg, scratch, round) / d;
         const float c1 = kiln_group_sum<GROUP, BLOCK_DIM>(s_wgx, scratch, round) / d;
@@ -137,12 +154,8 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
       }
       float xv[NI][N_READS], gv[NI][N_READS], mean, rstd;
       if constexpr (STAGES > 0) {
-        kiln_cp_async_wait<(STAGES > 2 ? STAGES - 2 : 0)>();  // this row's stage has landed
-        kiln_unstage_row<NI, N_READS, BLOCK_DIM>(ring + s * STAGE, xv);
-        kiln_unstage_row<NI, N_READS, BLOCK_DIM>(ring + s * STAGE + NI * BLOCK_DIM, gv);
-        // The row STAGES - 1 ahead goes to the stage read one iteration ago.
-        stage(row + (STAGES - 1) * step, s == 0 ? STAGES - 1 : s - 1);
-        s = s == STAGES - 1 ? 0 : s + 1;
+        kiln_unstage_row<NI, N_READS, BLOCK_DIM>(sx, xv);
+        kiln_unstage_row<NI, N_READS, BLOCK_DIM>(sg, gv);
       } else {
         const T* xr = x + (active ? row : 0) * x_row_stride;
         const T* gr = g + (active ? row : 0) * g_row_stride;
@@ -157,18 +170,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
         const int i = (k * GROUP + lane) * N_READS;
         float wv[N_READS];
         kiln_load_param<N_READS>(w, w_stride, w_vec, i, d, 1.0f, wv);
-#pragma unroll
-        for (int j = 0; j < N_READS; ++j) {
-          const bool in = i + j < d;
-          const float xh = in ? (xv[k][j] - mean) * rstd : 0.0f;
-          dw[k][j] += gv[k][j] * xh;
-          db[k][j] += gv[k][j];
-          const float wg = in ? wv[j] * gv[k][j] : 0.0f;
-          xv[k][j] = xh;
-          gv[k][j] = wg;
-          s_wg += wg;
-          s_wgx += wg * xh;
-        }
+        kiln_vjp_sums(xv[k], gv[k], wv, i < d, mean, rstd, dw[k], db[k], s_wg, s_wgx);
       }
       const float c2 = RMS ? 0.0f : kiln_group_sum<GROUP, BLOCK_DIM>(s_wg, scratch, round) / d;
       const float c1 = kiln_group_sum<GROUP, BLOCK_DIM>(s_wgx, scratch, round) / d;

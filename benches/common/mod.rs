@@ -21,3 +21,17 @@ pub fn run_anchor(script: &str, args: &[String]) -> Option<serde_json::Value> {
         .filter(|o| o.status.success())
         .and_then(|o| serde_json::from_slice(&o.stdout).ok())
 }
+
+/// The variant-comparison flags of the benches: `--only TEXT` (empty when absent: every row) and
+/// whether `--no-anchor` asks to skip the anchor.
+#[allow(dead_code)] // each bench compiles this module; not every one compares variants
+pub fn variant_flags() -> (String, bool) {
+    let args: Vec<String> = std::env::args().collect();
+    let only = args
+        .iter()
+        .position(|a| a == "--only")
+        .and_then(|i| args.get(i + 1))
+        .cloned()
+        .unwrap_or_default();
+    (only, args.iter().any(|a| a == "--no-anchor"))
+}

@@ -460,8 +460,14 @@ fn vjp(
     let grid = resident_grid(enc, &kernel, block, shared as usize, rows.div_ceil(groups))?;
     // The partial sums of dweight then dbias, [sets, grid, d], reduced in one launch.
     let sets = w.is_some() as usize + want_db as usize;
-    let partial = Array::empty(enc.device(), DType::F32, &[sets.max(1), grid, d])?;
-    let set_ptr = |set: usize| partial.device_ptr() + (set * grid * d * 4) as u64;
+    let partial = (sets > 0)
+        .then(|| Array::empty(enc.device(), DType::F32, &[sets, grid, d]))
+        .transpose()?;
+    let set_ptr = |set: usize| {
+        partial
+            .as_ref()
+            .map_or(0, |p| p.device_ptr() + (set * grid * d * 4) as u64)
+    };
     let (pw, pb) = match (w.is_some(), want_db) {
         (true, true) => (set_ptr(0), set_ptr(1)),
         (true, false) => (set_ptr(0), 0),
@@ -486,7 +492,8 @@ fn vjp(
         .push(smem_partials as i32);
     let mut reads = vec![&xr, &gr];
     reads.extend(w);
-    let writes = [&dx, &partial];
+    let mut writes = vec![&dx];
+    writes.extend(partial.as_ref());
     enc.launch(
         &kernel,
         grid as u32,
@@ -504,9 +511,9 @@ fn vjp(
     } else {
         None
     };
-    let outs: Vec<&Array> = dw.iter().chain(db.iter()).collect();
-    if !outs.is_empty() {
-        reduce_col_sets(enc, &partial, grid, d, &outs)?;
+    if let Some(partial) = &partial {
+        let outs: Vec<&Array> = dw.iter().chain(db.iter()).collect();
+        reduce_col_sets(enc, partial, grid, d, &outs)?;
     }
     Ok((dx, dw, db))
 }
