@@ -7,8 +7,9 @@
 //!
 //! kiln is timed on the host around many calls (graph mode, one synchronise at the end), so its
 //! figures include any host time the GPU waits for; PyTorch is timed with CUDA events.
-//! `--only TEXT` keeps the rows whose "dtype op" contains TEXT (e.g. `--only "bf16 layer_norm"`),
+//! `--only TEXT` keeps the rows whose "ROWSxD dtype op" contains TEXT (e.g. `--only "bf16 layer_norm"`),
 //! `--no-anchor` skips PyTorch: both for comparing kernel variants quickly, not for the targets.
+//! `--twice` times every op twice and prints both, with the driver allocations each made.
 
 mod common;
 
@@ -35,18 +36,40 @@ fn seconds_per_call(
     enc: &mut CommandEncoder,
     mut call: impl FnMut(&mut CommandEncoder, usize),
 ) -> f64 {
-    // Warm up for 20 ms (3 calls at least): after the host has spent a while making the inputs
-    // the GPU's clocks need time to come back, which skewed whichever op ran first.
-    let warm = Instant::now();
-    let mut i = 0;
-    while i < 3 || warm.elapsed().as_secs_f64() < 0.02 {
-        call(enc, i);
-        i += 1;
-        if i % 8 == 0 {
-            enc.synchronize().unwrap();
-        }
+    if std::env::args().any(|a| a == "--twice") {
+        let allocs = |e: &CommandEncoder| e.device().allocator().stats().driver_allocs;
+        let a0 = allocs(enc);
+        let first = seconds_per_call_once(enc, &mut call);
+        let a1 = allocs(enc);
+        let second = seconds_per_call_once(enc, &mut call);
+        let a2 = allocs(enc);
+        println!(
+            "  (twice: {:.1} us then {:.1} us; driver allocations {} then {})",
+            first * 1e6,
+            second * 1e6,
+            a1 - a0,
+            a2 - a1
+        );
+        return second;
     }
-    enc.synchronize().unwrap();
+    seconds_per_call_once(enc, &mut call)
+}
+
+fn seconds_per_call_once(
+    enc: &mut CommandEncoder,
+    call: &mut impl FnMut(&mut CommandEncoder, usize),
+) -> f64 {
+    // Warm up for 100 ms in batches like the timed ones, so that the caching allocator holds
+    // as many buffers as a batch keeps in flight before timing starts: warmed in batches of 8,
+    // the first timed batches of 40 allocated from the driver (`--twice` showed f16 LayerNorm
+    // 8192x1024 at 25.2 us per call with 40 driver allocations, then 12.7 us with none).
+    let warm = Instant::now();
+    while warm.elapsed().as_secs_f64() < 0.1 {
+        for i in 0..ITERS {
+            call(enc, i);
+        }
+        enc.synchronize().unwrap();
+    }
     // Median of three timed batches.
     let mut batches: Vec<f64> = (0..3)
         .map(|_| {
@@ -70,110 +93,96 @@ fn copy_gbs(dev: &Arc<Device>, enc: &mut CommandEncoder) -> f64 {
     2.0 * n as f64 / t / 1e9
 }
 
-/// `--sweep`: GB/s of every registered (threads per row, items) choice that fits, for the
-/// shapes and dtypes that tune worst, to choose the policy in `choose_spec` from measurements.
-fn sweep(enc: &mut CommandEncoder) {
+/// `--sweep`: GB/s of every candidate spec (`tuning::candidates`: threads per row, vectors
+/// per thread, ring of stages, resident rows) for the 16-bit shapes that tune worst, to choose
+/// the policy in `choose_spec` from measurements. `--only TEXT` keeps the cases whose
+/// "ROWSxD Pass" contains TEXT.
+fn sweep(enc: &mut CommandEncoder, only: &str) {
     use kiln::ops::norm::{tuning, Kind, Pass};
-    for &(rows, d) in &[
-        (16384usize, 768usize),
-        (8192, 4096),
-        (4096, 8192),
-        (2048, 16384),
-    ] {
-        for dtype in [DType::BF16, DType::F32] {
-            let n = rows * d;
-            let mut rng = TestRng::new(7);
-            let xs: Vec<Array> = (0..SETS)
-                .map(|_| Array::from_f64(enc, dtype, &rng.values(n, 2.0, 0.0), &[rows, d]).unwrap())
-                .collect();
-            let g = Array::from_f64(enc, dtype, &rng.values(n, 1.0, 0.0), &[rows, d]).unwrap();
-            let w = Array::from_f64(enc, dtype, &rng.values(d, 1.0, 1.0), &[d]).unwrap();
-            let bytes = (n * dtype.size()) as f64;
-            let chosen = [Pass::Forward, Pass::Vjp]
-                .map(|p| norm::choose_spec(p, Kind::LayerNorm, dtype, d, true));
-            for spec in norm::specs() {
-                let pass = match spec.template.name {
-                    "norm_fwd" => Pass::Forward,
-                    "norm_vjp" => Pass::Vjp,
-                    _ => continue,
-                };
-                if spec.dtype != dtype
-                    || spec.consts[0] != 0
-                    || spec.n_reads as usize != dtype.vec_width()
-                {
-                    continue;
+    let dtype = DType::BF16;
+    let mut cases = Vec::new();
+    for &(rows, d) in &SHAPES {
+        for pass in [Pass::Forward, Pass::Vjp] {
+            if format!("{rows}x{d} {pass:?}").contains(only) {
+                cases.push((
+                    rows,
+                    d,
+                    pass,
+                    tuning::candidates(pass, Kind::LayerNorm, dtype, d),
+                ));
+            }
+        }
+    }
+    // Compile every candidate first, on all cores.
+    let specs: Vec<_> = cases.iter().flat_map(|c| c.3.iter().copied()).collect();
+    let jit = kiln::jit::Jit::global().unwrap();
+    let target = enc.device().target();
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    std::thread::scope(|scope| {
+        for _ in 0..std::thread::available_parallelism().map_or(4, |n| n.get()) {
+            scope.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(spec) = specs.get(i) else { break };
+                if let Err(e) = jit.compile(spec, target) {
+                    println!("sweep: {spec} does not compile: {e}");
                 }
-                let secs = match pass {
-                    Pass::Forward => {
-                        if tuning::forward_with(
-                            enc,
-                            Kind::LayerNorm,
-                            &xs[0],
-                            Some(&w),
-                            Some(&w),
-                            1e-5,
-                            spec,
-                        )
-                        .is_err()
-                        {
-                            continue;
-                        }
-                        seconds_per_call(enc, |e, i| {
-                            tuning::forward_with(
-                                e,
-                                Kind::LayerNorm,
-                                &xs[i % SETS],
-                                Some(&w),
-                                Some(&w),
-                                1e-5,
-                                spec,
-                            )
-                            .unwrap();
-                        })
-                    }
-                    Pass::Vjp => {
-                        if tuning::vjp_with(
-                            enc,
-                            Kind::LayerNorm,
-                            &xs[0],
-                            Some(&w),
-                            true,
-                            &g,
-                            1e-5,
-                            spec,
-                        )
-                        .is_err()
-                        {
-                            continue;
-                        }
-                        seconds_per_call(enc, |e, i| {
-                            tuning::vjp_with(
-                                e,
-                                Kind::LayerNorm,
-                                &xs[i % SETS],
-                                Some(&w),
-                                true,
-                                &g,
-                                1e-5,
-                                spec,
-                            )
-                            .unwrap();
-                        })
-                    }
-                };
-                let passes = if pass == Pass::Vjp { 3.0 } else { 2.0 };
-                let mark = if chosen.contains(&spec) {
-                    " <- chosen"
+            });
+        }
+    });
+    for (rows, d, pass, candidates) in cases {
+        let n = rows * d;
+        let mut rng = TestRng::new(7);
+        let xs: Vec<Array> = (0..SETS)
+            .map(|_| Array::from_f64(enc, dtype, &rng.values(n, 2.0, 0.0), &[rows, d]).unwrap())
+            .collect();
+        let g = Array::from_f64(enc, dtype, &rng.values(n, 1.0, 0.0), &[rows, d]).unwrap();
+        let w = Array::from_f64(enc, dtype, &rng.values(d, 1.0, 1.0), &[d]).unwrap();
+        let bytes = (n * dtype.size()) as f64;
+        let chosen = norm::choose_spec(pass, Kind::LayerNorm, dtype, d, true);
+        let run = |e: &mut CommandEncoder, i: usize, spec| match pass {
+            Pass::Forward => tuning::forward_with(
+                e,
+                Kind::LayerNorm,
+                &xs[i % SETS],
+                Some(&w),
+                Some(&w),
+                1e-5,
+                spec,
+            )
+            .map(|_| ()),
+            Pass::Vjp => tuning::vjp_with(
+                e,
+                Kind::LayerNorm,
+                &xs[i % SETS],
+                Some(&w),
+                true,
+                &g,
+                1e-5,
+                spec,
+            )
+            .map(|_| ()),
+        };
+        for spec in candidates {
+            if let Err(e) = run(enc, 0, spec) {
+                println!("sweep {rows}x{d} {pass:?} {spec}: {e}");
+                continue;
+            }
+            let secs = seconds_per_call(enc, |e, i| run(e, i, spec).unwrap());
+            let passes = if pass == Pass::Vjp { 3.0 } else { 2.0 };
+            let c = &spec.consts;
+            println!(
+                "sweep {rows}x{d} {dtype} {pass:?} GROUP={} ITEMS={} STAGES={}{}: {:.0} GB/s{}",
+                c[1],
+                c[2],
+                c[3],
+                if c.len() > 4 && c[4] != 0 {
+                    " RESIDENT"
                 } else {
                     ""
-                };
-                println!(
-                    "sweep {rows}x{d} {dtype} {pass:?} GROUP={} ITEMS={}: {:.0} GB/s{mark}",
-                    spec.consts[1],
-                    spec.consts[2],
-                    passes * bytes / secs / 1e9
-                );
-            }
+                },
+                passes * bytes / secs / 1e9,
+                if spec == chosen { " <- chosen" } else { "" }
+            );
         }
     }
 }
@@ -187,11 +196,11 @@ fn main() {
         }
     };
     let mut enc = CommandEncoder::new(&dev).unwrap();
+    let (only, no_anchor) = common::variant_flags();
     if std::env::args().any(|a| a == "--sweep") {
-        sweep(&mut enc);
+        sweep(&mut enc, &only);
         return;
     }
-    let (only, no_anchor) = common::variant_flags();
     let copy = copy_gbs(&dev, &mut enc);
     let shape_args: Vec<String> = SHAPES.iter().map(|(r, d)| format!("{r},{d}")).collect();
     let torch = if no_anchor {
@@ -227,7 +236,7 @@ fn main() {
             let w = Array::from_f64(&mut enc, dtype, &rng.values(d, 1.0, 1.0), &[d]).unwrap();
             let b = Array::from_f64(&mut enc, dtype, &rng.values(d, 1.0, 0.0), &[d]).unwrap();
             let bytes = (n * dtype.size()) as f64;
-            let wanted = |op: &str| format!("{dtype} {op}").contains(&only);
+            let wanted = |op: &str| format!("{rows}x{d} {dtype} {op}").contains(&only);
             let mut runs: Vec<(&str, f64, f64)> = Vec::new();
             if wanted("layer_norm") {
                 let secs = seconds_per_call(&mut enc, |e, i| {

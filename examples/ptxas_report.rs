@@ -1,6 +1,7 @@
 //! Prints ptxas's resource report (registers, spills, shared memory) for registered specs.
 //! Usage: cargo run --example ptxas_report [sm_90] [TEXT]: specs whose description contains TEXT
-//! (default: the norm forward and VJP kernels).
+//! (default: the norm forward and VJP kernels). `--candidates`: the bf16 LayerNorm candidates of
+//! the norm bench's `--sweep` instead of the registered specs.
 use kiln::jit::{Jit, Target};
 
 fn main() {
@@ -9,7 +10,25 @@ fn main() {
     let only = args.next().unwrap_or("norm_".into());
     let jit = Jit::new(kiln::env::Config::from_env().unwrap());
     let nvrtc = jit.nvrtc().unwrap();
-    for spec in kiln::ops::registered_specs() {
+    let specs = if std::env::args().any(|a| a == "--candidates") {
+        use kiln::ops::norm::{tuning, Kind, Pass};
+        let mut all = Vec::new();
+        for d in [768, 1024, 4096, 8192, 16384] {
+            for pass in [Pass::Forward, Pass::Vjp] {
+                all.extend(tuning::candidates(
+                    pass,
+                    Kind::LayerNorm,
+                    kiln::DType::BF16,
+                    d,
+                ));
+            }
+        }
+        all.dedup();
+        all
+    } else {
+        kiln::ops::registered_specs()
+    };
+    for spec in specs {
         if !spec.to_string().contains(&only) {
             continue;
         }

@@ -51,7 +51,7 @@ __device__ __forceinline__ void kiln_unstage_row(const kiln_vec<T, N_READS>* sta
 }
 
 // Mean (0 for RMSNorm) and 1 / sqrt(var + eps) of a row held in registers, in two exact passes
-// (for RMSNorm var is the mean square). Every thread of the block must call it.
+// (for RMSNorm var is the mean square). Every thread of the group must call it.
 template <bool RMS, int GROUP, int BLOCK_DIM, int NI, int N_READS>
 __device__ __forceinline__ void kiln_row_stats(const float (&v)[NI][N_READS], int lane, int d,
                                                float eps, float* scratch, int& round, float& mean,
@@ -95,8 +95,8 @@ __device__ __forceinline__ void kiln_streamed_row_stats(const T* row, bool activ
       }
     }
   }
-  const float sum = kiln_group_sum<GROUP, BLOCK_DIM>(s, scratch, round) / d;
-  const float sq = kiln_group_sum<GROUP, BLOCK_DIM>(q, scratch, round) / d;
+  kiln_group_sum2<GROUP, BLOCK_DIM>(s, q, scratch, round);
+  const float sum = s / d, sq = q / d;
   mean = RMS ? 0.0f : shift + sum;
   rstd = rsqrtf((RMS ? sq : fmaxf(sq - sum * sum, 0.0f)) + eps);
 }

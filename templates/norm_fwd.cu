@@ -27,7 +27,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
     const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b, T* __restrict__ y,
     long long rows, int d, long long x_row_stride, long long w_stride, long long b_stride,
     int w_vec, int b_vec, float eps) {
-  __shared__ float scratch[2 * BLOCK_DIM / 32];
+  __shared__ float scratch[KILN_SCRATCH(BLOCK_DIM)];
   int round = 0;
   const int group = threadIdx.x / GROUP, lane = threadIdx.x % GROUP;
 
@@ -57,8 +57,8 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
                                                       lane, d, ring + s * NI * BLOCK_DIM);
         kiln_cp_async_commit();
       };
-      // Rows r, r + step, ...; the block's groups step together (the statistics use block
-      // barriers), so the loop runs on the block's first row.
+      // Rows r, r + step, ...; the loop runs on the block's first row, so every group of the
+      // block takes the same iterations (a row past the end computes and writes nothing).
       const long long step = (long long)gridDim.x * GROUPS;
       long long row = (long long)blockIdx.x * GROUPS + group;
 #pragma unroll
@@ -90,8 +90,8 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
     const T* xr = x + (active ? row : 0) * x_row_stride;
     T* yr = y + (active ? row : 0) * (long long)d;
     float mean, rstd;
-    kiln_streamed_row_stats<RMS, GROUP, BLOCK_DIM, N_READS>(xr, active, lane, d, eps, scratch, round, mean,
-                                                            rstd);
+    kiln_streamed_row_stats<RMS, GROUP, BLOCK_DIM, N_READS>(xr, active, lane, d, eps, scratch, round,
+                                                            mean, rstd);
     if (!active) return;
     for (int i = lane * N_READS; i < d; i += GROUP * N_READS) {
       float v[N_READS], wv[N_READS], bv[N_READS];

@@ -2,13 +2,16 @@
 // xhat = (x - mean) * rstd (RMS: x * rstd) and wg = w * g:
 //   dx = rstd * (wg - mean(wg) - xhat * mean(wg * xhat))      (RMS: without the mean(wg) term)
 //   dw = sum over rows of g * xhat,  db = sum over rows of g
+// With c = x - mean, the row needs two rounds of group sums (one barrier each): (sum x,
+// sum wg) give mean and mean(wg); then (sum c^2, sum wg c) give rstd and
+// mean(wg * xhat) = rstd * mean(wg c), exactly as the two-pass statistics do.
 // Blocks loop over rows; each writes its f32 partial sums of dw and db as one row of
 // `partial_w` / `partial_b` ([gridDim.x, d]), which kiln_reduce_cols then sums. No n_rows x d
 // temporary, and the weight gradient is never accumulated in a 16-bit type.
 // ITEMS > 0: x and g rows and the thread's partial sums held in registers, the block's groups
 // combined once at the end; with RESIDENT the rows stay in their shared memory stage instead and
 // each pass reads them there (rows too long for registers, whose partial sums still fit);
-// ITEMS = 0: one row per block, streamed three times, partials accumulated in shared memory
+// ITEMS = 0: one row per block, streamed twice, partials accumulated in shared memory
 // or in place in global memory (each thread owns the same columns for every row).
 {{> prelude}}
 {{> norm}}
@@ -30,23 +33,44 @@ static_assert(STAGES == 0 || (STAGES >= 2 && sizeof(T) * N_READS == 16),
 // Shared accumulators to combine the groups of a block (register path with GROUPS > 1).
 constexpr int SMEM_D = (ITEMS > 0 && GROUPS > 1) ? GROUP * NI * N_READS : 1;
 
-// One vector's share of the row sums: with xhat = (x - mean) * rstd and wg = w * g (both 0 where
-// the vector lies past d; a vector lies wholly inside or outside), dw += g * xhat, db += g,
-// s_wg += wg, s_wgx += wg * xhat. x and g become xhat and wg, which the dx pass uses.
+// A vector's two row sums of the first round: sum x, sum wg (LayerNorm only).
 template <int N>
-__device__ __forceinline__ void kiln_vjp_sums(float (&x)[N], float (&g)[N], const float (&w)[N],
-                                              bool in, float mean, float rstd, float (&dw)[N],
-                                              float (&db)[N], float& s_wg, float& s_wgx) {
+__device__ __forceinline__ void kiln_vjp_round1(const float (&x)[N], const float (&g)[N],
+                                                const float (&w)[N], float& sx, float& swg) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    sx += x[j];
+    swg += w[j] * g[j];
+  }
+}
+
+// A vector's two row sums of the second round: sum c^2, sum wg c (c = x - mean). Vectors
+// past d (zeros) must not call it: their c is -mean.
+template <int N>
+__device__ __forceinline__ void kiln_vjp_round2(const float (&x)[N], const float (&g)[N],
+                                                const float (&w)[N], float mean, float& q,
+                                                float& t) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    const float c = x[j] - mean;
+    q += c * c;
+    t += w[j] * g[j] * c;
+  }
+}
+
+// A vector's share of the column sums (dw += g * xhat, db += g) and its dx, into x. `in`: the
+// vector lies in an active row and inside d (elsewhere rstd may be infinite for eps = 0).
+template <int N>
+__device__ __forceinline__ void kiln_vjp_finish(float (&x)[N], const float (&g)[N],
+                                                const float (&w)[N], bool in, float mean,
+                                                float rstd, float c1, float c2, float (&dw)[N],
+                                                float (&db)[N]) {
 #pragma unroll
   for (int j = 0; j < N; ++j) {
     const float xh = in ? (x[j] - mean) * rstd : 0.0f;
-    const float wg = in ? w[j] * g[j] : 0.0f;
     dw[j] += g[j] * xh;
     db[j] += g[j];
-    s_wg += wg;
-    s_wgx += wg * xh;
-    x[j] = xh;
-    g[j] = wg;
+    x[j] = rstd * (w[j] * g[j] - c2 - xh * c1);
   }
 }
 
@@ -55,7 +79,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
     float* __restrict__ partial_w, float* __restrict__ partial_b, long long rows, int d,
     long long x_row_stride, long long g_row_stride, long long w_stride, int w_vec, float eps,
     int smem_partials) {
-  __shared__ float scratch[2 * BLOCK_DIM / 32];
+  __shared__ float scratch[KILN_SCRATCH(BLOCK_DIM)];
   int round = 0;
   const int group = threadIdx.x / GROUP, lane = threadIdx.x % GROUP;
   const long long step = (long long)gridDim.x * GROUPS;
@@ -67,6 +91,15 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
     for (int k = 0; k < NI; ++k)
 #pragma unroll
       for (int j = 0; j < N_READS; ++j) dw[k][j] = db[k][j] = 0.0f;
+
+    // Each thread owns the same columns in every row: its weights load once (resident rows,
+    // four vectors per thread, load them on each pass instead: registers).
+    float wv[NI][N_READS];
+    if constexpr (!RESIDENT) {
+#pragma unroll
+      for (int k = 0; k < NI; ++k)
+        kiln_load_param<N_READS>(w, w_stride, w_vec, (k * GROUP + lane) * N_READS, d, 1.0f, wv[k]);
+    }
 
     typedef kiln_vec<T, N_READS> V;
     extern __shared__ V ring[];  // STAGES stages of x and g, NI * BLOCK_DIM vectors each
@@ -97,62 +130,54 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
         stage(row + (STAGES - 1) * step, s == 0 ? STAGES - 1 : s - 1);
         s = s == STAGES - 1 ? 0 : s + 1;
       }
+      float mean = 0.0f, c2 = 0.0f, rstd, c1;
       if constexpr (RESIDENT) {
-        // Statistics in two exact passes over the stage (zeros past d add nothing to the sum).
-        float sum = 0.0f, q = 0.0f;
+        // x and g stay in their stages; each of the three passes reads them there, one
+        // vector at a time: loads hoisted across vectors would hold all of x and g and spill
+        // (the partial sums already take 64 registers).
+        auto vector = [&](int k, float(&xk)[N_READS], float(&gk)[N_READS], float(&wk)[N_READS]) {
+          asm volatile("" ::: "memory");
+          kiln_unstage_vec<N_READS, BLOCK_DIM>(sx, k, xk);
+          kiln_unstage_vec<N_READS, BLOCK_DIM>(sg, k, gk);
+          kiln_load_param<N_READS>(w, w_stride, w_vec, (k * GROUP + lane) * N_READS, d, 1.0f, wk);
+        };
+        if constexpr (!RMS) {
+          float s_x = 0.0f, s_wg = 0.0f;
 #pragma unroll
-        for (int k = 0; k < NI; ++k) {
-          float v[N_READS];
-          kiln_unstage_vec<N_READS, BLOCK_DIM>(sx, k, v);
-#pragma unroll
-          for (int j = 0; j < N_READS; ++j) sum += v[j];
+          for (int k = 0; k < NI; ++k) {
+            if ((k * GROUP + lane) * N_READS >= d) break;
+            float xk[N_READS], gk[N_READS], wk[N_READS];
+            vector(k, xk, gk, wk);
+            kiln_vjp_round1(xk, gk, wk, s_x, s_wg);
+          }
+          kiln_group_sum2<GROUP, BLOCK_DIM>(s_x, s_wg, scratch, round);
+          mean = s_x / d;
+          c2 = s_wg / d;
         }
-        const float mean = RMS ? 0.0f : kiln_group_sum<GROUP, BLOCK_DIM>(sum, scratch, round) / d;
+        float q = 0.0f, t = 0.0f;
 #pragma unroll
         for (int k = 0; k < NI; ++k) {
           if ((k * GROUP + lane) * N_READS >= d) break;
-          float v[N_READS];
-          kiln_unstage_vec<N_READS, BLOCK_DIM>(sx, k, v);
-#pragma unroll
-          for (int j = 0; j < N_READS; ++j) q += (v[j] - mean) * (v[j] - mean);
+          float xk[N_READS], gk[N_READS], wk[N_READS];
+          vector(k, xk, gk, wk);
+          kiln_vjp_round2(xk, gk, wk, mean, q, t);
         }
-        const float rstd = rsqrtf(kiln_group_sum<GROUP, BLOCK_DIM>(q, scratch, round) / d + eps);
-        float s_wg = 0.0f, s_wgx = 0.0f;
+        kiln_group_sum2<GROUP, BLOCK_DIM>(q, t, scratch, round);
+        rstd = rsqrtf(q / d + eps);
+        c1 = rstd * t / d;
+        T* dxr = dx + (active ? row : 0) * (long long)d;
 #pragma unroll
         for (int k = 0; k < NI; ++k) {
           const int i = (k * GROUP + lane) * N_READS;
           if (i >= d) break;
-          // One vector at a time: loads hoisted across vectors would hold all of x and g and
-          // spill (the partial sums already take 64 registers).
-          asm volatile("" ::: "memory");
           float xk[N_READS], gk[N_READS], wk[N_READS];
-          kiln_unstage_vec<N_READS, BLOCK_DIM>(sx, k, xk);
-          kiln_unstage_vec<N_READS, BLOCK_DIM>(sg, k, gk);
-          kiln_load_param<N_READS>(w, w_stride, w_vec, i, d, 1.0f, wk);
-          kiln_vjp_sums(xk, gk, wk, true, mean, rstd, dw[k], db[k], s_wg, s_wgx);
-        }
-        const float c2 = RMS ? 0.0f : kiln_group_sum<GROUP, BLOCK_DIM>(s_wg, scratch, round) / d;
-        const float c1 = kiln_group_sum<GROUP, BLOCK_DIM>(s_wgx, scratch, round) / d;
-        if (active) {
-          T* dxr = dx + row * (long long)d;
-#pragma unroll
-          for (int k = 0; k < NI; ++k) {
-            const int i = (k * GROUP + lane) * N_READS;
-            if (i >= d) break;
-            asm volatile("" ::: "memory");  // one vector at a time, as above
-            float xk[N_READS], gk[N_READS], wk[N_READS], o[N_READS];
-            kiln_unstage_vec<N_READS, BLOCK_DIM>(sx, k, xk);
-            kiln_unstage_vec<N_READS, BLOCK_DIM>(sg, k, gk);
-            kiln_load_param<N_READS>(w, w_stride, w_vec, i, d, 1.0f, wk);
-#pragma unroll
-            for (int j = 0; j < N_READS; ++j)
-              o[j] = rstd * (wk[j] * gk[j] - c2 - (xk[j] - mean) * rstd * c1);
-            kiln_store_floats<N_READS>(dxr, i, d, o);
-          }
+          vector(k, xk, gk, wk);
+          kiln_vjp_finish(xk, gk, wk, active, mean, rstd, c1, c2, dw[k], db[k]);
+          if (active) kiln_store_floats<N_READS>(dxr, i, d, xk);
         }
         continue;
       }
-      float xv[NI][N_READS], gv[NI][N_READS], mean, rstd;
+      float xv[NI][N_READS], gv[NI][N_READS];
       if constexpr (STAGES > 0) {
         kiln_unstage_row<NI, N_READS, BLOCK_DIM>(sx, xv);
         kiln_unstage_row<NI, N_READS, BLOCK_DIM>(sg, gv);
@@ -162,29 +187,27 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
         kiln_load_row<NI, N_READS, GROUP>(xr, active, lane, d, xv);
         kiln_load_row<NI, N_READS, GROUP>(gr, active, lane, d, gv);
       }
-      kiln_row_stats<RMS, GROUP, BLOCK_DIM>(xv, lane, d, eps, scratch, round, mean, rstd);
-      // xhat in place of x; wg in place of g (dw, db take g first).
-      float s_wg = 0.0f, s_wgx = 0.0f;
+      if constexpr (!RMS) {
+        float s_x = 0.0f, s_wg = 0.0f;
+#pragma unroll
+        for (int k = 0; k < NI; ++k) kiln_vjp_round1(xv[k], gv[k], wv[k], s_x, s_wg);
+        kiln_group_sum2<GROUP, BLOCK_DIM>(s_x, s_wg, scratch, round);
+        mean = s_x / d;
+        c2 = s_wg / d;
+      }
+      float q = 0.0f, t = 0.0f;
+#pragma unroll
+      for (int k = 0; k < NI; ++k)
+        if ((k * GROUP + lane) * N_READS < d) kiln_vjp_round2(xv[k], gv[k], wv[k], mean, q, t);
+      kiln_group_sum2<GROUP, BLOCK_DIM>(q, t, scratch, round);
+      rstd = rsqrtf(q / d + eps);
+      c1 = rstd * t / d;
+      T* dxr = dx + (active ? row : 0) * (long long)d;
 #pragma unroll
       for (int k = 0; k < NI; ++k) {
         const int i = (k * GROUP + lane) * N_READS;
-        float wv[N_READS];
-        kiln_load_param<N_READS>(w, w_stride, w_vec, i, d, 1.0f, wv);
-        kiln_vjp_sums(xv[k], gv[k], wv, i < d, mean, rstd, dw[k], db[k], s_wg, s_wgx);
-      }
-      const float c2 = RMS ? 0.0f : kiln_group_sum<GROUP, BLOCK_DIM>(s_wg, scratch, round) / d;
-      const float c1 = kiln_group_sum<GROUP, BLOCK_DIM>(s_wgx, scratch, round) / d;
-      if (active) {
-        T* dxr = dx + row * (long long)d;
-#pragma unroll
-        for (int k = 0; k < NI; ++k) {
-          const int i = (k * GROUP + lane) * N_READS;
-          if (i >= d) break;
-          float o[N_READS];
-#pragma unroll
-          for (int j = 0; j < N_READS; ++j) o[j] = rstd * (gv[k][j] - c2 - xv[k][j] * c1);
-          kiln_store_floats<N_READS>(dxr, i, d, o);
-        }
+        kiln_vjp_finish(xv[k], gv[k], wv[k], active && i < d, mean, rstd, c1, c2, dw[k], db[k]);
+        if (active && i < d) kiln_store_floats<N_READS>(dxr, i, d, xv[k]);
       }
     }
 
@@ -242,10 +265,10 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
       const T* xr = x + row * x_row_stride;
       const T* gr = g + row * g_row_stride;
-      float mean, rstd;
-      kiln_streamed_row_stats<RMS, GROUP, BLOCK_DIM, N_READS>(xr, true, lane, d, eps, scratch, round,
-                                                              mean, rstd);
-      float s_wg = 0.0f, s_wgx = 0.0f;
+      // One pass of four sums shifted by the row's first element (cancellation stays small
+      // however large the mean): c = x - shift, sum c, sum c^2, sum wg, sum wg c.
+      const float shift = RMS ? 0.0f : kiln_to_float(xr[0]);
+      float s_c = 0.0f, s_cc = 0.0f, s_wg = 0.0f, s_wgc = 0.0f;
       for (int i = lane * N_READS; i < d; i += GROUP * N_READS) {
         float v[N_READS], gv[N_READS], wv[N_READS];
         kiln_load_floats<N_READS>(xr, i, d, v);
@@ -253,15 +276,22 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
         kiln_load_param<N_READS>(w, w_stride, w_vec, i, d, 1.0f, wv);
 #pragma unroll
         for (int j = 0; j < N_READS; ++j) {
-          if (i + j < d) {
-            const float wg = wv[j] * gv[j];
-            s_wg += wg;
-            s_wgx += wg * (v[j] - mean) * rstd;
-          }
+          const float c = (i + j < d) ? v[j] - shift : 0.0f;
+          const float wg = wv[j] * gv[j];  // g is 0 past d
+          s_c += c;
+          s_cc += c * c;
+          s_wg += wg;
+          s_wgc += wg * c;
         }
       }
-      const float c2 = RMS ? 0.0f : kiln_group_sum<GROUP, BLOCK_DIM>(s_wg, scratch, round) / d;
-      const float c1 = kiln_group_sum<GROUP, BLOCK_DIM>(s_wgx, scratch, round) / d;
+      kiln_group_sum2<GROUP, BLOCK_DIM>(s_c, s_cc, scratch, round);
+      kiln_group_sum2<GROUP, BLOCK_DIM>(s_wg, s_wgc, scratch, round);
+      const float dm = RMS ? 0.0f : s_c / d;  // mean - shift
+      const float mean = shift + dm;
+      const float rstd = rsqrtf(fmaxf(s_cc / d - dm * dm, 0.0f) + eps);
+      const float c2 = RMS ? 0.0f : s_wg / d;
+      // mean(wg * xhat) = rstd * (mean(wg c) - (mean - shift) * mean(wg))
+      const float c1 = rstd * (s_wgc / d - dm * c2);
       T* dxr = dx + row * (long long)d;
       for (int i = lane * N_READS; i < d; i += GROUP * N_READS) {
         float v[N_READS], gv[N_READS], wv[N_READS], o[N_READS];

@@ -97,11 +97,26 @@ struct kiln_layout {
   long long strides[KILN_MAX_RANK];  // in elements
 };
 
-// Sum over each group of GROUP consecutive threads (GROUP a multiple of 32 dividing BLOCK_DIM),
-// returned to every thread of the group. Every thread of the block must call it (it may hold a
-// __syncthreads). `scratch` holds 2 * BLOCK_DIM / 32 floats and `round` counts the calls: each
-// call writes the half the previous one did not, so one barrier per sum is enough (a thread
-// reads sum n's half before it reaches sum n + 1's barrier, after which sum n + 2 writes it).
+// Sums over each group of GROUP consecutive threads (GROUP a multiple of 32 dividing BLOCK_DIM),
+// returned to every thread of the group: kiln_group_sum for one value, kiln_group_sum2 for two
+// at the price of one. Every thread of the group must call them (they may hold its barrier).
+// `scratch` holds KILN_SCRATCH(BLOCK_DIM) floats and `round` counts the calls: each call writes
+// the half the previous one did not, so one barrier per sum is enough (a thread reads sum n's
+// half before it reaches sum n + 1's barrier, after which sum n + 2 writes it). A half holds a
+// first and a second value per warp, so the two kinds may follow one another.
+#define KILN_SCRATCH(BLOCK_DIM) (4 * (BLOCK_DIM) / 32)
+// Waits for the threads of this thread's group only: a named barrier per group (1..GROUPS; 0
+// is __syncthreads), so that the rows of a block do not wait for one another.
+template <int GROUP, int BLOCK_DIM>
+__device__ __forceinline__ void kiln_group_barrier() {
+  constexpr int GROUPS = BLOCK_DIM / GROUP;
+  static_assert(GROUPS <= 15, "16 hardware barriers per block, 0 taken by __syncthreads");
+  if constexpr (GROUPS == 1) {
+    __syncthreads();
+  } else {
+    asm volatile("bar.sync %0, %1;" ::"r"(1 + (int)threadIdx.x / GROUP), "n"(GROUP) : "memory");
+  }
+}
 template <int GROUP, int BLOCK_DIM>
 __device__ __forceinline__ float kiln_group_sum(float v, float* scratch, int& round) {
   static_assert(GROUP % 32 == 0 && BLOCK_DIM % GROUP == 0, "groups are whole warps");
@@ -109,14 +124,36 @@ __device__ __forceinline__ float kiln_group_sum(float v, float* scratch, int& ro
   if (GROUP == 32) return v;
   constexpr int WARPS = GROUP / 32;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  float* half = scratch + (round++ & 1) * (BLOCK_DIM / 32);
+  float* half = scratch + (round++ & 1) * (2 * BLOCK_DIM / 32);
   if (lane == 0) half[warp] = v;
-  __syncthreads();
-  const int first = (warp / WARPS) * WARPS;
+  kiln_group_barrier<GROUP, BLOCK_DIM>();
+  const float* mine = half + (warp / WARPS) * WARPS;
   float s = 0.0f;
 #pragma unroll
-  for (int i = 0; i < WARPS; ++i) s += half[first + i];
+  for (int i = 0; i < WARPS; ++i) s += mine[i];
   return s;
+}
+template <int GROUP, int BLOCK_DIM>
+__device__ __forceinline__ void kiln_group_sum2(float& a, float& b, float* scratch, int& round) {
+  static_assert(GROUP % 32 == 0 && BLOCK_DIM % GROUP == 0, "groups are whole warps");
+  a = kiln_warp_sum(a);
+  b = kiln_warp_sum(b);
+  if (GROUP == 32) return;
+  constexpr int WARPS = GROUP / 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float* half = scratch + (round++ & 1) * (2 * BLOCK_DIM / 32);
+  if (lane == 0) {
+    half[warp] = a;
+    half[BLOCK_DIM / 32 + warp] = b;
+  }
+  kiln_group_barrier<GROUP, BLOCK_DIM>();
+  const float* mine = half + (warp / WARPS) * WARPS;
+  a = b = 0.0f;
+#pragma unroll
+  for (int i = 0; i < WARPS; ++i) {
+    a += mine[i];
+    b += mine[BLOCK_DIM / 32 + i];
+  }
 }
 
 // 16 bytes (or BYTES) copied from global to shared memory without passing through registers;

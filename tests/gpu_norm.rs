@@ -10,7 +10,8 @@ mod common;
 use std::sync::Arc;
 
 use kiln::env::Config;
-use kiln::ops::norm::{self, reference_forward, reference_vjp, Kind};
+use kiln::jit::KernelSpec;
+use kiln::ops::norm::{self, reference_forward, reference_vjp, Kind, Pass};
 use kiln::runtime::{Array, CommandEncoder, Device};
 use kiln::selfcheck::{max_error, tolerance, TestRng};
 use kiln::{DType, Error};
@@ -114,6 +115,7 @@ struct Case {
     weight: Option<WeightLayout>,
     bias: bool,
     x_layout: XLayout,
+    eps: f64,
 }
 
 /// Runs forward and VJP for one case; returns the worst error over every output.
@@ -137,7 +139,7 @@ fn run_case(enc: &mut CommandEncoder, c: &Case, seed: u64) -> f64 {
         c.weight.map(|_| w.as_slice()),
         c.bias.then_some(b.as_slice()),
     );
-    let eps = EPS as f32;
+    let eps = c.eps as f32;
 
     let y = match c.kind {
         Kind::LayerNorm => norm::layer_norm(enc, &xa, wa.as_ref(), ba.as_ref(), eps).unwrap(),
@@ -146,10 +148,10 @@ fn run_case(enc: &mut CommandEncoder, c: &Case, seed: u64) -> f64 {
     assert_eq!((y.shape(), y.dtype()), (&[rows, d][..], dtype));
     let mut err = max_error(
         &y.to_f64(enc).unwrap(),
-        &reference_forward(c.kind, &x, wr, br, d, EPS),
+        &reference_forward(c.kind, &x, wr, br, d, c.eps),
     );
 
-    let (rdx, rdw, rdb) = reference_vjp(c.kind, &x, wr, &g, d, EPS);
+    let (rdx, rdw, rdb) = reference_vjp(c.kind, &x, wr, &g, d, c.eps);
     let (dx, dw, db) = match c.kind {
         Kind::LayerNorm => {
             norm::layer_norm_vjp(enc, &xa, wa.as_ref(), ba.as_ref(), &ga, eps).unwrap()
@@ -202,10 +204,64 @@ fn every_row_length_rows_and_dtype_match_the_reference() {
                         weight: Some(WeightLayout::Contiguous),
                         bias: kind == Kind::LayerNorm,
                         x_layout: XLayout::Contiguous,
+                        eps: EPS,
                     };
                     let err = run_case(&mut enc, &case, seed);
                     if err > tolerance(dtype) {
                         failures.push(format!("{kind:?} {dtype} {rows}x{d}: {err:.3e}"));
+                    }
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// Every kernel the ops choose for vectorised rows, at the shortest and longest row it serves
+/// (up to 16,384), on few rows and on more rows than one pass of the grid, eps 1e-5 and 0.
+#[test]
+fn every_chosen_kernel_matches_the_reference() {
+    let Some(dev) = device("norm_kernels") else {
+        return;
+    };
+    let mut enc = encoder(&dev, true);
+    let mut failures = Vec::new();
+    let mut seed = 5000;
+    for dtype in DType::ALL {
+        let v = dtype.vec_width();
+        // (spec pair) -> (shortest d, longest d)
+        let mut spans: Vec<((KernelSpec, KernelSpec), usize, usize)> = Vec::new();
+        for d in (v..=16384).step_by(v) {
+            let pair = (
+                norm::choose_spec(Pass::Forward, Kind::LayerNorm, dtype, d, true),
+                norm::choose_spec(Pass::Vjp, Kind::LayerNorm, dtype, d, true),
+            );
+            match spans.iter_mut().find(|s| s.0 == pair) {
+                Some(s) => s.2 = d,
+                None => spans.push((pair, d, d)),
+            }
+        }
+        for (_, shortest, longest) in spans {
+            for d in [shortest, longest] {
+                let many = if d <= 4096 { 300 } else { 40 };
+                for (rows, eps) in [(7, EPS), (many, EPS), (7, 0.0)] {
+                    for kind in [Kind::LayerNorm, Kind::RmsNorm] {
+                        seed += 1;
+                        let case = Case {
+                            kind,
+                            dtype,
+                            rows,
+                            d,
+                            weight: Some(WeightLayout::Contiguous),
+                            bias: kind == Kind::LayerNorm,
+                            x_layout: XLayout::Contiguous,
+                            eps,
+                        };
+                        let err = run_case(&mut enc, &case, seed);
+                        if err > tolerance(dtype) {
+                            failures
+                                .push(format!("{kind:?} {dtype} {rows}x{d} eps {eps}: {err:.3e}"));
+                        }
                     }
                 }
             }
@@ -249,6 +305,7 @@ fn weights_bias_and_layouts_in_graph_and_direct_mode() {
                                     weight,
                                     bias,
                                     x_layout,
+                                    eps: EPS,
                                 };
                                 let err = run_case(&mut enc, &case, seed);
                                 if err > tolerance(dtype) {

@@ -51,7 +51,6 @@ pub enum Pass {
 
 const MIN_BLOCK: usize = 256;
 const GROUPS: [usize; 6] = [32, 64, 128, 256, 512, 1024];
-const ITEMS: [usize; 3] = [1, 2, 4];
 /// Threads per row, at most: 1024 forward; 512 for the VJP, whose x and g rows need more than
 /// the 64 registers a 1024-thread block leaves each thread.
 fn max_group(pass: Pass) -> usize {
@@ -80,6 +79,27 @@ fn preferred_items(pass: Pass, dtype: DType, n_reads: usize, vectors: usize) -> 
     max
 }
 
+/// Whether a row takes one warp with up to four vectors per thread, whatever the item rule:
+/// vectorised 16-bit forward rows of up to 128 vectors (1,024 elements). Their statistics need
+/// no barrier, and with a ring of stages they beat wider groups of fewer items (`--sweep` on an
+/// H100, bf16 LayerNorm: 16384x768 2,639 GB/s for 32 x 3 against 2,378 for 64 x 2; 8192x1024
+/// 2,645 for 32 x 4 against 2,499 for 64 x 2).
+fn one_warp_rows(pass: Pass, dtype: DType, n_reads: usize, vectors: usize) -> bool {
+    pass == Pass::Forward && dtype.size() == 2 && n_reads > 1 && vectors <= 4 * 32
+}
+
+/// Whether a row takes one vector per thread on as many whole warps as it needs (96 threads
+/// for 768 elements, not 128): vectorised 16-bit VJP rows of up to 256 vectors, whose cost
+/// is the instructions each row's threads issue, idle lanes included.
+fn one_vector_rows(pass: Pass, dtype: DType, n_reads: usize, vectors: usize) -> bool {
+    pass == Pass::Vjp && dtype.size() == 2 && n_reads > 1 && vectors <= 256
+}
+
+/// Threads per block: whole rows, at least MIN_BLOCK threads where rows are short.
+fn block_of(group: usize) -> usize {
+    group * (MIN_BLOCK / group).max(1)
+}
+
 /// The spec for `group` threads per row with `items` vectors each (0: the looped path).
 fn spec_of(
     pass: Pass,
@@ -89,19 +109,36 @@ fn spec_of(
     group: usize,
     items: usize,
 ) -> KernelSpec {
+    let stages = stages(pass, dtype, n_reads, group, items);
+    let resident = resident(pass, dtype, n_reads, group, items);
+    spec_with(pass, kind, dtype, n_reads, group, items, stages, resident)
+}
+
+/// The spec of every choice spelt out (`spec_of` derives the ring and residency from the rules).
+#[allow(clippy::too_many_arguments)]
+fn spec_with(
+    pass: Pass,
+    kind: Kind,
+    dtype: DType,
+    n_reads: usize,
+    group: usize,
+    items: usize,
+    stages: usize,
+    resident: bool,
+) -> KernelSpec {
     let def = match pass {
         Pass::Forward => &FORWARD,
         Pass::Vjp => &VJP,
     };
-    let block = group.max(MIN_BLOCK);
+    let block = block_of(group);
     let mut consts = vec![
         (kind == Kind::RmsNorm) as i32,
         group as i32,
         items as i32,
-        stages(dtype, n_reads, group, items) as i32,
+        stages as i32,
     ];
     if pass == Pass::Vjp {
-        consts.push(resident(pass, dtype, n_reads, group, items) as i32);
+        consts.push(resident as i32);
     }
     KernelSpec::new(def, dtype, block as u16, n_reads as u8, &consts)
 }
@@ -119,19 +156,24 @@ const RESIDENT_ITEMS: usize = 4;
 fn resident(pass: Pass, dtype: DType, n_reads: usize, group: usize, items: usize) -> bool {
     pass == Pass::Vjp
         && group * items > max_group(pass) * max_items(pass, n_reads)
-        && stages(dtype, n_reads, group, items) > 0
+        && stages(pass, dtype, n_reads, group, items) > 0
 }
 
 /// Rows a kernel keeps in flight (the current one included) in a ring of shared memory stages
-/// filled by cp.async, 0 for none: for vectorised 16-bit rows of several warps (rows held in
-/// registers, and the VJP's resident rows). The kernel then runs on a grid no larger than the
-/// GPU holds at once, each block looping over rows. 16-bit rows carry half the bytes of f32 rows
-/// for the same work per row, and one row at a time left their loads latency-bound. Two stages
-/// (one row ahead): three and four were no faster on an H100 and take more shared memory
-/// (notes/performance.md). One-warp rows and f32 rows take none: they lost 3-10% to the
-/// register prefetch this replaced, and f32 rows already run near copy speed.
-fn stages(dtype: DType, n_reads: usize, group: usize, items: usize) -> usize {
-    if dtype.size() == 2 && n_reads > 1 && items > 0 && group >= 64 {
+/// filled by cp.async, 0 for none: vectorised 16-bit rows held in registers (and the VJP's
+/// resident rows), except one-warp forward rows of one vector, which ran 2-3% faster without
+/// (`--sweep`, bf16 65536x256). The kernel then runs on a grid no larger than the GPU holds at
+/// once, each block looping over rows. 16-bit rows carry half the bytes of f32 rows for the same
+/// work per row, and one row at a time left their loads latency-bound (one-warp VJP rows of 256
+/// elements: 1,778 -> 2,111 GB/s with the ring). Two stages (one row ahead): three and four were
+/// no faster on an H100 and take more shared memory (notes/performance.md). f32 rows take none:
+/// they already run near copy speed.
+fn stages(pass: Pass, dtype: DType, n_reads: usize, group: usize, items: usize) -> usize {
+    if dtype.size() == 2
+        && n_reads > 1
+        && items > 0
+        && (group >= 64 || pass == Pass::Vjp || items > 1)
+    {
         2
     } else {
         0
@@ -174,6 +216,12 @@ pub fn choose_spec(pass: Pass, kind: Kind, dtype: DType, d: usize, vectorized: b
         }
         return spec_of(pass, kind, dtype, n_reads, 1024, 0);
     }
+    if one_warp_rows(pass, dtype, n_reads, vectors) {
+        return spec_of(pass, kind, dtype, n_reads, 32, vectors.div_ceil(32));
+    }
+    if one_vector_rows(pass, dtype, n_reads, vectors) {
+        return spec_of(pass, kind, dtype, n_reads, vectors.next_multiple_of(32), 1);
+    }
     let group = vectors
         .div_ceil(preferred_items(pass, dtype, n_reads, vectors))
         .next_power_of_two()
@@ -182,23 +230,23 @@ pub fn choose_spec(pass: Pass, kind: Kind, dtype: DType, d: usize, vectorized: b
     spec_of(pass, kind, dtype, n_reads, group, items)
 }
 
-/// Every spec the norm ops can choose, and the column reductions.
+/// Every spec the norm ops can choose, and the column reductions: `choose_spec` depends on d
+/// only through its count of vectors and is the same past the longest rows held in registers,
+/// so every count up to one past those gives every choice.
 pub fn specs() -> Vec<KernelSpec> {
     let mut out = Vec::new();
     for pass in [Pass::Forward, Pass::Vjp] {
         for kind in [Kind::LayerNorm, Kind::RmsNorm] {
             for dtype in DType::ALL {
                 for n_reads in [1, dtype.vec_width()] {
-                    for group in GROUPS.into_iter().filter(|&g| g <= max_group(pass)) {
-                        for items in ITEMS.into_iter().filter(|&i| i <= max_items(pass, n_reads)) {
-                            out.push(spec_of(pass, kind, dtype, n_reads, group, items));
+                    let longest = max_group(pass) * max_items(pass, n_reads);
+                    let longest = longest.max(RESIDENT_GROUP * RESIDENT_ITEMS);
+                    for vectors in 1..=longest + 1 {
+                        let spec = choose_spec(pass, kind, dtype, vectors * n_reads, n_reads > 1);
+                        if !out.contains(&spec) {
+                            out.push(spec);
                         }
                     }
-                    if resident(pass, dtype, n_reads, RESIDENT_GROUP, RESIDENT_ITEMS) {
-                        let (group, items) = (RESIDENT_GROUP, RESIDENT_ITEMS);
-                        out.push(spec_of(pass, kind, dtype, n_reads, group, items));
-                    }
-                    out.push(spec_of(pass, kind, dtype, n_reads, 1024, 0));
                 }
             }
         }
@@ -592,8 +640,9 @@ pub fn rms_norm_vjp(
     Ok((dx, dw))
 }
 
-/// Checks a caller-chosen spec: the right family, kind and dtype, a legal vector width, and
-/// enough registers for the row (a wrong one would compute garbage or fault on misaligned loads).
+/// Checks a caller-chosen spec: the right family, kind and dtype, a legal vector width, enough
+/// registers for the row and a ring only where it can run (a wrong one would compute garbage or
+/// fault on misaligned loads). Structural, not a lookup: it runs on every tuned call.
 fn check_chosen(
     spec: KernelSpec,
     pass: Pass,
@@ -606,13 +655,22 @@ fn check_chosen(
         Pass::Forward => &FORWARD,
         Pass::Vjp => &VJP,
     };
+    let n_reads = spec.n_reads as usize;
     let (group, items) = (spec.consts[1] as usize, spec.consts[2] as usize);
+    let stages = spec.consts[3] as usize;
+    let resident = spec.consts.get(4).is_some_and(|&r| r != 0);
+    let max = if items == 0 { 1024 } else { max_group(pass) };
     let ok = *spec.template == *family
         && spec.dtype == dtype
-        && spec.consts[0] == (kind == Kind::RmsNorm) as i32
-        && (spec.n_reads == 1 || (vectorized && spec.n_reads as usize == dtype.vec_width()))
-        && (items == 0 || group * items * spec.n_reads as usize >= d)
-        && specs().contains(&spec);
+        && (n_reads == 1 || (vectorized && n_reads == dtype.vec_width()))
+        && group % 32 == 0
+        && (group <= 256 || GROUPS.contains(&group))
+        && group <= max
+        && items <= 4
+        && (items == 0 || group * items * n_reads >= d)
+        && (stages == 0 || (stages == 2 && items > 0 && dtype.size() * n_reads == 16))
+        && (!resident || stages > 0)
+        && spec == spec_with(pass, kind, dtype, n_reads, group, items, stages, resident);
     if !ok {
         return Err(bad(
             "spec",
@@ -626,6 +684,36 @@ fn check_chosen(
 /// above choose for themselves; these refuse a spec that does not fit.
 pub mod tuning {
     use super::*;
+
+    /// Every vectorised spec that could serve rows of `d` without a wasted half: threads per
+    /// row, 1-4 vectors each, with and without a ring of stages (16-bit), resident or not (VJP).
+    /// A superset of what `choose_spec` picks from, for `--sweep` to measure.
+    pub fn candidates(pass: Pass, kind: Kind, dtype: DType, d: usize) -> Vec<KernelSpec> {
+        let n_reads = dtype.vec_width();
+        let mut out = Vec::new();
+        let groups = (1..8).map(|w| 32 * w).chain(GROUPS.into_iter().skip(3));
+        for group in groups.filter(|&g| g <= max_group(pass)) {
+            for items in 1..=4 {
+                let covers = |g: usize| g * items * n_reads >= d;
+                if !covers(group) || (group > 32 && covers(group / 2)) {
+                    continue;
+                }
+                let mut variants = vec![(0, false)];
+                if dtype.size() == 2 {
+                    variants.push((2, false));
+                    if pass == Pass::Vjp {
+                        variants.push((2, true));
+                    }
+                }
+                for (stages, resident) in variants {
+                    out.push(spec_with(
+                        pass, kind, dtype, n_reads, group, items, stages, resident,
+                    ));
+                }
+            }
+        }
+        out
+    }
 
     #[allow(clippy::too_many_arguments)]
     pub fn forward_with(
