@@ -10,7 +10,8 @@
 // temporary, and the weight gradient is never accumulated in a 16-bit type.
 // ITEMS > 0: x and g rows and the thread's partial sums held in registers, the block's groups
 // combined once at the end; with RESIDENT the rows stay in their shared memory stage instead and
-// each pass reads them there (rows too long for registers, whose partial sums still fit);
+// each pass reads them there (rows too long for registers, whose partial sums still fit), and
+// the weights after the ring;
 // ITEMS = 0: one row per block, streamed twice, partials accumulated in shared memory
 // or in place in global memory (each thread owns the same columns for every row).
 {{> prelude}}
@@ -28,6 +29,11 @@ constexpr int STAGES = ITEMS > 0 ? {{STAGES}} : 0;
 constexpr bool RESIDENT = {{RESIDENT}} != 0 && STAGES > 0;
 constexpr int GROUPS = BLOCK_DIM / GROUP;
 constexpr int NI = ITEMS > 0 ? ITEMS : 1;
+// Rows held in registers by 1024 threads, whose 64 registers each hold x and g and no more: the
+// weights and the partial sums stay in shared memory, each thread reading and writing its own.
+constexpr bool SHARED_SUMS = ITEMS > 0 && !RESIDENT && BLOCK_DIM == 1024;
+static_assert(!SHARED_SUMS || (GROUPS == 1 && STAGES == 0 && N_READS <= 4),
+              "one row per block, no ring, float4 at most");
 static_assert(STAGES == 0 || (STAGES >= 2 && sizeof(T) * N_READS == 16),
               "a ring holds 16-byte vectors of the current row and at least one more");
 // Shared accumulators to combine the groups of a block (register path with GROUPS > 1).
@@ -83,6 +89,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
   int round = 0;
   const int group = threadIdx.x / GROUP, lane = threadIdx.x % GROUP;
   const long long step = (long long)gridDim.x * GROUPS;
+  const float inv_d = 1.0f / d;  // one division per block, not four per row
 
   if (ITEMS > 0) {
     __shared__ float acc_w[SMEM_D], acc_b[SMEM_D];
@@ -92,18 +99,56 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
 #pragma unroll
       for (int j = 0; j < N_READS; ++j) dw[k][j] = db[k][j] = 0.0f;
 
-    // Each thread owns the same columns in every row: its weights load once (resident rows,
-    // four vectors per thread, load them on each pass instead: registers).
-    float wv[NI][N_READS];
-    if constexpr (!RESIDENT) {
-#pragma unroll
-      for (int k = 0; k < NI; ++k)
-        kiln_load_param<N_READS>(w, w_stride, w_vec, (k * GROUP + lane) * N_READS, d, 1.0f, wv[k]);
-    }
-
     typedef kiln_vec<T, N_READS> V;
     extern __shared__ V ring[];  // STAGES stages of x and g, NI * BLOCK_DIM vectors each
     constexpr int STAGE = 2 * NI * BLOCK_DIM;
+
+    // Each thread owns the same columns in every row: its weights load once, into registers, or
+    // for resident rows (whose registers hold the partial sums) into shared memory after the
+    // ring, laid out like a stage (T is exact for them: x's dtype, or 1 when there is none),
+    // which each thread alone writes and reads.
+    float wv[NI][N_READS];
+    V* w_staged = ring + STAGES * STAGE;
+#pragma unroll
+    for (int k = 0; k < NI; ++k) {
+      kiln_load_param<N_READS>(w, w_stride, w_vec, (k * GROUP + lane) * N_READS, d, 1.0f, wv[k]);
+      if constexpr (RESIDENT) {
+        V wk;
+#pragma unroll
+        for (int j = 0; j < N_READS; ++j) wk.v[j] = kiln_from_float<T>(wv[k][j]);
+        w_staged[k * BLOCK_DIM + threadIdx.x] = wk;
+      }
+    }
+    // SHARED_SUMS: the weights, then the partial sums of dw and db, as vectors of floats.
+    typedef kiln_vec<float, N_READS> F;
+    F* w_shared = reinterpret_cast<F*>(w_staged);
+    F* dw_shared = w_shared + NI * BLOCK_DIM;
+    F* db_shared = dw_shared + NI * BLOCK_DIM;
+    if constexpr (SHARED_SUMS) {
+#pragma unroll
+      for (int k = 0; k < NI; ++k) {
+        F wk, zero;
+#pragma unroll
+        for (int j = 0; j < N_READS; ++j) {
+          wk.v[j] = wv[k][j];
+          zero.v[j] = 0.0f;
+        }
+        w_shared[k * BLOCK_DIM + threadIdx.x] = wk;
+        dw_shared[k * BLOCK_DIM + threadIdx.x] = zero;
+        db_shared[k * BLOCK_DIM + threadIdx.x] = zero;
+      }
+    }
+    // Vector k of the thread's weights.
+    auto weights = [&](int k, float(&wk)[N_READS]) {
+      if constexpr (SHARED_SUMS) {
+        const F f = w_shared[k * BLOCK_DIM + threadIdx.x];
+#pragma unroll
+        for (int j = 0; j < N_READS; ++j) wk[j] = f.v[j];
+      } else {
+#pragma unroll
+        for (int j = 0; j < N_READS; ++j) wk[j] = wv[k][j];
+      }
+    };
     auto stage = [&](long long row, int s) {
       if constexpr (STAGES > 0) {
         const bool active = row < rows;
@@ -139,7 +184,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
           asm volatile("" ::: "memory");
           kiln_unstage_vec<N_READS, BLOCK_DIM>(sx, k, xk);
           kiln_unstage_vec<N_READS, BLOCK_DIM>(sg, k, gk);
-          kiln_load_param<N_READS>(w, w_stride, w_vec, (k * GROUP + lane) * N_READS, d, 1.0f, wk);
+          kiln_unstage_vec<N_READS, BLOCK_DIM>(w_staged, k, wk);
         };
         if constexpr (!RMS) {
           float s_x = 0.0f, s_wg = 0.0f;
@@ -151,8 +196,8 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
             kiln_vjp_round1(xk, gk, wk, s_x, s_wg);
           }
           kiln_group_sum2<GROUP, BLOCK_DIM>(s_x, s_wg, scratch, round);
-          mean = s_x / d;
-          c2 = s_wg / d;
+          mean = s_x * inv_d;
+          c2 = s_wg * inv_d;
         }
         float q = 0.0f, t = 0.0f;
 #pragma unroll
@@ -163,8 +208,8 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
           kiln_vjp_round2(xk, gk, wk, mean, q, t);
         }
         kiln_group_sum2<GROUP, BLOCK_DIM>(q, t, scratch, round);
-        rstd = rsqrtf(q / d + eps);
-        c1 = rstd * t / d;
+        rstd = rsqrtf(q * inv_d + eps);
+        c1 = rstd * t * inv_d;
         T* dxr = dx + (active ? row : 0) * (long long)d;
 #pragma unroll
         for (int k = 0; k < NI; ++k) {
@@ -173,7 +218,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
           float xk[N_READS], gk[N_READS], wk[N_READS];
           vector(k, xk, gk, wk);
           kiln_vjp_finish(xk, gk, wk, active, mean, rstd, c1, c2, dw[k], db[k]);
-          if (active) kiln_store_floats<N_READS>(dxr, i, d, xk);
+          if (active) kiln_store_vec<N_READS>(dxr, i, xk);
         }
         continue;
       }
@@ -190,24 +235,58 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
       if constexpr (!RMS) {
         float s_x = 0.0f, s_wg = 0.0f;
 #pragma unroll
-        for (int k = 0; k < NI; ++k) kiln_vjp_round1(xv[k], gv[k], wv[k], s_x, s_wg);
+        for (int k = 0; k < NI; ++k) {
+          float wk[N_READS];
+          weights(k, wk);
+          kiln_vjp_round1(xv[k], gv[k], wk, s_x, s_wg);
+        }
         kiln_group_sum2<GROUP, BLOCK_DIM>(s_x, s_wg, scratch, round);
-        mean = s_x / d;
-        c2 = s_wg / d;
+        mean = s_x * inv_d;
+        c2 = s_wg * inv_d;
       }
       float q = 0.0f, t = 0.0f;
 #pragma unroll
-      for (int k = 0; k < NI; ++k)
-        if ((k * GROUP + lane) * N_READS < d) kiln_vjp_round2(xv[k], gv[k], wv[k], mean, q, t);
+      for (int k = 0; k < NI; ++k) {
+        if ((k * GROUP + lane) * N_READS >= d) break;
+        float wk[N_READS];
+        weights(k, wk);
+        kiln_vjp_round2(xv[k], gv[k], wk, mean, q, t);
+      }
       kiln_group_sum2<GROUP, BLOCK_DIM>(q, t, scratch, round);
-      rstd = rsqrtf(q / d + eps);
-      c1 = rstd * t / d;
+      rstd = rsqrtf(q * inv_d + eps);
+      c1 = rstd * t * inv_d;
       T* dxr = dx + (active ? row : 0) * (long long)d;
 #pragma unroll
       for (int k = 0; k < NI; ++k) {
         const int i = (k * GROUP + lane) * N_READS;
-        kiln_vjp_finish(xv[k], gv[k], wv[k], active && i < d, mean, rstd, c1, c2, dw[k], db[k]);
-        if (active && i < d) kiln_store_floats<N_READS>(dxr, i, d, xv[k]);
+        float wk[N_READS];
+        weights(k, wk);
+        if constexpr (SHARED_SUMS) {
+          if (i >= d) break;
+          F* pdw = dw_shared + k * BLOCK_DIM + threadIdx.x;
+          F* pdb = db_shared + k * BLOCK_DIM + threadIdx.x;
+          float dwk[N_READS], dbk[N_READS];
+#pragma unroll
+          for (int j = 0; j < N_READS; ++j) {
+            dwk[j] = pdw->v[j];
+            dbk[j] = pdb->v[j];
+          }
+          kiln_vjp_finish(xv[k], gv[k], wk, active, mean, rstd, c1, c2, dwk, dbk);
+#pragma unroll
+          for (int j = 0; j < N_READS; ++j) {
+            pdw->v[j] = dwk[j];
+            pdb->v[j] = dbk[j];
+          }
+        } else {
+          kiln_vjp_finish(xv[k], gv[k], wk, active && i < d, mean, rstd, c1, c2, dw[k], db[k]);
+        }
+        if (active && i < d) {
+          if constexpr (STAGES > 0) {
+            kiln_store_vec<N_READS>(dxr, i, xv[k]);  // staged rows: d a multiple of N_READS
+          } else {
+            kiln_store_floats<N_READS>(dxr, i, d, xv[k]);
+          }
+        }
       }
     }
 
@@ -223,26 +302,30 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
 #pragma unroll
         for (int j = 0; j < N_READS; ++j) {
           if (i + j < d) {
-            if (partial_w) pw[i + j] = dw[k][j];
-            if (partial_b) pb[i + j] = db[k][j];
+            const int e = k * BLOCK_DIM + threadIdx.x;
+            if (partial_w) pw[i + j] = SHARED_SUMS ? dw_shared[e].v[j] : dw[k][j];
+            if (partial_b) pb[i + j] = SHARED_SUMS ? db_shared[e].v[j] : db[k][j];
           }
         }
       }
     } else {
-      for (int i = threadIdx.x; i < d; i += BLOCK_DIM) acc_w[i] = acc_b[i] = 0.0f;
-      __syncthreads();
+      // The groups add in turn, in a fixed order: the same sums on every run.
+      for (int turn = 0; turn < GROUPS; ++turn) {
+        if (group == turn) {
 #pragma unroll
-      for (int k = 0; k < NI; ++k) {
-        const int i = (k * GROUP + lane) * N_READS;
+          for (int k = 0; k < NI; ++k) {
+            const int i = (k * GROUP + lane) * N_READS;
 #pragma unroll
-        for (int j = 0; j < N_READS; ++j) {
-          if (i + j < d) {
-            atomicAdd(&acc_w[i + j], dw[k][j]);
-            atomicAdd(&acc_b[i + j], db[k][j]);
+            for (int j = 0; j < N_READS; ++j) {
+              if (i + j < d) {
+                acc_w[i + j] = turn == 0 ? dw[k][j] : acc_w[i + j] + dw[k][j];
+                acc_b[i + j] = turn == 0 ? db[k][j] : acc_b[i + j] + db[k][j];
+              }
+            }
           }
         }
+        __syncthreads();
       }
-      __syncthreads();
       for (int i = threadIdx.x; i < d; i += BLOCK_DIM) {
         if (partial_w) pw[i] = acc_w[i];
         if (partial_b) pb[i] = acc_b[i];
@@ -286,12 +369,12 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
       }
       kiln_group_sum2<GROUP, BLOCK_DIM>(s_c, s_cc, scratch, round);
       kiln_group_sum2<GROUP, BLOCK_DIM>(s_wg, s_wgc, scratch, round);
-      const float dm = RMS ? 0.0f : s_c / d;  // mean - shift
+      const float dm = RMS ? 0.0f : s_c * inv_d;  // mean - shift
       const float mean = shift + dm;
-      const float rstd = rsqrtf(fmaxf(s_cc / d - dm * dm, 0.0f) + eps);
-      const float c2 = RMS ? 0.0f : s_wg / d;
+      const float rstd = rsqrtf(fmaxf(s_cc * inv_d - dm * dm, 0.0f) + eps);
+      const float c2 = RMS ? 0.0f : s_wg * inv_d;
       // mean(wg * xhat) = rstd * (mean(wg c) - (mean - shift) * mean(wg))
-      const float c1 = rstd * (s_wgc / d - dm * c2);
+      const float c1 = rstd * (s_wgc * inv_d - dm * c2);
       T* dxr = dx + row * (long long)d;
       for (int i = lane * N_READS; i < d; i += GROUP * N_READS) {
         float v[N_READS], gv[N_READS], wv[N_READS], o[N_READS];

@@ -46,14 +46,20 @@ __device__ __forceinline__ void kiln_load_floats(const T* p, int i, int n, float
   }
 }
 
+// Stores N floats to p[i..i+N) as one aligned vector: for callers that know i + N <= n.
+template <int N, typename T>
+__device__ __forceinline__ void kiln_store_vec(T* p, int i, const float (&in)[N]) {
+  kiln_vec<T, N> v;
+#pragma unroll
+  for (int k = 0; k < N; ++k) v.v[k] = kiln_from_float<T>(in[k]);
+  *reinterpret_cast<kiln_vec<T, N>*>(p + i) = v;
+}
+
 // Stores N floats to p[i..i+N), dropping elements at or past n.
 template <int N, typename T>
 __device__ __forceinline__ void kiln_store_floats(T* p, int i, int n, const float (&in)[N]) {
   if (i + N <= n) {
-    kiln_vec<T, N> v;
-#pragma unroll
-    for (int k = 0; k < N; ++k) v.v[k] = kiln_from_float<T>(in[k]);
-    *reinterpret_cast<kiln_vec<T, N>*>(p + i) = v;
+    kiln_store_vec<N>(p, i, in);
   } else {
 #pragma unroll
     for (int k = 0; k < N; ++k)
@@ -133,19 +139,27 @@ __device__ __forceinline__ float kiln_group_sum(float v, float* scratch, int& ro
   for (int i = 0; i < WARPS; ++i) s += mine[i];
   return s;
 }
+// The two warp sums share their shuffles: after the first step the lower half-warp carries a
+// and the upper half b, so each later step moves one value (5 shuffles, not 10). The additions
+// are those of two separate butterflies, so the sums are the same.
 template <int GROUP, int BLOCK_DIM>
 __device__ __forceinline__ void kiln_group_sum2(float& a, float& b, float* scratch, int& round) {
   static_assert(GROUP % 32 == 0 && BLOCK_DIM % GROUP == 0, "groups are whole warps");
-  a = kiln_warp_sum(a);
-  b = kiln_warp_sum(b);
-  if (GROUP == 32) return;
-  constexpr int WARPS = GROUP / 32;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  float* half = scratch + (round++ & 1) * (2 * BLOCK_DIM / 32);
-  if (lane == 0) {
-    half[warp] = a;
-    half[BLOCK_DIM / 32 + warp] = b;
+  const bool upper = lane >= 16;
+  float v = upper ? b : a;
+  v += __shfl_xor_sync(0xffffffffu, upper ? a : b, 16);
+#pragma unroll
+  for (int offset = 8; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  if (GROUP == 32) {
+    a = __shfl_sync(0xffffffffu, v, 0);
+    b = __shfl_sync(0xffffffffu, v, 16);
+    return;
   }
+  constexpr int WARPS = GROUP / 32;
+  float* half = scratch + (round++ & 1) * (2 * BLOCK_DIM / 32);
+  if (lane == 0) half[warp] = v;
+  if (lane == 16) half[BLOCK_DIM / 32 + warp] = v;
   kiln_group_barrier<GROUP, BLOCK_DIM>();
   const float* mine = half + (warp / WARPS) * WARPS;
   a = b = 0.0f;

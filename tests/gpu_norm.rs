@@ -435,20 +435,59 @@ fn the_column_reduce_sums_any_number_of_rows() {
     };
     let mut enc = encoder(&dev, true);
     let mut rng = TestRng::new(5);
-    for rows in [1usize, 3, 31, 40, 300, 1500] {
-        for d in [1usize, 70, 1000] {
-            let p = q(DType::F32, rng.values(rows * d, 1.0, 0.0));
-            let pa = Array::from_f64(&mut enc, DType::F32, &p, &[rows, d]).unwrap();
-            let want: Vec<f64> = (0..d)
-                .map(|c| (0..rows).map(|r| p[r * d + c]).sum())
-                .collect();
-            for dtype in DType::ALL {
-                let got = norm::reduce_cols(&mut enc, &pa, dtype)
-                    .unwrap()
-                    .to_f64(&mut enc)
-                    .unwrap();
-                let err = max_error(&got, &want);
-                assert!(err <= tolerance(dtype), "{rows}x{d} -> {dtype}: {err}");
+    // d a multiple of 4 takes 16-byte loads; the VJP's partial sums of d = 768 (528 blocks) and
+    // 16384 (132 blocks) take few and many column threads per block.
+    let shapes = [1usize, 3, 31, 40, 300, 1500]
+        .into_iter()
+        .flat_map(|rows| [1usize, 70, 1000].map(|d| (rows, d)))
+        .chain([(528, 768), (132, 16384), (7, 4), (5, 36)]);
+    for (rows, d) in shapes {
+        let p = q(DType::F32, rng.values(rows * d, 1.0, 0.0));
+        let pa = Array::from_f64(&mut enc, DType::F32, &p, &[rows, d]).unwrap();
+        let want: Vec<f64> = (0..d)
+            .map(|c| (0..rows).map(|r| p[r * d + c]).sum())
+            .collect();
+        for dtype in DType::ALL {
+            let got = norm::reduce_cols(&mut enc, &pa, dtype)
+                .unwrap()
+                .to_f64(&mut enc)
+                .unwrap();
+            let err = max_error(&got, &want);
+            assert!(err <= tolerance(dtype), "{rows}x{d} -> {dtype}: {err}");
+        }
+    }
+}
+
+#[test]
+fn the_parameter_gradients_are_the_same_on_every_run() {
+    let Some(dev) = device("deterministic VJP") else {
+        return;
+    };
+    let mut enc = encoder(&dev, true);
+    let mut rng = TestRng::new(9);
+    // Short rows put up to eight rows' groups in a block, whose partial sums are combined in
+    // shared memory; long rows give many partial rows to the column sum.
+    for (rows, d) in [(4096usize, 33usize), (4096, 256), (4096, 768), (64, 16384)] {
+        let x = rng.values(rows * d, 2.0, 0.5);
+        let g = rng.values(rows * d, 1.0, 0.0);
+        let w = rng.values(d, 1.0, 1.0);
+        for dtype in DType::ALL {
+            let xa = Array::from_f64(&mut enc, dtype, &x, &[rows, d]).unwrap();
+            let ga = Array::from_f64(&mut enc, dtype, &g, &[rows, d]).unwrap();
+            let wa = Array::from_f64(&mut enc, dtype, &w, &[d]).unwrap();
+            let mut runs = Vec::new();
+            for _ in 0..4 {
+                let (_, dw, db) =
+                    norm::layer_norm_vjp(&mut enc, &xa, Some(&wa), Some(&wa), &ga, 1e-5).unwrap();
+                let dw = dw.unwrap().to_f64(&mut enc).unwrap();
+                let db = db.unwrap().to_f64(&mut enc).unwrap();
+                runs.push((dw, db));
+            }
+            for run in &runs[1..] {
+                assert!(
+                    *run == runs[0],
+                    "{rows}x{d} {dtype}: sums differ between runs"
+                );
             }
         }
     }

@@ -4,9 +4,10 @@
 //! Spec choice: GROUP threads per row, as a power of two in [32, 1024]; rows that fit stay in
 //! registers (ITEMS vectors of 16 bytes per thread), several short rows share a block, longer
 //! rows loop. Vectorised 16-bit rows keep the next row in flight in shared memory (STAGES), and
-//! 16-bit VJP rows too long for registers are read from there on every pass (RESIDENT). The VJP
-//! writes per-block f32 partial sums of dweight/dbias and reduces them with one column-sum
-//! launch.
+//! 16-bit VJP rows too long for registers are read from there on every pass (RESIDENT); other VJP
+//! rows of up to 1,024 threads' registers keep their weights and partial sums in shared memory
+//! (SHARED_SUMS). The VJP writes per-block f32 partial sums of dweight/dbias and reduces them
+//! with one column-sum launch.
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -146,10 +147,25 @@ fn spec_with(
 /// Threads per row of a VJP whose x and cotangent rows stay in their shared memory stages
 /// (RESIDENT), and vectors per thread: rows longer than registers hold (16-bit rows of 8,192 to
 /// 16,384 elements), with only the partial sums in registers. The stages of two rows of x and g
-/// take 128 KiB of shared memory. Measured on an H100 (notes/performance.md): 512 threads of 4
-/// vectors beat 1,024 of 2, though both spill a little.
+/// take 128 KiB of shared memory, the weights 32 KiB more. Measured on an H100
+/// (notes/performance.md item 12): 512 threads of 4 vectors (118 registers) run 2-6% faster than
+/// 1,024 of 2 (64 registers, twice the warps).
 const RESIDENT_GROUP: usize = 512;
 const RESIDENT_ITEMS: usize = 4;
+
+/// Threads per row of a VJP whose rows are too long for 512 threads' registers and are not
+/// resident (f32 rows of 8,193 to 16,384 elements, unaligned rows of up to 4,096): 1,024
+/// threads hold x and g in registers and keep the weights and their partial sums in shared
+/// memory (the kernel's SHARED_SUMS), so that the row is read once, all of it in flight at once.
+const SHARED_SUMS_GROUP: usize = 1024;
+
+/// Whether a register-path VJP spec keeps its weights and partial sums in shared memory.
+fn shared_sums(spec: &KernelSpec) -> bool {
+    spec.template.name == VJP.name
+        && spec.consts[2] > 0
+        && spec.consts[4] == 0
+        && spec.block_dim as usize == SHARED_SUMS_GROUP
+}
 
 /// Whether a VJP spec reads x and the cotangent from their stages on every pass instead of
 /// holding them in registers: staged rows of more vectors than the register path takes.
@@ -181,11 +197,22 @@ fn stages(pass: Pass, dtype: DType, n_reads: usize, group: usize, items: usize) 
 }
 
 /// Dynamic shared memory of a spec's ring of stages: 16 bytes per vector, one row of x (and one
-/// of the cotangent in the VJP) per stage.
+/// of the cotangent in the VJP) per stage; resident VJP rows add their weights (one more row),
+/// and SHARED_SUMS rows their weights and partial sums of dw and db as floats.
 fn ring_bytes(spec: &KernelSpec) -> usize {
-    let arrays = if spec.template.name == VJP.name { 2 } else { 1 };
+    let vjp = spec.template.name == VJP.name;
+    let arrays = if vjp { 2 } else { 1 };
     let (items, stages) = (spec.consts[2] as usize, spec.consts[3] as usize);
-    stages * arrays * items * spec.block_dim as usize * 16
+    let vectors = items * spec.block_dim as usize;
+    let floats = vectors * spec.n_reads as usize * 4;
+    let extra = if vjp && spec.consts[4] != 0 {
+        vectors * 16
+    } else if shared_sums(spec) {
+        3 * floats
+    } else {
+        0
+    };
+    stages * arrays * vectors * 16 + extra
 }
 
 /// At most `blocks`, and no more than the GPU holds at once (blocks of `block` threads and
@@ -214,6 +241,10 @@ pub fn choose_spec(pass: Pass, kind: Kind, dtype: DType, d: usize, vectorized: b
         {
             return spec_of(pass, kind, dtype, n_reads, RESIDENT_GROUP, RESIDENT_ITEMS);
         }
+        if pass == Pass::Vjp && vectors <= SHARED_SUMS_GROUP * max {
+            let items = vectors.div_ceil(SHARED_SUMS_GROUP).next_power_of_two();
+            return spec_of(pass, kind, dtype, n_reads, SHARED_SUMS_GROUP, items);
+        }
         return spec_of(pass, kind, dtype, n_reads, 1024, 0);
     }
     if one_warp_rows(pass, dtype, n_reads, vectors) {
@@ -240,7 +271,9 @@ pub fn specs() -> Vec<KernelSpec> {
             for dtype in DType::ALL {
                 for n_reads in [1, dtype.vec_width()] {
                     let longest = max_group(pass) * max_items(pass, n_reads);
-                    let longest = longest.max(RESIDENT_GROUP * RESIDENT_ITEMS);
+                    let longest = longest
+                        .max(RESIDENT_GROUP * RESIDENT_ITEMS)
+                        .max(SHARED_SUMS_GROUP * max_items(pass, n_reads));
                     for vectors in 1..=longest + 1 {
                         let spec = choose_spec(pass, kind, dtype, vectors * n_reads, n_reads > 1);
                         if !out.contains(&spec) {
@@ -252,17 +285,38 @@ pub fn specs() -> Vec<KernelSpec> {
         }
     }
     for dtype in DType::ALL {
-        out.push(reduce_cols_spec(dtype));
+        for columns_per_thread in [1, 4] {
+            out.push(reduce_cols_spec(dtype, columns_per_thread));
+        }
     }
     out
 }
 
-pub fn reduce_cols_spec(dtype: DType) -> KernelSpec {
-    KernelSpec::new(&REDUCE_COLS, dtype, REDUCE_BLOCK as u16, 1, &[])
+/// The column sum storing `dtype`, each thread summing `columns_per_thread` adjacent columns
+/// (4: one 16-byte load per row).
+pub fn reduce_cols_spec(dtype: DType, columns_per_thread: usize) -> KernelSpec {
+    KernelSpec::new(
+        &REDUCE_COLS,
+        dtype,
+        REDUCE_BLOCK as u16,
+        columns_per_thread as u8,
+        &[],
+    )
 }
 
-/// 32 columns by 32 row lanes.
-const REDUCE_BLOCK: usize = 1024;
+const REDUCE_BLOCK: usize = 256;
+
+/// Column threads per block of the column sum (the rest of the block are row lanes): as many
+/// as 32 (whole 128-byte rows per warp), fewer while that leaves the GPU's SMs with under two
+/// blocks each, down to one 32-byte sector per row.
+fn reduce_col_threads(d: usize, sets: usize, columns_per_thread: usize, sms: usize) -> usize {
+    let fewest = 8 / columns_per_thread;
+    let mut col_threads = 32;
+    while col_threads > fewest && d.div_ceil(col_threads * columns_per_thread) * sets < 2 * sms {
+        col_threads /= 2;
+    }
+    col_threads
+}
 
 fn bad(arg: &'static str, reason: String) -> Error {
     Error::InvalidArgument { arg, reason }
@@ -583,20 +637,24 @@ fn reduce_col_sets(
     d: usize,
     outs: &[&Array],
 ) -> Result<()> {
-    let spec = reduce_cols_spec(outs[0].dtype());
+    // 16-byte loads when every row starts 16-byte aligned.
+    let columns_per_thread = if d % 4 == 0 { 4 } else { 1 };
+    let spec = reduce_cols_spec(outs[0].dtype(), columns_per_thread);
     let kernel = enc.device().kernel(&spec)?;
+    let sms = enc.device().info().multiprocessors as usize;
+    let col_threads = reduce_col_threads(d, outs.len(), columns_per_thread, sms);
     let mut args = KernelArgs::new();
     args.push(partial.device_ptr())
         .push(outs[0].device_ptr())
         .push(outs.last().expect("one output at least").device_ptr())
         .push(rows as i64)
-        .push(d as i32);
-    // The block size comes from the spec: the kernel's row lanes are compiled from it.
-    let block = spec.block_dim as u32;
+        .push(d as i32)
+        .push(col_threads as i32);
+    let blocks = d.div_ceil(col_threads * columns_per_thread);
     enc.launch(
         &kernel,
-        (d.div_ceil(32) as u32, outs.len() as u32, 1),
-        block,
+        (blocks as u32, outs.len() as u32, 1),
+        REDUCE_BLOCK as u32,
         0,
         args,
         &[partial],
@@ -659,7 +717,12 @@ fn check_chosen(
     let (group, items) = (spec.consts[1] as usize, spec.consts[2] as usize);
     let stages = spec.consts[3] as usize;
     let resident = spec.consts.get(4).is_some_and(|&r| r != 0);
-    let max = if items == 0 { 1024 } else { max_group(pass) };
+    // 1,024 threads: the looped path, and VJP rows resident or with SHARED_SUMS (no ring).
+    let max = match pass {
+        _ if items == 0 => 1024,
+        Pass::Vjp if resident || (stages == 0 && n_reads <= 4) => 1024,
+        _ => max_group(pass),
+    };
     let ok = *spec.template == *family
         && spec.dtype == dtype
         && (n_reads == 1 || (vectorized && n_reads == dtype.vec_width()))
@@ -688,11 +751,14 @@ pub mod tuning {
     /// Every vectorised spec that could serve rows of `d` without a wasted half: threads per
     /// row, 1-4 vectors each, with and without a ring of stages (16-bit), resident or not (VJP).
     /// A superset of what `choose_spec` picks from, for `--sweep` to measure.
+    /// Shared memory a Hopper block may opt into (227 KiB): candidates needing more are left out.
+    const MAX_SHARED: usize = 227 * 1024;
+
     pub fn candidates(pass: Pass, kind: Kind, dtype: DType, d: usize) -> Vec<KernelSpec> {
         let n_reads = dtype.vec_width();
         let mut out = Vec::new();
         let groups = (1..8).map(|w| 32 * w).chain(GROUPS.into_iter().skip(3));
-        for group in groups.filter(|&g| g <= max_group(pass)) {
+        for group in groups {
             for items in 1..=4 {
                 let covers = |g: usize| g * items * n_reads >= d;
                 if !covers(group) || (group > 32 && covers(group / 2)) {
@@ -706,9 +772,14 @@ pub mod tuning {
                     }
                 }
                 for (stages, resident) in variants {
-                    out.push(spec_with(
-                        pass, kind, dtype, n_reads, group, items, stages, resident,
-                    ));
+                    // Past 512 threads a VJP row is resident or keeps SHARED_SUMS (no ring).
+                    let wide_ok = pass == Pass::Vjp && (resident || (stages == 0 && n_reads <= 4));
+                    let spec =
+                        spec_with(pass, kind, dtype, n_reads, group, items, stages, resident);
+                    if group > max_group(pass) && !wide_ok || ring_bytes(&spec) > MAX_SHARED {
+                        continue;
+                    }
+                    out.push(spec);
                 }
             }
         }
