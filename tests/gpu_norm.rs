@@ -118,6 +118,22 @@ struct Case {
     eps: f64,
 }
 
+impl Case {
+    /// Contiguous x and weight, with a bias for LayerNorm.
+    fn plain(kind: Kind, dtype: DType, rows: usize, d: usize, eps: f64) -> Case {
+        Case {
+            kind,
+            dtype,
+            rows,
+            d,
+            weight: Some(WeightLayout::Contiguous),
+            bias: kind == Kind::LayerNorm,
+            x_layout: XLayout::Contiguous,
+            eps,
+        }
+    }
+}
+
 /// Runs forward and VJP for one case; returns the worst error over every output.
 fn run_case(enc: &mut CommandEncoder, c: &Case, seed: u64) -> f64 {
     let (dtype, rows, d) = (c.dtype, c.rows, c.d);
@@ -196,16 +212,7 @@ fn every_row_length_rows_and_dtype_match_the_reference() {
                 }
                 for kind in [Kind::LayerNorm, Kind::RmsNorm] {
                     seed += 1;
-                    let case = Case {
-                        kind,
-                        dtype,
-                        rows,
-                        d,
-                        weight: Some(WeightLayout::Contiguous),
-                        bias: kind == Kind::LayerNorm,
-                        x_layout: XLayout::Contiguous,
-                        eps: EPS,
-                    };
+                    let case = Case::plain(kind, dtype, rows, d, EPS);
                     let err = run_case(&mut enc, &case, seed);
                     if err > tolerance(dtype) {
                         failures.push(format!("{kind:?} {dtype} {rows}x{d}: {err:.3e}"));
@@ -247,16 +254,7 @@ fn every_chosen_kernel_matches_the_reference() {
                 for (rows, eps) in [(7, EPS), (many, EPS), (7, 0.0)] {
                     for kind in [Kind::LayerNorm, Kind::RmsNorm] {
                         seed += 1;
-                        let case = Case {
-                            kind,
-                            dtype,
-                            rows,
-                            d,
-                            weight: Some(WeightLayout::Contiguous),
-                            bias: kind == Kind::LayerNorm,
-                            x_layout: XLayout::Contiguous,
-                            eps,
-                        };
+                        let case = Case::plain(kind, dtype, rows, d, eps);
                         let err = run_case(&mut enc, &case, seed);
                         if err > tolerance(dtype) {
                             failures
