@@ -51,28 +51,30 @@ __device__ __forceinline__ void kiln_unstage_row(const kiln_vec<T, N_READS>* sta
 }
 
 // Mean (0 for RMSNorm) and 1 / sqrt(var + eps) of a row held in registers, in two exact passes
-// (for RMSNorm var is the mean square). Every thread of the group must call it.
+// (for RMSNorm var is the mean square); inv_d is 1 / d, once per block. A vector lies wholly
+// inside d or wholly past it (d is a multiple of N_READS when N_READS > 1), so the tail check
+// is one per vector. Every thread of the group must call it.
 template <bool RMS, int GROUP, int BLOCK_DIM, int NI, int N_READS>
 __device__ __forceinline__ void kiln_row_stats(const float (&v)[NI][N_READS], int lane, int d,
-                                               float eps, float* scratch, int& round, float& mean,
-                                               float& rstd) {
+                                               float inv_d, float eps, float* scratch, int& round,
+                                               float& mean, float& rstd) {
   float s = 0.0f;
 #pragma unroll
   for (int k = 0; k < NI; ++k)
 #pragma unroll
     for (int j = 0; j < N_READS; ++j) s += v[k][j];
-  mean = RMS ? 0.0f : kiln_group_sum<GROUP, BLOCK_DIM>(s, scratch, round) / d;
+  mean = RMS ? 0.0f : kiln_group_sum<GROUP, BLOCK_DIM>(s, scratch, round) * inv_d;
   float q = 0.0f;
 #pragma unroll
   for (int k = 0; k < NI; ++k) {
-    const int i = (k * GROUP + lane) * N_READS;
+    if ((k * GROUP + lane) * N_READS >= d) break;  // zeros past d: their c would be -mean
 #pragma unroll
     for (int j = 0; j < N_READS; ++j) {
-      const float c = (i + j < d) ? v[k][j] - mean : 0.0f;
+      const float c = v[k][j] - mean;
       q += c * c;
     }
   }
-  rstd = rsqrtf(kiln_group_sum<GROUP, BLOCK_DIM>(q, scratch, round) / d + eps);
+  rstd = rsqrtf(kiln_group_sum<GROUP, BLOCK_DIM>(q, scratch, round) * inv_d + eps);
 }
 
 // The same statistics for a row streamed from memory (one row per block): one pass of sums

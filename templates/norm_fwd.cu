@@ -33,6 +33,34 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
 
   if (ITEMS > 0) {
     constexpr int NI = ITEMS > 0 ? ITEMS : 1;
+    const float inv_d = 1.0f / d;  // one division per block, not two per row
+    typedef kiln_vec<T, N_READS> V;
+    // STAGES > 0: STAGES stages of NI * BLOCK_DIM vectors, then the weights and (LayerNorm) the
+    // bias, NI * GROUP vectors each. A lane's columns are the same in every row and every group:
+    // their weights and bias are staged once, as T (exact: x's dtype, or 1 and 0 when missing),
+    // instead of loaded, checked and converted from global memory for every row.
+    extern __shared__ V ring[];
+    V* params = ring + STAGES * NI * BLOCK_DIM;
+    if constexpr (STAGES > 0) {
+      if (group == 0) {
+#pragma unroll
+        for (int k = 0; k < NI; ++k) {
+          const int i = (k * GROUP + lane) * N_READS;
+          float wv[N_READS], bv[N_READS];
+          kiln_load_param<N_READS>(w, w_stride, w_vec, i, d, 1.0f, wv);
+          kiln_load_param<N_READS>(RMS ? nullptr : b, b_stride, b_vec, i, d, 0.0f, bv);
+          V wk, bk;
+#pragma unroll
+          for (int j = 0; j < N_READS; ++j) {
+            wk.v[j] = kiln_from_float<T>(wv[j]);
+            bk.v[j] = kiln_from_float<T>(bv[j]);
+          }
+          params[k * GROUP + lane] = wk;
+          if (!RMS) params[(NI + k) * GROUP + lane] = bk;
+        }
+      }
+      __syncthreads();  // staged by the first group, read by every group
+    }
     // Normalises a row held in registers and writes it.
     auto write = [&](long long row, float(&v)[NI][N_READS], float mean, float rstd) {
       T* yr = y + row * (long long)d;
@@ -41,16 +69,28 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
         const int i = (k * GROUP + lane) * N_READS;
         if (i >= d) break;
         float wv[N_READS], bv[N_READS];
-        kiln_load_param<N_READS>(w, w_stride, w_vec, i, d, 1.0f, wv);
-        kiln_load_param<N_READS>(RMS ? nullptr : b, b_stride, b_vec, i, d, 0.0f, bv);
+        if constexpr (STAGES > 0) {
+          const V wk = params[k * GROUP + lane];
+          const V bk = RMS ? V{} : params[(NI + k) * GROUP + lane];
+#pragma unroll
+          for (int j = 0; j < N_READS; ++j) {
+            wv[j] = kiln_to_float(wk.v[j]);
+            bv[j] = RMS ? 0.0f : kiln_to_float(bk.v[j]);
+          }
+        } else {
+          kiln_load_param<N_READS>(w, w_stride, w_vec, i, d, 1.0f, wv);
+          kiln_load_param<N_READS>(RMS ? nullptr : b, b_stride, b_vec, i, d, 0.0f, bv);
+        }
 #pragma unroll
         for (int j = 0; j < N_READS; ++j) v[k][j] = (v[k][j] - mean) * rstd * wv[j] + bv[j];
-        kiln_store_floats<N_READS>(yr, i, d, v[k]);
+        if constexpr (STAGES > 0) {
+          kiln_store_vec<N_READS>(yr, i, v[k]);  // staged rows: d a multiple of N_READS
+        } else {
+          kiln_store_floats<N_READS>(yr, i, d, v[k]);
+        }
       }
     };
     if constexpr (STAGES > 0) {
-      typedef kiln_vec<T, N_READS> V;
-      extern __shared__ V ring[];  // STAGES stages of NI * BLOCK_DIM vectors
       auto stage = [&](long long row, int s) {
         const bool active = row < rows;
         kiln_stage_row<NI, N_READS, GROUP, BLOCK_DIM>(x + (active ? row : 0) * x_row_stride, active,
@@ -71,7 +111,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
         // The row STAGES - 1 ahead goes to the stage read one iteration ago.
         stage(row + (STAGES - 1) * step, s == 0 ? STAGES - 1 : s - 1);
         s = s == STAGES - 1 ? 0 : s + 1;
-        kiln_row_stats<RMS, GROUP, BLOCK_DIM>(v, lane, d, eps, scratch, round, mean, rstd);
+        kiln_row_stats<RMS, GROUP, BLOCK_DIM>(v, lane, d, inv_d, eps, scratch, round, mean, rstd);
         if (row < rows) write(row, v, mean, rstd);
       }
       kiln_cp_async_wait<0>();  // no copy may land after the block has gone
@@ -80,7 +120,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
       const bool active = row < rows;
       float v[NI][N_READS], mean, rstd;
       kiln_load_row<NI, N_READS, GROUP>(x + (active ? row : 0) * x_row_stride, active, lane, d, v);
-      kiln_row_stats<RMS, GROUP, BLOCK_DIM>(v, lane, d, eps, scratch, round, mean, rstd);
+      kiln_row_stats<RMS, GROUP, BLOCK_DIM>(v, lane, d, inv_d, eps, scratch, round, mean, rstd);
       if (active) write(row, v, mean, rstd);
     }
   } else {

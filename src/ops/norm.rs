@@ -110,7 +110,7 @@ fn spec_of(
     group: usize,
     items: usize,
 ) -> KernelSpec {
-    let stages = stages(pass, dtype, n_reads, group, items);
+    let stages = stages(dtype, n_reads, items);
     let resident = resident(pass, dtype, n_reads, group, items);
     spec_with(pass, kind, dtype, n_reads, group, items, stages, resident)
 }
@@ -172,24 +172,21 @@ fn shared_sums(spec: &KernelSpec) -> bool {
 fn resident(pass: Pass, dtype: DType, n_reads: usize, group: usize, items: usize) -> bool {
     pass == Pass::Vjp
         && group * items > max_group(pass) * max_items(pass, n_reads)
-        && stages(pass, dtype, n_reads, group, items) > 0
+        && stages(dtype, n_reads, items) > 0
 }
 
 /// Rows a kernel keeps in flight (the current one included) in a ring of shared memory stages
 /// filled by cp.async, 0 for none: vectorised 16-bit rows held in registers (and the VJP's
-/// resident rows), except one-warp forward rows of one vector, which ran 2-3% faster without
-/// (`--sweep`, bf16 65536x256). The kernel then runs on a grid no larger than the GPU holds at
-/// once, each block looping over rows. 16-bit rows carry half the bytes of f32 rows for the same
-/// work per row, and one row at a time left their loads latency-bound (one-warp VJP rows of 256
+/// resident rows). One-warp forward rows of one vector ran 2-3% faster without while each row
+/// loaded its own weights; with the weights staged once per block the ring wins there too
+/// (`--sweep`, bf16 65536x256: 2,763 GB/s against 2,529). The kernel then runs on a grid no
+/// larger than the GPU holds at once, each block looping over rows. 16-bit rows carry half the
+/// bytes of f32 rows for the same work per row, and one row at a time left their loads latency-bound (one-warp VJP rows of 256
 /// elements: 1,778 -> 2,111 GB/s with the ring). Two stages (one row ahead): three and four were
 /// no faster on an H100 and take more shared memory (notes/performance.md). f32 rows take none:
 /// they already run near copy speed.
-fn stages(pass: Pass, dtype: DType, n_reads: usize, group: usize, items: usize) -> usize {
-    if dtype.size() == 2
-        && n_reads > 1
-        && items > 0
-        && (group >= 64 || pass == Pass::Vjp || items > 1)
-    {
+fn stages(dtype: DType, n_reads: usize, items: usize) -> usize {
+    if dtype.size() == 2 && n_reads > 1 && items > 0 {
         2
     } else {
         0
@@ -198,10 +195,12 @@ fn stages(pass: Pass, dtype: DType, n_reads: usize, group: usize, items: usize) 
 
 /// Dynamic shared memory of a spec's ring of stages: 16 bytes per vector, one row of x (and one
 /// of the cotangent in the VJP) per stage; resident VJP rows add their weights (one more row),
-/// and SHARED_SUMS rows their weights and partial sums of dw and db as floats.
+/// SHARED_SUMS rows their weights and partial sums of dw and db as floats, and forward rings
+/// one row's weights and bias (RMSNorm: weights only), shared by the block's groups.
 fn ring_bytes(spec: &KernelSpec) -> usize {
     let vjp = spec.template.name == VJP.name;
     let arrays = if vjp { 2 } else { 1 };
+    let (rms, group) = (spec.consts[0] != 0, spec.consts[1] as usize);
     let (items, stages) = (spec.consts[2] as usize, spec.consts[3] as usize);
     let vectors = items * spec.block_dim as usize;
     let floats = vectors * spec.n_reads as usize * 4;
@@ -209,14 +208,20 @@ fn ring_bytes(spec: &KernelSpec) -> usize {
         vectors * 16
     } else if shared_sums(spec) {
         3 * floats
+    } else if !vjp && stages > 0 {
+        let params = if rms { 1 } else { 2 };
+        params * items * group * 16
     } else {
         0
     };
     stages * arrays * vectors * 16 + extra
 }
 
-/// At most `blocks`, and no more than the GPU holds at once (blocks of `block` threads and
-/// `shared` dynamic bytes), for kernels whose blocks loop over rows.
+/// The grid of a kernel whose blocks loop over rows, `blocks` being what one row per group
+/// would take: no more blocks than the GPU holds at once (of `block` threads and `shared`
+/// dynamic bytes), and as few as give every block the same number of turns, so that no last
+/// turn runs with a few blocks alone (bf16 forward 16384x768, 5 blocks per SM: 3.1 turns each
+/// on average meant a fourth turn for a tenth of the blocks).
 fn resident_grid(
     enc: &CommandEncoder,
     kernel: &LoadedKernel,
@@ -226,7 +231,14 @@ fn resident_grid(
 ) -> Result<usize> {
     let sms = enc.device().info().multiprocessors as usize;
     let per_sm = kernel.blocks_per_sm(block as u32, shared)?;
-    Ok(blocks.min(sms * per_sm).max(1))
+    Ok(balanced_grid(blocks, sms * per_sm))
+}
+
+/// The fewest blocks, at most `slots`, that take `blocks` turns of work in as few turns each as
+/// `slots` blocks would (the last block may take fewer).
+fn balanced_grid(blocks: usize, slots: usize) -> usize {
+    let turns = blocks.div_ceil(slots.max(1)).max(1);
+    blocks.div_ceil(turns).max(1)
 }
 
 /// The spec for rows of `d` elements. `vectorized`: 16-byte loads are legal (rows aligned, `d`
@@ -884,6 +896,27 @@ pub fn reference_vjp(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_balanced_grid_gives_every_block_the_same_turns() {
+        // bf16 forward 16384x768: 2,048 blocks of 8 rows, 660 at once -> 4 turns on 512 blocks.
+        assert_eq!(balanced_grid(2048, 660), 512);
+        assert_eq!(balanced_grid(2048, 132), 128);
+        assert_eq!(balanced_grid(10, 660), 10);
+        assert_eq!(balanced_grid(0, 660), 1);
+        for blocks in 1..400 {
+            for slots in 1..40 {
+                let grid = balanced_grid(blocks, slots);
+                let turns = blocks.div_ceil(slots);
+                assert!(
+                    grid <= slots && grid <= blocks,
+                    "{blocks} on {slots}: {grid}"
+                );
+                // No more turns than the full grid takes, and no block without work.
+                assert!(grid * turns >= blocks && (grid - 1) * turns < blocks);
+            }
+        }
+    }
 
     #[test]
     fn every_chosen_spec_is_registered() {
