@@ -3,7 +3,7 @@
 //   RMSNorm:   y = x * rsqrt(mean(x^2) + eps) * w
 // GROUP threads handle one row; a block holds BLOCK_DIM / GROUP rows. With ITEMS > 0 the row
 // is held in registers (ITEMS vectors of N_READS per thread: one read of x, exact two-pass
-// variance); with ITEMS = 0 the row is streamed twice (shifted sums, then the write).
+// variance); with ITEMS = 0 the row is streamed: the mean, the squares about it, then the write.
 {{> prelude}}
 {{> norm}}
 
@@ -130,8 +130,8 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
     const T* xr = x + (active ? row : 0) * x_row_stride;
     T* yr = y + (active ? row : 0) * (long long)d;
     float mean, rstd;
-    kiln_streamed_row_stats<RMS, GROUP, BLOCK_DIM, N_READS>(xr, active, lane, d, eps, scratch, round,
-                                                            mean, rstd);
+    kiln_streamed_row_stats<RMS, GROUP, BLOCK_DIM, N_READS>(xr, active, lane, d, 1.0f / d, eps,
+                                                            scratch, round, mean, rstd);
     if (!active) return;
     for (int i = lane * N_READS; i < d; i += GROUP * N_READS) {
       float v[N_READS], wv[N_READS], bv[N_READS];

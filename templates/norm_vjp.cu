@@ -12,8 +12,8 @@
 // combined once at the end; with RESIDENT the rows stay in their shared memory stage instead and
 // each pass reads them there (rows too long for registers, whose partial sums still fit), and
 // the weights after the ring;
-// ITEMS = 0: one row per block, streamed twice, partials accumulated in shared memory
-// or in place in global memory (each thread owns the same columns for every row).
+// ITEMS = 0: one row per block, streamed three times (RMSNorm: twice), partials accumulated in
+// shared memory or in place in global memory (each thread owns the same columns for every row).
 {{> prelude}}
 {{> norm}}
 
@@ -352,33 +352,35 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
       const T* xr = x + row * x_row_stride;
       const T* gr = g + row * g_row_stride;
-      // One pass of four sums shifted by the row's first element (cancellation stays small
-      // however large the mean): c = x - shift, sum c, sum c^2, sum wg, sum wg c.
-      const float shift = RMS ? 0.0f : kiln_to_float(xr[0]);
-      float s_c = 0.0f, s_cc = 0.0f, s_wg = 0.0f, s_wgc = 0.0f;
+      // The two rounds of row sums of the register path, each a pass over the row: a single
+      // pass of sums shifted by one element cancels when that element is an outlier (see
+      // kiln_streamed_row_stats). Whole vectors: i < d, and d is a multiple of N_READS when
+      // N_READS > 1.
+      float mean = 0.0f, c2 = 0.0f;
+      if (!RMS) {
+        float s_x = 0.0f, s_wg = 0.0f;
+        for (int i = lane * N_READS; i < d; i += GROUP * N_READS) {
+          float v[N_READS], gv[N_READS], wv[N_READS];
+          kiln_load_floats<N_READS>(xr, i, d, v);
+          kiln_load_floats<N_READS>(gr, i, d, gv);
+          kiln_load_param<N_READS>(w, w_stride, w_vec, i, d, 1.0f, wv);
+          kiln_vjp_round1(v, gv, wv, s_x, s_wg);
+        }
+        kiln_group_sum2<GROUP, BLOCK_DIM>(s_x, s_wg, scratch, round);
+        mean = s_x * inv_d;
+        c2 = s_wg * inv_d;
+      }
+      float q = 0.0f, t = 0.0f;
       for (int i = lane * N_READS; i < d; i += GROUP * N_READS) {
         float v[N_READS], gv[N_READS], wv[N_READS];
         kiln_load_floats<N_READS>(xr, i, d, v);
         kiln_load_floats<N_READS>(gr, i, d, gv);
         kiln_load_param<N_READS>(w, w_stride, w_vec, i, d, 1.0f, wv);
-#pragma unroll
-        for (int j = 0; j < N_READS; ++j) {
-          const float c = (i + j < d) ? v[j] - shift : 0.0f;
-          const float wg = wv[j] * gv[j];  // g is 0 past d
-          s_c += c;
-          s_cc += c * c;
-          s_wg += wg;
-          s_wgc += wg * c;
-        }
+        kiln_vjp_round2(v, gv, wv, mean, q, t);
       }
-      kiln_group_sum2<GROUP, BLOCK_DIM>(s_c, s_cc, scratch, round);
-      kiln_group_sum2<GROUP, BLOCK_DIM>(s_wg, s_wgc, scratch, round);
-      const float dm = RMS ? 0.0f : s_c * inv_d;  // mean - shift
-      const float mean = shift + dm;
-      const float rstd = rsqrtf(fmaxf(s_cc * inv_d - dm * dm, 0.0f) + eps);
-      const float c2 = RMS ? 0.0f : s_wg * inv_d;
-      // mean(wg * xhat) = rstd * (mean(wg c) - (mean - shift) * mean(wg))
-      const float c1 = rstd * (s_wgc * inv_d - dm * c2);
+      kiln_group_sum2<GROUP, BLOCK_DIM>(q, t, scratch, round);
+      const float rstd = rsqrtf(q * inv_d + eps);
+      const float c1 = rstd * t * inv_d;  // mean(wg * xhat)
       T* dxr = dx + row * (long long)d;
       for (int i = lane * N_READS; i < d; i += GROUP * N_READS) {
         float v[N_READS], gv[N_READS], wv[N_READS], o[N_READS];
