@@ -352,6 +352,12 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
       const T* xr = x + row * x_row_stride;
       const T* gr = g + row * g_row_stride;
+      // The vector at i of x, the cotangent and the weights; each of the three passes reads it.
+      auto load = [&](int i, float(&v)[N_READS], float(&gv)[N_READS], float(&wv)[N_READS]) {
+        kiln_load_floats<N_READS>(xr, i, d, v);
+        kiln_load_floats<N_READS>(gr, i, d, gv);
+        kiln_load_param<N_READS>(w, w_stride, w_vec, i, d, 1.0f, wv);
+      };
       // The two rounds of row sums of the register path, each a pass over the row: a single
       // pass of sums shifted by one element cancels when that element is an outlier (see
       // kiln_streamed_row_stats). Whole vectors: i < d, and d is a multiple of N_READS when
@@ -361,9 +367,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
         float s_x = 0.0f, s_wg = 0.0f;
         for (int i = lane * N_READS; i < d; i += GROUP * N_READS) {
           float v[N_READS], gv[N_READS], wv[N_READS];
-          kiln_load_floats<N_READS>(xr, i, d, v);
-          kiln_load_floats<N_READS>(gr, i, d, gv);
-          kiln_load_param<N_READS>(w, w_stride, w_vec, i, d, 1.0f, wv);
+          load(i, v, gv, wv);
           kiln_vjp_round1(v, gv, wv, s_x, s_wg);
         }
         kiln_group_sum2<GROUP, BLOCK_DIM>(s_x, s_wg, scratch, round);
@@ -373,9 +377,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
       float q = 0.0f, t = 0.0f;
       for (int i = lane * N_READS; i < d; i += GROUP * N_READS) {
         float v[N_READS], gv[N_READS], wv[N_READS];
-        kiln_load_floats<N_READS>(xr, i, d, v);
-        kiln_load_floats<N_READS>(gr, i, d, gv);
-        kiln_load_param<N_READS>(w, w_stride, w_vec, i, d, 1.0f, wv);
+        load(i, v, gv, wv);
         kiln_vjp_round2(v, gv, wv, mean, q, t);
       }
       kiln_group_sum2<GROUP, BLOCK_DIM>(q, t, scratch, round);
@@ -384,9 +386,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
       T* dxr = dx + row * (long long)d;
       for (int i = lane * N_READS; i < d; i += GROUP * N_READS) {
         float v[N_READS], gv[N_READS], wv[N_READS], o[N_READS];
-        kiln_load_floats<N_READS>(xr, i, d, v);
-        kiln_load_floats<N_READS>(gr, i, d, gv);
-        kiln_load_param<N_READS>(w, w_stride, w_vec, i, d, 1.0f, wv);
+        load(i, v, gv, wv);
 #pragma unroll
         for (int j = 0; j < N_READS; ++j) {
           const float xh = (v[j] - mean) * rstd;

@@ -181,8 +181,8 @@ fn resident(pass: Pass, dtype: DType, n_reads: usize, group: usize, items: usize
 /// loaded its own weights; with the weights staged once per block the ring wins there too
 /// (`--sweep`, bf16 65536x256: 2,763 GB/s against 2,529). The kernel then runs on a grid no
 /// larger than the GPU holds at once, each block looping over rows. 16-bit rows carry half the
-/// bytes of f32 rows for the same work per row, and one row at a time left their loads latency-bound (one-warp VJP rows of 256
-/// elements: 1,778 -> 2,111 GB/s with the ring). Two stages (one row ahead): three and four were
+/// bytes of f32 rows for the same work per row, and one row at a time left their loads
+/// latency-bound (one-warp VJP rows of 256 elements: 1,778 -> 2,111 GB/s with the ring). Two stages (one row ahead): three and four were
 /// no faster on an H100 and take more shared memory (notes/performance.md). f32 rows take none:
 /// they already run near copy speed.
 fn stages(dtype: DType, n_reads: usize, items: usize) -> usize {
