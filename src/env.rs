@@ -31,6 +31,7 @@ impl CacheMode {
 pub const DEFAULT_CACHE_MAX_BYTES: u64 = 1 << 30;
 pub const DEFAULT_GRAPH_CACHE_SIZE: usize = 400;
 pub const DEFAULT_CONV_CACHE_SIZE: usize = 128;
+pub const DEFAULT_MAX_COMMITS_IN_FLIGHT: usize = 2;
 
 /// The settings kiln takes from the environment.
 #[derive(Clone, Debug, PartialEq)]
@@ -53,6 +54,12 @@ pub struct Config {
     pub max_mb_per_buffer: Option<usize>,
     /// `MLX_CUDA_CONV_CACHE_SIZE` (default 128).
     pub conv_cache_size: usize,
+    /// `KILN_MAX_COMMITS_IN_FLIGHT`: commits an encoder may have launched and unfinished before
+    /// the next commit waits for the oldest.
+    pub max_commits_in_flight: usize,
+    /// `KILN_MAX_MB_IN_FLIGHT`: megabytes those commits may touch (counted as
+    /// `MLX_MAX_MB_PER_BUFFER` counts them); `None` means four commits' worth.
+    pub max_mb_in_flight: Option<usize>,
 }
 
 /// Every variable kiln reads, for `kiln info`.
@@ -68,6 +75,8 @@ pub const VARIABLES: &[&str] = &[
     "MLX_MAX_OPS_PER_BUFFER",
     "MLX_MAX_MB_PER_BUFFER",
     "MLX_CUDA_CONV_CACHE_SIZE",
+    "KILN_MAX_COMMITS_IN_FLIGHT",
+    "KILN_MAX_MB_IN_FLIGHT",
 ];
 
 impl Config {
@@ -108,6 +117,13 @@ impl Config {
                 None => DEFAULT_CONV_CACHE_SIZE,
                 Some(v) => parse_count("MLX_CUDA_CONV_CACHE_SIZE", &v)?,
             },
+            max_commits_in_flight: match set("KILN_MAX_COMMITS_IN_FLIGHT") {
+                None => DEFAULT_MAX_COMMITS_IN_FLIGHT,
+                Some(v) => parse_count("KILN_MAX_COMMITS_IN_FLIGHT", &v)?,
+            },
+            max_mb_in_flight: set("KILN_MAX_MB_IN_FLIGHT")
+                .map(|v| parse_count("KILN_MAX_MB_IN_FLIGHT", &v))
+                .transpose()?,
         })
     }
 }
@@ -200,6 +216,8 @@ mod tests {
         assert_eq!(c.graph_cache_size, 400);
         assert_eq!(c.conv_cache_size, 128);
         assert_eq!(c.max_ops_per_buffer, None);
+        assert_eq!(c.max_commits_in_flight, DEFAULT_MAX_COMMITS_IN_FLIGHT);
+        assert_eq!(c.max_mb_in_flight, None);
     }
 
     #[test]
@@ -213,6 +231,8 @@ mod tests {
             ("MLX_MAX_OPS_PER_BUFFER", "20"),
             ("MLX_MAX_MB_PER_BUFFER", "100"),
             ("MLX_CUDA_CONV_CACHE_SIZE", "7"),
+            ("KILN_MAX_COMMITS_IN_FLIGHT", "3"),
+            ("KILN_MAX_MB_IN_FLIGHT", "64"),
         ])
         .unwrap();
         assert_eq!(c.cache_dir, Some(PathBuf::from("/tmp/k")));
@@ -223,6 +243,8 @@ mod tests {
         assert_eq!(c.max_ops_per_buffer, Some(20));
         assert_eq!(c.max_mb_per_buffer, Some(100));
         assert_eq!(c.conv_cache_size, 7);
+        assert_eq!(c.max_commits_in_flight, 3);
+        assert_eq!(c.max_mb_in_flight, Some(64));
     }
 
     #[test]
@@ -243,6 +265,8 @@ mod tests {
             ("MLX_CUDA_GRAPH_CACHE_SIZE", "0"),
             ("MLX_MAX_OPS_PER_BUFFER", "x"),
             ("KILN_CACHE_MAX_BYTES", "1Q"),
+            ("KILN_MAX_COMMITS_IN_FLIGHT", "0"),
+            ("KILN_MAX_MB_IN_FLIGHT", "many"),
         ] {
             let err = config(&[(var, value)]).unwrap_err().to_string();
             assert!(err.contains(var), "{err}");

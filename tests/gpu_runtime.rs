@@ -332,6 +332,45 @@ fn changed_arguments_patch_the_cached_executable() {
     assert_eq!(results(&mut enc, &views), results(&mut direct, &dviews));
 }
 
+/// The regression behind failing driver calls: after a whole-graph update (a node's function
+/// changed), later node patches must still name the nodes of the graph the executable was
+/// instantiated from.
+#[test]
+fn patches_after_a_whole_graph_update_are_accepted() {
+    let Some((_serial, dev)) = device("patch_after_update") else {
+        return;
+    };
+    let mut enc = encoder(&dev, true, 1000, 16);
+    let mut direct = encoder(&dev, false, 1000, 16);
+    let (views, dviews) = (make_views(&mut enc, 5), make_views(&mut direct, 5));
+    let spin = dev
+        .kernel(&KernelSpec::new(&SPIN_COPY, DType::F32, 256, 1, &[]))
+        .unwrap();
+    // One node: axpby, then the copy kernel (a function change: a whole update), the copy with
+    // other arguments (a patch), axpby (a whole update), axpby with other arguments (a patch).
+    for (round, use_copy) in [false, true, true, false, false].into_iter().enumerate() {
+        for (e, v) in [(&mut enc, &views), (&mut direct, &dviews)] {
+            if use_copy {
+                let (src, dst) = (&v[round], &v[6]);
+                let mut args = KernelArgs::new();
+                args.push(src.device_ptr())
+                    .push(dst.device_ptr())
+                    .push(N as i64)
+                    .push(round as i64);
+                e.launch(&spin, 1, 256, 0, args, &[src], &[dst]).unwrap();
+            } else {
+                axpby(e, 0.5 + round as f32, &v[0], 1.0, &v[1], &v[5]).unwrap();
+            }
+            e.synchronize().unwrap();
+        }
+    }
+    let s = enc.stats();
+    assert_eq!(s.refused_patches, 0, "{s:?}");
+    assert_eq!((s.instantiations, s.reinstantiations), (1, 0), "{s:?}");
+    assert_eq!((s.exec_cache_hits, s.updates), (4, 4), "{s:?}");
+    assert_eq!(results(&mut enc, &views), results(&mut direct, &dviews));
+}
+
 #[test]
 fn a_cache_of_two_evicts_under_three_alternating_topologies() {
     let Some((_serial, dev)) = device("exec_cache_eviction") else {
@@ -418,12 +457,21 @@ fn buffers_are_not_reused_while_the_gpu_may_read_them() {
         }
         assert_eq!(dst.to_f64(&mut enc).unwrap(), values, "graphs={graphs}");
         drop(other);
-        // Once the GPU is done, the memory is reused (the cache works).
-        let again = Array::empty(&dev, DType::F32, &[N]).unwrap();
-        let again2 = Array::empty(&dev, DType::F32, &[N]).unwrap();
-        assert!(
-            again.buffer_id() == old || again2.buffer_id() == old,
-            "graphs={graphs}"
+        // Once the GPU is done, the memory is reused (the cache works): it comes back before
+        // the allocator asks the driver for more.
+        let allocs = dev.allocator().stats().driver_allocs;
+        let mut again = Vec::new();
+        while dev.allocator().stats().driver_allocs == allocs {
+            let a = Array::empty(&dev, DType::F32, &[N]).unwrap();
+            if a.buffer_id() == old {
+                break;
+            }
+            again.push(a);
+        }
+        assert_eq!(
+            dev.allocator().stats().driver_allocs,
+            allocs,
+            "graphs={graphs}: the old buffer was not reused"
         );
     }
 }
@@ -473,4 +521,117 @@ fn the_allocator_caches_and_releases() {
     a.release_cache().unwrap();
     assert_eq!(a.stats().cached, 0);
     assert!(a.stats().peak >= 1024);
+}
+
+/// Memory kiln holds from the driver (in use plus cached).
+fn held(dev: &Arc<Device>) -> usize {
+    let s = dev.allocator().stats();
+    s.active + s.cached
+}
+
+#[test]
+fn a_loop_that_never_synchronises_holds_bounded_memory() {
+    let Some((_serial, dev)) = device("bounded_loop") else {
+        return;
+    };
+    // KILN_TEST_LOOP_STEPS shortens the loop under compute-sanitizer (scripts/sanitize.sh).
+    let steps: usize = std::env::var("KILN_TEST_LOOP_STEPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20_000);
+    let early_step = steps / 10;
+    for graphs in [true, false] {
+        let mut enc = encoder(&dev, graphs, 50, 400);
+        let model = common::train_step::Model::new(&mut enc, 15);
+        // What one step takes from the driver on an empty cache: the growth to stay under.
+        enc.synchronize().unwrap();
+        dev.allocator().release_cache().unwrap();
+        let before = held(&dev);
+        let (want_dx, want_dw) = model.step(&mut enc);
+        let step_bytes = held(&dev) - before;
+        let (want_dx, want_dw) = (
+            want_dx.to_bytes(&mut enc).unwrap(),
+            want_dw.to_bytes(&mut enc).unwrap(),
+        );
+        assert!(step_bytes >= 1 << 20, "one step takes {step_bytes} bytes");
+        let mut early = None;
+        let mut last = None;
+        for step in 1..=steps {
+            let out = model.step(&mut enc);
+            if step == early_step {
+                early = Some((
+                    held(&dev),
+                    dev.allocator().stats().driver_allocs,
+                    enc.stats(),
+                ));
+            }
+            if step == steps {
+                last = Some(out);
+            }
+        }
+        let (held_early, allocs_early, stats_early) = early.unwrap();
+        let (held_late, allocs_late, stats_late) = (
+            held(&dev),
+            dev.allocator().stats().driver_allocs,
+            enc.stats(),
+        );
+        let mode = if graphs { "graph" } else { "direct" };
+        eprintln!(
+            "{mode}: one step {step_bytes} B; held {held_early} -> {held_late} B; driver \
+             allocations {allocs_early} -> {allocs_late}; {stats_late:?}"
+        );
+        assert!(
+            held_late < held_early + step_bytes,
+            "{mode}: memory grew from {held_early} to {held_late} bytes (one step: {step_bytes})"
+        );
+        assert_eq!(allocs_late, allocs_early, "{mode}: driver allocations grew");
+        if graphs {
+            let commits = stats_late.graph_commits - stats_early.graph_commits;
+            let as_is = stats_late.exec_reuses - stats_early.exec_reuses;
+            assert!(
+                commits > 0 && as_is * 10 >= commits * 9,
+                "{mode}: {as_is} of {commits} commits launched as is"
+            );
+        }
+        // Reused memory changed nothing: the last step equals the synchronised first.
+        let (dx, dw) = last.unwrap();
+        assert!(
+            dx.to_bytes(&mut enc).unwrap() == want_dx,
+            "{mode}: dx differs"
+        );
+        assert!(
+            dw.to_bytes(&mut enc).unwrap() == want_dw,
+            "{mode}: dw differs"
+        );
+    }
+}
+
+#[test]
+fn the_host_waits_when_too_much_work_is_in_flight() {
+    let Some((_serial, dev)) = device("in_flight_bounds") else {
+        return;
+    };
+    let mut config = Config::from_env().unwrap();
+    config.max_ops_per_buffer = Some(1);
+    config.max_commits_in_flight = 2;
+    let mut enc = CommandEncoder::with_config(&dev, &config).unwrap();
+    let kernel = dev
+        .kernel(&KernelSpec::new(&SPIN_COPY, DType::F32, 256, 1, &[]))
+        .unwrap();
+    let src = Array::from_f64(&mut enc, DType::F32, &[1.0; N], &[N]).unwrap();
+    let dst = Array::empty(&dev, DType::F32, &[N]).unwrap();
+    for _ in 0..6 {
+        let mut args = KernelArgs::new();
+        // About 5 ms each.
+        args.push(src.device_ptr())
+            .push(dst.device_ptr())
+            .push(N as i64)
+            .push(10_000_000i64);
+        enc.launch(&kernel, 1, 256, 0, args, &[&src], &[&dst])
+            .unwrap();
+        assert!(enc.commits_in_flight() <= 2, "{}", enc.commits_in_flight());
+    }
+    assert!(enc.stats().throttled_commits >= 3, "{:?}", enc.stats());
+    enc.synchronize().unwrap();
+    assert_eq!(enc.commits_in_flight(), 0);
 }

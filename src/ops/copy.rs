@@ -36,7 +36,7 @@ pub fn specs() -> Vec<KernelSpec> {
 
 /// A contiguous copy of `src` as `to`.
 pub fn copy(enc: &mut CommandEncoder, src: &Array, to: DType) -> Result<Array> {
-    let dst = Array::empty(enc.device(), to, src.shape())?;
+    let dst = Array::empty_on(enc, to, src.shape())?;
     let n = src.size();
     if n == 0 {
         return Ok(dst);

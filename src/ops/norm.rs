@@ -435,7 +435,7 @@ fn forward(
     chosen: Option<KernelSpec>,
 ) -> Result<Array> {
     let d = check_inputs(x, &[("weight", w), ("bias", b)], eps)?;
-    let y = Array::empty(enc.device(), x.dtype(), x.shape())?;
+    let y = Array::empty_on(enc, x.dtype(), x.shape())?;
     if x.size() == 0 {
         return Ok(y);
     }
@@ -536,7 +536,7 @@ fn vjp(
             ),
         ));
     }
-    let dx = Array::empty(enc.device(), x.dtype(), x.shape())?;
+    let dx = Array::empty_on(enc, x.dtype(), x.shape())?;
     let dtype = x.dtype();
     if x.size() == 0 {
         // No rows: the parameter gradients are sums over nothing.
@@ -575,7 +575,7 @@ fn vjp(
     // The partial sums of dweight then dbias, [sets, grid, d], reduced in one launch.
     let sets = w.is_some() as usize + want_db as usize;
     let partial = (sets > 0)
-        .then(|| Array::empty(enc.device(), DType::F32, &[sets, grid, d]))
+        .then(|| Array::empty_on(enc, DType::F32, &[sets, grid, d]))
         .transpose()?;
     let set_ptr = |set: usize| {
         partial
@@ -617,11 +617,9 @@ fn vjp(
         &reads,
         &writes,
     )?;
-    let dw = w
-        .map(|_| Array::empty(enc.device(), dtype, &[d]))
-        .transpose()?;
+    let dw = w.map(|_| Array::empty_on(enc, dtype, &[d])).transpose()?;
     let db = if want_db {
-        Some(Array::empty(enc.device(), dtype, &[d])?)
+        Some(Array::empty_on(enc, dtype, &[d])?)
     } else {
         None
     };
@@ -635,7 +633,7 @@ fn vjp(
 /// Column sums of an f32 [rows, d] array, as `dtype`.
 pub fn reduce_cols(enc: &mut CommandEncoder, partial: &Array, dtype: DType) -> Result<Array> {
     let (rows, d) = (partial.shape()[0], partial.shape()[1]);
-    let out = Array::empty(enc.device(), dtype, &[d])?;
+    let out = Array::empty_on(enc, dtype, &[d])?;
     reduce_col_sets(enc, partial, rows, d, &[&out])?;
     Ok(out)
 }

@@ -1,12 +1,19 @@
 //! Device memory behind a caching allocator: freed buffers go back to per-size-class free lists
-//! and are reused last-in first-out, so a steady-state loop makes no driver calls and sees the
-//! same addresses every iteration (which lets a cached CUDA graph replay unchanged).
+//! and are reused lowest address first, so a steady-state loop makes no driver calls and sees
+//! the same addresses every iteration (which lets a cached CUDA graph replay unchanged): which
+//! block a request gets depends on the set of free blocks, not on the order they were freed in.
+//!
+//! A free block keeps fences: the commits of each stream that may still touch it. Later work on
+//! one of those streams may reuse it before they finish (stream order runs that work after
+//! them); anyone else gets it only once the fences are done, and the driver only after a wait.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{sys, CudaContext};
 
+use super::timeline::{Fence, Reuser, Timeline};
 use crate::error::{Error, Result};
 
 /// Statistics in bytes (of size classes, not of requests).
@@ -34,14 +41,72 @@ pub fn size_class(bytes: usize) -> usize {
     }
 }
 
+/// A free block: its address, and the work that may still touch it.
+struct FreeBlock {
+    ptr: sys::CUdeviceptr,
+    fences: Vec<Fence>,
+}
+
+/// The free blocks of one size class: fences by address.
+type FreeList = BTreeMap<sys::CUdeviceptr, Vec<Fence>>;
+
+/// The free lists and counters: pure bookkeeping, no driver calls.
+#[derive(Default)]
 struct Pool {
-    free: BTreeMap<usize, Vec<sys::CUdeviceptr>>,
+    free: BTreeMap<usize, FreeList>,
     stats: MemoryStats,
+}
+
+impl Pool {
+    /// Takes the lowest-addressed block of `class` that `reuser` may use (see
+    /// [`Fence::allows`]). Its fences that are not yet done come with it.
+    fn take(&mut self, class: usize, reuser: Option<Reuser>) -> Option<FreeBlock> {
+        let list = self.free.get_mut(&class)?;
+        let ptr = list
+            .iter()
+            .find(|(_, fences)| fences.iter().all(|f| f.allows(reuser)))
+            .map(|(&ptr, _)| ptr)?;
+        let mut fences = list.remove(&ptr).unwrap_or_default();
+        fences.retain(|f| !f.is_done());
+        self.stats.cached -= class;
+        Some(FreeBlock { ptr, fences })
+    }
+
+    fn give(&mut self, class: usize, block: FreeBlock) {
+        self.free
+            .entry(class)
+            .or_default()
+            .insert(block.ptr, block.fences);
+        self.stats.cached += class;
+    }
+
+    /// The timelines whose unfinished work holds back free blocks of `class` (each once).
+    fn blocking_timelines(&self, class: Option<usize>) -> Vec<Arc<Timeline>> {
+        let mut out: Vec<Arc<Timeline>> = Vec::new();
+        let lists = self
+            .free
+            .iter()
+            .filter(|(c, _)| class.map_or(true, |k| **c == k));
+        for f in lists.flat_map(|(_, l)| l.values()).flatten() {
+            if !f.is_done() && !out.iter().any(|t| t.id() == f.timeline().id()) {
+                out.push(f.timeline().clone());
+            }
+        }
+        out
+    }
 }
 
 struct Inner {
     ctx: Arc<CudaContext>,
+    /// The device's memory: a larger request fails without asking the driver.
+    device_bytes: usize,
     pool: Mutex<Pool>,
+}
+
+impl Inner {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Pool> {
+        self.pool.lock().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
 /// One device's allocator. Cheap to clone.
@@ -51,11 +116,16 @@ pub struct Allocator {
 }
 
 /// A device allocation. Dropping it returns the memory to its allocator's free list (never to
-/// the driver); whoever may still use it on the GPU must hold a clone of the `Arc<Buffer>`.
+/// the driver), together with the work that may still use it: that memory goes to other streams
+/// only once the work is done, and to later work on the same stream at once.
 pub struct Buffer {
     ptr: sys::CUdeviceptr,
     class: usize,
     allocator: Arc<Inner>,
+    /// Per timeline, the newest commit that uses (or may use) this memory.
+    uses: Mutex<Vec<Fence>>,
+    /// The (timeline, commit) last recorded, so that repeated uses skip the lock.
+    last_use: AtomicU64,
 }
 
 impl std::fmt::Debug for Buffer {
@@ -74,6 +144,21 @@ impl Buffer {
     pub fn capacity(&self) -> usize {
         self.class
     }
+
+    /// Records that commit `seq` of `timeline` uses this memory.
+    pub(crate) fn record_use(&self, timeline: &Arc<Timeline>, seq: u64) {
+        // Commit numbers stay far below 2^40 and timeline ids below 2^24.
+        let tag = (timeline.id() << 40) | seq;
+        if self.class == 0 || self.last_use.load(Ordering::Relaxed) == tag {
+            return;
+        }
+        let mut uses = self.uses.lock().unwrap_or_else(|e| e.into_inner());
+        uses.retain(|f| !f.is_done());
+        if !uses.iter_mut().any(|f| f.advance(timeline, seq)) {
+            uses.push(Fence::new(timeline, seq));
+        }
+        self.last_use.store(tag, Ordering::Relaxed);
+    }
 }
 
 impl Drop for Buffer {
@@ -81,86 +166,118 @@ impl Drop for Buffer {
         if self.class == 0 {
             return;
         }
-        let mut pool = self
-            .allocator
-            .pool
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        pool.free.entry(self.class).or_default().push(self.ptr);
+        let fences = std::mem::take(self.uses.get_mut().unwrap_or_else(|e| e.into_inner()));
+        let mut pool = self.allocator.lock();
         pool.stats.active -= self.class;
-        pool.stats.cached += self.class;
+        pool.give(
+            self.class,
+            FreeBlock {
+                ptr: self.ptr,
+                fences,
+            },
+        );
     }
 }
 
 impl Allocator {
-    pub fn new(ctx: Arc<CudaContext>) -> Allocator {
+    /// An allocator for the context's device, which has `device_bytes` of memory.
+    pub fn new(ctx: Arc<CudaContext>, device_bytes: usize) -> Allocator {
         Allocator {
             inner: Arc::new(Inner {
                 ctx,
-                pool: Mutex::new(Pool {
-                    free: BTreeMap::new(),
-                    stats: MemoryStats::default(),
-                }),
+                device_bytes,
+                pool: Mutex::new(Pool::default()),
             }),
         }
     }
 
     pub fn stats(&self) -> MemoryStats {
-        self.inner
-            .pool
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .stats
+        self.inner.lock().stats
     }
 
-    /// Allocates at least `bytes`. On out-of-memory the cache is released and the allocation
-    /// retried once before `Error::OutOfMemory`.
+    /// Allocates at least `bytes`, for use by anyone (the host, any stream). Free memory that
+    /// unfinished work may still touch is skipped; on out-of-memory, the allocator waits for
+    /// launched work, releases its cache and retries once before `Error::OutOfMemory`.
     pub fn alloc(&self, bytes: usize) -> Result<Arc<Buffer>> {
+        self.alloc_for(bytes, None)
+    }
+
+    /// Allocates at least `bytes` for work encoded on `reuser`'s stream, which may reuse memory
+    /// that the stream's own earlier work (launched or still being encoded) has released: stream
+    /// order runs the new work after it. The memory keeps those uses as fences, so it reaches
+    /// no other stream before they finish.
+    pub(crate) fn alloc_on(&self, bytes: usize, reuser: Reuser) -> Result<Arc<Buffer>> {
+        self.alloc_for(bytes, Some(reuser))
+    }
+
+    fn alloc_for(&self, bytes: usize, reuser: Option<Reuser>) -> Result<Arc<Buffer>> {
         if bytes == 0 {
-            return Ok(Arc::new(Buffer {
-                ptr: 0,
-                class: 0,
-                allocator: self.inner.clone(),
-            }));
+            return Ok(self.wrap(0, 0, Vec::new()));
         }
         let class = size_class(bytes);
-        let mut pool = self.inner.pool.lock().unwrap_or_else(|e| e.into_inner());
-        let reused = pool.free.get_mut(&class).and_then(|list| list.pop());
-        let ptr = match reused {
-            Some(ptr) => {
-                pool.stats.cached -= class;
-                ptr
-            }
-            None => match self.driver_alloc(class) {
-                Ok(ptr) => ptr,
-                Err(sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY) => {
-                    let cached_before = pool.stats.cached;
-                    self.release_locked(&mut pool)?;
-                    match self.driver_alloc(class) {
-                        Ok(ptr) => ptr,
-                        Err(sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY) => {
-                            return Err(Error::OutOfMemory {
-                                requested: bytes,
-                                active: pool.stats.active,
-                                cached_released: cached_before,
-                            })
-                        }
-                        Err(e) => return Err(driver_error(e)),
-                    }
-                }
-                Err(e) => return Err(driver_error(e)),
-            },
-        };
-        if reused.is_none() {
-            pool.stats.driver_allocs += 1;
+        let mut pool = self.inner.lock();
+        if class > self.inner.device_bytes {
+            // It can never fit: neither the driver nor the cache is troubled.
+            return Err(Error::OutOfMemory {
+                requested: bytes,
+                active: pool.stats.active,
+                cached_released: 0,
+            });
         }
+        let mut block = pool.take(class, reuser);
+        if block.is_none() {
+            // Before going to the driver, notice what finished since the last look.
+            let blocking = pool.blocking_timelines(Some(class));
+            if !blocking.is_empty() {
+                for t in &blocking {
+                    t.poll()?;
+                }
+                block = pool.take(class, reuser);
+            }
+        }
+        let block = match block {
+            Some(b) => b,
+            None => {
+                let ptr = match self.driver_alloc(class) {
+                    Ok(ptr) => ptr,
+                    Err(sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY) => {
+                        let cached_before = pool.stats.cached;
+                        self.release_locked(&mut pool, true)?;
+                        match self.driver_alloc(class) {
+                            Ok(ptr) => ptr,
+                            Err(sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY) => {
+                                return Err(Error::OutOfMemory {
+                                    requested: bytes,
+                                    active: pool.stats.active,
+                                    cached_released: cached_before - pool.stats.cached,
+                                })
+                            }
+                            Err(e) => return Err(driver_error(e)),
+                        }
+                    }
+                    Err(e) => return Err(driver_error(e)),
+                };
+                pool.stats.driver_allocs += 1;
+                FreeBlock {
+                    ptr,
+                    fences: Vec::new(),
+                }
+            }
+        };
         pool.stats.active += class;
         pool.stats.peak = pool.stats.peak.max(pool.stats.active);
-        Ok(Arc::new(Buffer {
+        drop(pool);
+        Ok(self.wrap(block.ptr, class, block.fences))
+    }
+
+    fn wrap(&self, ptr: sys::CUdeviceptr, class: usize, fences: Vec<Fence>) -> Arc<Buffer> {
+        Arc::new(Buffer {
             ptr,
             class,
             allocator: self.inner.clone(),
-        }))
+            uses: Mutex::new(fences),
+            last_use: AtomicU64::new(0),
+        })
     }
 
     fn driver_alloc(
@@ -177,24 +294,41 @@ impl Allocator {
         Ok(ptr)
     }
 
-    /// Returns every cached (free) buffer to the driver.
+    /// Returns cached (free) memory to the driver: every block whose work is done, after
+    /// waiting for launched work that still uses some; memory used by work still being encoded
+    /// (not yet committed) stays cached.
     pub fn release_cache(&self) -> Result<()> {
-        let mut pool = self.inner.pool.lock().unwrap_or_else(|e| e.into_inner());
-        self.release_locked(&mut pool)
+        let mut pool = self.inner.lock();
+        self.release_locked(&mut pool, true)
     }
 
-    fn release_locked(&self, pool: &mut Pool) -> Result<()> {
+    fn release_locked(&self, pool: &mut Pool, wait: bool) -> Result<()> {
         self.inner.ctx.bind_to_thread()?;
+        for t in pool.blocking_timelines(None) {
+            t.poll()?;
+            if wait {
+                // Wait for the newest commit launched: its fences cover the older ones.
+                t.wait_for(t.next_seq() - 1)?;
+            }
+        }
+        let mut kept: BTreeMap<usize, FreeList> = BTreeMap::new();
         for (class, list) in std::mem::take(&mut pool.free) {
-            for ptr in list {
-                // SAFETY: ptr came from cuMemAlloc and no live Buffer refers to it.
+            for (ptr, fences) in list {
+                if !fences.iter().all(|f| f.allows(None)) {
+                    kept.entry(class).or_default().insert(ptr, fences);
+                    continue;
+                }
+                // SAFETY: ptr came from cuMemAlloc, no live Buffer refers to it, and the work
+                // that used it is done.
                 let status = unsafe { sys::cuMemFree_v2(ptr) };
                 if status != sys::cudaError_enum::CUDA_SUCCESS {
+                    pool.free = kept;
                     return Err(driver_error(status));
                 }
                 pool.stats.cached -= class;
             }
         }
+        pool.free = kept;
         Ok(())
     }
 }
@@ -205,7 +339,7 @@ impl Drop for Inner {
         let pool = self.pool.get_mut().unwrap_or_else(|e| e.into_inner());
         if self.ctx.bind_to_thread().is_ok() {
             for (_, list) in std::mem::take(&mut pool.free) {
-                for ptr in list {
+                for ptr in list.into_keys() {
                     // SAFETY: as in release_locked; errors at teardown have nowhere to go.
                     unsafe { sys::cuMemFree_v2(ptr) };
                 }
@@ -233,5 +367,69 @@ mod tests {
         for n in [1usize, 300, 4097, 1 << 21, 123_456_789] {
             assert!(size_class(n) >= n);
         }
+    }
+
+    fn block(ptr: u64, fences: &[(&Arc<Timeline>, u64)]) -> FreeBlock {
+        FreeBlock {
+            ptr,
+            fences: fences.iter().map(|(t, s)| Fence::new(t, *s)).collect(),
+        }
+    }
+
+    #[test]
+    fn free_blocks_wait_for_other_streams_but_not_their_own() {
+        let (a, b) = (Timeline::new(), Timeline::new());
+        a.fake_progress(5, 3); // commits 4 and 5 of `a` still run
+        b.fake_progress(2, 2);
+        let mut pool = Pool::default();
+        pool.give(256, block(4, &[(&a, 6)])); // used by `a`'s batch being encoded
+        pool.give(256, block(3, &[(&a, 3), (&b, 2)]));
+        pool.give(256, block(2, &[(&a, 4)]));
+        pool.give(256, block(1, &[]));
+        assert_eq!(pool.stats.cached, 4 * 256);
+        // Anyone: the lowest block whose work is done, whatever the order of release.
+        assert_eq!(pool.take(256, None).unwrap().ptr, 1);
+        let got = pool.take(256, None).unwrap();
+        assert_eq!((got.ptr, got.fences.len()), (3, 0));
+        assert!(pool.take(256, None).is_none());
+        // Stream `b` may not use memory `a` still uses.
+        let on = |t, through| {
+            Some(Reuser {
+                timeline: t,
+                through,
+            })
+        };
+        assert!(pool.take(256, on(&b, 3)).is_none());
+        // `a` may reuse what its launched commits released, and (through 6) what the batch it
+        // is encoding did; the fence comes along.
+        let got = pool.take(256, on(&a, 5)).unwrap();
+        assert_eq!((got.ptr, got.fences.len()), (2, 1));
+        assert!(pool.take(256, on(&a, 5)).is_none());
+        pool.give(256, got);
+        assert_eq!(pool.take(256, on(&a, 6)).unwrap().ptr, 2);
+        let got = pool.take(256, on(&a, 6)).unwrap();
+        assert_eq!((got.ptr, got.fences.len()), (4, 1));
+        pool.give(256, block(2, &[(&a, 4)]));
+        assert_eq!(pool.blocking_timelines(None).len(), 1);
+        // Once `a` has finished, block 2 is anyone's.
+        a.fake_progress(6, 6);
+        assert!(pool.blocking_timelines(Some(256)).is_empty());
+        assert_eq!(pool.take(256, None).unwrap().ptr, 2);
+        assert_eq!(pool.stats.cached, 0);
+        assert!(pool.take(512, None).is_none());
+    }
+
+    #[test]
+    fn blocking_timelines_are_listed_once() {
+        let (a, b) = (Timeline::new(), Timeline::new());
+        a.fake_progress(2, 0);
+        b.fake_progress(2, 0);
+        let mut pool = Pool::default();
+        pool.give(256, block(1, &[(&a, 1)]));
+        pool.give(512, block(2, &[(&a, 2), (&b, 1)]));
+        pool.give(512, block(3, &[(&b, 2)]));
+        let ids = |v: Vec<Arc<Timeline>>| v.iter().map(|t| t.id()).collect::<Vec<_>>();
+        assert_eq!(ids(pool.blocking_timelines(None)), vec![a.id(), b.id()]);
+        assert_eq!(ids(pool.blocking_timelines(Some(256))), vec![a.id()]);
     }
 }

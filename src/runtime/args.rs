@@ -68,10 +68,26 @@ impl KernelArgs {
         self.count == 0
     }
 
+    /// Whether `other` has the same number of arguments at the same offsets: the parameter
+    /// layout of one kernel function (values may differ).
+    pub fn same_layout(&self, other: &KernelArgs) -> bool {
+        self.count == other.count && self.offsets[..self.count] == other.offsets[..other.count]
+    }
+
     /// The bytes of all arguments (for comparing two launches).
     pub fn bytes(&self) -> &[u8] {
         // SAFETY: `used` bytes of `words` are initialised.
         unsafe { std::slice::from_raw_parts(self.words.as_ptr() as *const u8, self.used) }
+    }
+
+    /// Each argument's bytes (the padding after it included).
+    pub fn values(&self) -> impl Iterator<Item = &[u8]> {
+        let bytes = self.bytes();
+        (0..self.count).map(move |i| {
+            let start = self.offsets[i] as usize;
+            let end = self.offsets.get(i + 1).filter(|_| i + 1 < self.count);
+            &bytes[start..end.map_or(bytes.len(), |&e| e as usize)]
+        })
     }
 
     /// The pointer array the driver takes; valid while `self` is neither moved nor changed.
@@ -88,9 +104,7 @@ impl KernelArgs {
 
 impl PartialEq for KernelArgs {
     fn eq(&self, other: &Self) -> bool {
-        self.count == other.count
-            && self.offsets[..self.count] == other.offsets[..other.count]
-            && self.bytes() == other.bytes()
+        self.same_layout(other) && self.bytes() == other.bytes()
     }
 }
 

@@ -51,6 +51,15 @@ fn check_rank(shape: &[usize]) -> Result<()> {
     Ok(())
 }
 
+/// Bytes of a contiguous array; an error when the rank or size is too large.
+fn byte_size(dtype: DType, shape: &[usize]) -> Result<usize> {
+    check_rank(shape)?;
+    shape
+        .iter()
+        .try_fold(dtype.size(), |acc, &n| acc.checked_mul(n))
+        .ok_or_else(|| invalid("shape", "too large".into()))
+}
+
 /// Row-major strides of a contiguous array of `shape`.
 pub fn contiguous_strides(shape: &[usize]) -> Vec<isize> {
     let mut strides = vec![0isize; shape.len()];
@@ -63,21 +72,43 @@ pub fn contiguous_strides(shape: &[usize]) -> Vec<isize> {
 }
 
 impl Array {
-    /// A new contiguous array with undefined contents.
+    /// A new contiguous array with undefined contents, usable by any stream and the host.
     pub fn empty(device: &Arc<Device>, dtype: DType, shape: &[usize]) -> Result<Array> {
-        check_rank(shape)?;
-        let n: usize = shape.iter().product();
-        let bytes = n
-            .checked_mul(dtype.size())
-            .ok_or_else(|| invalid("shape", "too large".into()))?;
-        Ok(Array {
-            buffer: device.allocator().alloc(bytes)?,
+        let bytes = byte_size(dtype, shape)?;
+        Ok(Array::from_buffer(
+            device,
+            device.allocator().alloc(bytes)?,
+            dtype,
+            shape,
+        ))
+    }
+
+    /// A new contiguous array for work encoded next on `enc` to write first (an op's output):
+    /// its memory may come from `enc`'s own earlier work, still in flight.
+    pub(crate) fn empty_on(
+        enc: &mut CommandEncoder,
+        dtype: DType,
+        shape: &[usize],
+    ) -> Result<Array> {
+        let bytes = byte_size(dtype, shape)?;
+        let buffer = enc.alloc(bytes)?;
+        Ok(Array::from_buffer(enc.device(), buffer, dtype, shape))
+    }
+
+    fn from_buffer(
+        device: &Arc<Device>,
+        buffer: Arc<Buffer>,
+        dtype: DType,
+        shape: &[usize],
+    ) -> Array {
+        Array {
+            buffer,
             device: device.clone(),
             dtype,
             shape: shape.to_vec(),
             strides: contiguous_strides(shape),
             offset: 0,
-        })
+        }
     }
 
     /// Uploads `data` (little-endian `dtype` elements) as a contiguous array on the encoder's
@@ -88,7 +119,7 @@ impl Array {
         shape: &[usize],
         data: &[u8],
     ) -> Result<Array> {
-        let a = Array::empty(enc.device(), dtype, shape)?;
+        let a = Array::empty_on(enc, dtype, shape)?;
         if data.len() != a.nbytes() {
             return Err(invalid(
                 "data",

@@ -45,7 +45,7 @@ impl Device {
             })?;
         let ctx = CudaContext::new(ordinal)?;
         let device = Arc::new(Device {
-            allocator: Allocator::new(ctx.clone()),
+            allocator: Allocator::new(ctx.clone(), info.memory_bytes as usize),
             info,
             ctx,
             kernels: KernelTable::new(),

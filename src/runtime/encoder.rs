@@ -8,10 +8,14 @@
 //! builds the graph and calls `cuGraphExecUpdate`, re-instantiating if the update is refused. A
 //! CUgraph is only built when an executable must be created or updated wholesale.
 //!
-//! Buffers a commit uses stay alive until an event recorded after it has completed; they are
-//! released per commit, never by a host callback per op.
+//! Memory: every array an encoded op touches is marked as used by the encoder's current commit
+//! (see `timeline`). Memory the program releases goes back to the allocator at once: later work
+//! on this encoder may reuse it straight away (stream order, and in graph mode dependencies by
+//! address, run that work after the old), so a repeated program settles on the same addresses
+//! and its cached executable is launched as is; other streams, the host and the driver get it
+//! only once the commits that used it have finished. Bounds on the commits and bytes in flight
+//! make the host wait for the oldest commit when it runs too far ahead of the GPU.
 
-use std::collections::VecDeque;
 use std::ffi::c_void;
 use std::num::NonZeroUsize;
 use std::ptr;
@@ -25,6 +29,7 @@ use super::args::KernelArgs;
 use super::array::Array;
 use super::deps::{BufferId, DependencyTracker, NodeKind};
 use super::device::Device;
+use super::timeline::{Reuser, Timeline};
 use crate::env::Config;
 use crate::error::{Error, Result};
 use crate::jit::LoadedKernel;
@@ -48,6 +53,11 @@ pub struct EncoderStats {
     pub reinstantiations: u64,
     /// Executables evicted from the cache (and destroyed).
     pub evictions: u64,
+    /// Commits that waited for the oldest commit in flight (the in-flight bounds).
+    pub throttled_commits: u64,
+    /// Node patches the driver refused although kiln judged them legal (then the whole graph
+    /// was updated instead); 0 unless kiln's judgement is wrong.
+    pub refused_patches: u64,
 }
 
 /// Grid and block dimensions.
@@ -151,8 +161,10 @@ impl Drop for OwnedGraph {
 
 struct CachedExec {
     exec: sys::CUgraphExec,
-    /// The graph the executable was made from: its node handles address nodes for updates.
-    graph: OwnedGraph,
+    /// The graph the executable was instantiated from: its node handles name the executable's
+    /// nodes in every later patch (a handle of another graph is an invalid value), so it lives
+    /// as long as the executable.
+    _graph: OwnedGraph,
     handles: Vec<sys::CUgraphNode>,
     /// What each node does now.
     nodes: Vec<NodeState>,
@@ -166,14 +178,6 @@ impl Drop for CachedExec {
     }
 }
 
-/// A commit the GPU may still be running, with what it uses: held (never read) until its event
-/// completes, then dropped, which returns the buffers to the allocator.
-struct InFlight {
-    event: sys::CUevent,
-    _buffers: Vec<Arc<Buffer>>,
-    _kernels: Vec<Arc<LoadedKernel>>,
-}
-
 fn check(status: sys::CUresult) -> Result<()> {
     if status == sys::cudaError_enum::CUDA_SUCCESS {
         Ok(())
@@ -181,6 +185,9 @@ fn check(status: sys::CUresult) -> Result<()> {
         Err(Error::Driver(DriverError(status)))
     }
 }
+
+/// The default bound on bytes in flight, in commits of the per-commit byte limit.
+const DEFAULT_COMMITS_OF_BYTES_IN_FLIGHT: usize = 4;
 
 /// Default commit limits for a compute capability, from the launch benchmark (see README).
 pub fn default_limits(major: u32) -> (usize, usize) {
@@ -198,14 +205,15 @@ pub struct CommandEncoder {
     use_graphs: bool,
     max_ops: usize,
     max_bytes: usize,
+    max_commits_in_flight: usize,
+    max_bytes_in_flight: usize,
     tracker: DependencyTracker,
     nodes: Vec<Node>,
     ops_in_batch: usize,
     bytes_in_batch: usize,
-    retained: Vec<Arc<Buffer>>,
+    /// Modules the current batch launches, held until it has run.
     kernels: Vec<Arc<LoadedKernel>>,
-    in_flight: VecDeque<InFlight>,
-    free_events: Vec<sys::CUevent>,
+    timeline: Arc<Timeline>,
     exec_cache: LruCache<String, CachedExec>,
     stats: EncoderStats,
 }
@@ -219,6 +227,7 @@ impl CommandEncoder {
     pub fn with_config(device: &Arc<Device>, config: &Config) -> Result<CommandEncoder> {
         device.bind()?;
         let (ops, mb) = default_limits(device.info().compute_capability.0);
+        let mb = config.max_mb_per_buffer.unwrap_or(mb);
         let mut streams = [ptr::null_mut(); 2];
         for s in &mut streams {
             // SAFETY: the device's context is current.
@@ -232,15 +241,18 @@ impl CommandEncoder {
             capture_stream: streams[1],
             use_graphs: config.use_cuda_graphs,
             max_ops: config.max_ops_per_buffer.unwrap_or(ops),
-            max_bytes: config.max_mb_per_buffer.unwrap_or(mb) << 20,
+            max_bytes: mb << 20,
+            max_commits_in_flight: config.max_commits_in_flight,
+            max_bytes_in_flight: config
+                .max_mb_in_flight
+                .unwrap_or(DEFAULT_COMMITS_OF_BYTES_IN_FLIGHT * mb)
+                << 20,
             tracker: DependencyTracker::new(),
             nodes: Vec::new(),
             ops_in_batch: 0,
             bytes_in_batch: 0,
-            retained: Vec::new(),
             kernels: Vec::new(),
-            in_flight: VecDeque::new(),
-            free_events: Vec::new(),
+            timeline: Timeline::new(),
             exec_cache: LruCache::new(
                 NonZeroUsize::new(config.graph_cache_size).unwrap_or(NonZeroUsize::MIN),
             ),
@@ -265,6 +277,38 @@ impl CommandEncoder {
         (self.max_ops, self.max_bytes)
     }
 
+    /// The bounds on work in flight: (commits, bytes those commits touched).
+    pub fn in_flight_limits(&self) -> (usize, usize) {
+        (self.max_commits_in_flight, self.max_bytes_in_flight)
+    }
+
+    /// Memory for an op's output, written by work encoded next on this encoder: it may reuse
+    /// memory this encoder's earlier work released, even while that work is in flight.
+    pub(crate) fn alloc(&mut self, bytes: usize) -> Result<Arc<Buffer>> {
+        let allocator = self.device.allocator().clone();
+        // A graph's nodes are ordered only by their dependencies: reusing memory within the
+        // batch being encoded would chain work that could run side by side (and, in a
+        // concurrent section, not even be ordered). Direct launches run in stream order.
+        let batch = self.timeline.next_seq();
+        let reuser = Reuser {
+            timeline: &self.timeline,
+            through: batch - u64::from(self.use_graphs),
+        };
+        match allocator.alloc_on(bytes, reuser) {
+            Err(Error::OutOfMemory { .. }) => {
+                // Memory this encoder's unlaunched work released can reach the driver only
+                // once that work has run.
+                self.synchronize()?;
+                let reuser = Reuser {
+                    timeline: &self.timeline,
+                    through: self.timeline.next_seq(),
+                };
+                allocator.alloc_on(bytes, reuser)
+            }
+            other => other,
+        }
+    }
+
     /// The raw stream, for interoperation (work put on it bypasses the encoder's ordering of
     /// uncommitted graph nodes: call `commit` first).
     pub fn stream(&self) -> sys::CUstream {
@@ -272,13 +316,10 @@ impl CommandEncoder {
     }
 
     fn note_use(&mut self, arrays: &[&Array]) {
+        let seq = self.timeline.next_seq();
         for a in arrays {
             self.bytes_in_batch += a.nbytes();
-            // Chains touch the same few buffers again and again: skip recent repeats.
-            let recent = self.retained.iter().rev().take(4);
-            if !recent.into_iter().any(|b| Arc::ptr_eq(b, a.buffer())) {
-                self.retained.push(a.buffer().clone());
-            }
+            a.buffer().record_use(&self.timeline, seq);
         }
     }
 
@@ -464,7 +505,9 @@ impl CommandEncoder {
                 self.stream,
             )
         })?;
-        self.retained.push(dst.buffer().clone());
+        dst.buffer()
+            .record_use(&self.timeline, self.timeline.next_seq());
+        self.bytes_in_batch += data.len();
         Ok(())
     }
 
@@ -507,30 +550,30 @@ impl CommandEncoder {
         self.nodes.clear();
         self.tracker.clear();
         self.ops_in_batch = 0;
-        self.bytes_in_batch = 0;
+        let bytes = std::mem::take(&mut self.bytes_in_batch);
+        let kernels = std::mem::take(&mut self.kernels);
         result?;
-        self.release_completed()?;
-        if self.retained.is_empty() && self.kernels.is_empty() {
-            return Ok(());
+        if !kernels.is_empty() || bytes > 0 {
+            self.device.bind()?;
+            self.timeline.record(self.stream, bytes, kernels)?;
         }
-        let event = match self.free_events.pop() {
-            Some(e) => e,
-            None => {
-                let mut e = ptr::null_mut();
-                // SAFETY: the context is current (bound by the launch path).
-                check(unsafe {
-                    sys::cuEventCreate(&mut e, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32)
-                })?;
-                e
+        self.throttle()
+    }
+
+    /// Waits for the oldest commits until those in flight are within the bounds (never for the
+    /// one just launched).
+    fn throttle(&mut self) -> Result<()> {
+        self.timeline.poll()?;
+        let mut waited = false;
+        loop {
+            let (commits, bytes) = self.timeline.in_flight();
+            let over = commits > self.max_commits_in_flight || bytes > self.max_bytes_in_flight;
+            if !over || commits <= 1 || !self.timeline.wait_oldest()? {
+                break;
             }
-        };
-        // SAFETY: event and stream are live.
-        check(unsafe { sys::cuEventRecord(event, self.stream) })?;
-        self.in_flight.push_back(InFlight {
-            event,
-            _buffers: std::mem::take(&mut self.retained),
-            _kernels: std::mem::take(&mut self.kernels),
-        });
+            waited = true;
+        }
+        self.stats.throttled_commits += u64::from(waited);
         Ok(())
     }
 
@@ -549,30 +592,12 @@ impl CommandEncoder {
         self.device.bind()?;
         // SAFETY: the stream is live.
         check(unsafe { sys::cuStreamSynchronize(self.stream) })?;
-        for f in self.in_flight.drain(..) {
-            self.free_events.push(f.event);
-        }
-        Ok(())
-    }
-
-    /// Drops the buffers of every commit the GPU has finished.
-    fn release_completed(&mut self) -> Result<()> {
-        while let Some(front) = self.in_flight.front() {
-            // SAFETY: the event is live.
-            let status = unsafe { sys::cuEventQuery(front.event) };
-            if status == sys::cudaError_enum::CUDA_ERROR_NOT_READY {
-                break;
-            }
-            check(status)?;
-            let done = self.in_flight.pop_front().expect("front exists");
-            self.free_events.push(done.event);
-        }
-        Ok(())
+        self.timeline.poll()
     }
 
     /// How many commits may still be running on the GPU.
     pub fn commits_in_flight(&self) -> usize {
-        self.in_flight.len()
+        self.timeline.in_flight().0
     }
 
     fn launch_graph(&mut self) -> Result<()> {
@@ -603,6 +628,62 @@ impl CommandEncoder {
     }
 }
 
+/// How one node of a cached executable compares with the node a new batch asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum NodeChange {
+    Same,
+    /// A kernel node with the same function, and so the same parameter layout: new grid, block,
+    /// shared memory or argument values, which `cuGraphExecKernelNodeSetParams` may set.
+    KernelParams,
+    /// Anything else: another function, an unknown or changed capture.
+    Other,
+}
+
+impl NodeState {
+    fn change_to(&self, work: &NodeWork) -> NodeChange {
+        if self.matches(work) {
+            return NodeChange::Same;
+        }
+        match (self, work) {
+            (NodeState::Kernel(old), NodeWork::Kernel(new))
+                if old.function == new.function && old.args.same_layout(&new.args) =>
+            {
+                NodeChange::KernelParams
+            }
+            _ => NodeChange::Other,
+        }
+    }
+}
+
+/// How a cached executable is brought up to date with a batch of the same topology.
+#[derive(Debug, PartialEq, Eq)]
+enum Refresh {
+    /// Every node already does what the batch asks: launch as is.
+    AsIs,
+    /// Only these kernel nodes changed, each keeping its function: set their parameters.
+    Patch(Vec<usize>),
+    /// A change a node patch cannot make: `cuGraphExecUpdate` with the whole graph.
+    Whole,
+}
+
+/// Decides the refresh from what kiln knows of each node, so that no driver call is made that
+/// the driver would refuse.
+fn plan_refresh(changes: impl IntoIterator<Item = NodeChange>) -> Refresh {
+    let mut patch = Vec::new();
+    for (i, change) in changes.into_iter().enumerate() {
+        match change {
+            NodeChange::Same => {}
+            NodeChange::KernelParams => patch.push(i),
+            NodeChange::Other => return Refresh::Whole,
+        }
+    }
+    if patch.is_empty() {
+        Refresh::AsIs
+    } else {
+        Refresh::Patch(patch)
+    }
+}
+
 /// Brings a cached executable up to date with `nodes` (same topology). Returns a replacement
 /// when the executable had to be re-instantiated.
 fn update_cached(
@@ -610,21 +691,37 @@ fn update_cached(
     nodes: &mut [Node],
     stats: &mut EncoderStats,
 ) -> Result<Option<CachedExec>> {
-    let changed: Vec<usize> = (0..nodes.len())
-        .filter(|&i| !cached.nodes[i].matches(&nodes[i].work))
-        .collect();
-    if changed.is_empty() {
-        stats.exec_reuses += 1;
-        return Ok(None);
+    let refresh = plan_refresh(
+        cached
+            .nodes
+            .iter()
+            .zip(nodes.iter())
+            .map(|(state, node)| state.change_to(&node.work)),
+    );
+    if tracing::enabled!(tracing::Level::DEBUG) {
+        if let Refresh::Patch(changed) = &refresh {
+            let i = changed[0];
+            tracing::debug!(
+                "patching {} of {} nodes; node {i}: {}",
+                changed.len(),
+                nodes.len(),
+                describe_change(&cached.nodes[i], &nodes[i].work)
+            );
+        }
     }
-    // Kernel nodes whose function is unchanged can be patched one by one.
-    let patchable = changed
-        .iter()
-        .all(|&i| match (&cached.nodes[i], &nodes[i].work) {
-            (NodeState::Kernel(old), NodeWork::Kernel(new)) => old.function == new.function,
-            _ => false,
-        });
-    if patchable && patch_kernel_nodes(cached, nodes, &changed) {
+    let whole = match refresh {
+        Refresh::AsIs => {
+            stats.exec_reuses += 1;
+            return Ok(None);
+        }
+        Refresh::Patch(changed) => {
+            let refused = !patch_kernel_nodes(cached, nodes, &changed);
+            stats.refused_patches += u64::from(refused);
+            refused
+        }
+        Refresh::Whole => true,
+    };
+    if !whole {
         stats.updates += 1;
         return Ok(None);
     }
@@ -635,8 +732,8 @@ fn update_cached(
     // SAFETY: both handles are live; info receives the result.
     let status = unsafe { sys::cuGraphExecUpdate_v2(cached.exec, graph.0, &mut info) };
     if status == sys::cudaError_enum::CUDA_SUCCESS {
-        cached.graph = graph;
-        cached.handles = handles;
+        // The executable still names its nodes by the graph it was instantiated from: keep
+        // that graph's handles (the update's graph is dropped here).
         cached.nodes = nodes.iter().map(|n| NodeState::of(&n.work)).collect();
         stats.updates += 1;
         return Ok(None);
@@ -647,7 +744,28 @@ fn update_cached(
     Ok(Some(fresh))
 }
 
-/// Sets the parameters of the kernel nodes `changed`; false if the driver refused one.
+/// What differs between a kernel node and its new parameters, for the debug log.
+fn describe_change(old: &NodeState, new: &NodeWork) -> String {
+    let (NodeState::Kernel(a), NodeWork::Kernel(b)) = (old, new) else {
+        return "not a kernel".into();
+    };
+    let mut out = Vec::new();
+    if (a.grid, a.block, a.shared_mem) != (b.grid, b.block, b.shared_mem) {
+        out.push(format!(
+            "launch {:?} {:?} {} -> {:?} {:?} {}",
+            a.grid, a.block, a.shared_mem, b.grid, b.block, b.shared_mem
+        ));
+    }
+    for (i, (x, y)) in a.args.values().zip(b.args.values()).enumerate() {
+        if x != y {
+            out.push(format!("argument {i}: {x:02x?} -> {y:02x?}"));
+        }
+    }
+    out.join("; ")
+}
+
+/// Sets the parameters of the kernel nodes `changed` (each keeps its function). Returns false,
+/// after a warning, if the driver refused one anyway: the caller then updates the whole graph.
 fn patch_kernel_nodes(cached: &mut CachedExec, nodes: &mut [Node], changed: &[usize]) -> bool {
     for &i in changed {
         let NodeWork::Kernel(k) = &mut nodes[i].work else {
@@ -655,11 +773,13 @@ fn patch_kernel_nodes(cached: &mut CachedExec, nodes: &mut [Node], changed: &[us
         };
         let mut pointers = k.args.pointers();
         let params = k.node_params(&mut pointers);
-        // SAFETY: the handle is a kernel node of the graph this executable came from.
+        // SAFETY: the handle is a kernel node of the graph this executable was instantiated
+        // from, and the node keeps its function.
         let status = unsafe {
             sys::cuGraphExecKernelNodeSetParams_v2(cached.exec, cached.handles[i], &params)
         };
         if status != sys::cudaError_enum::CUDA_SUCCESS {
+            tracing::warn!("cuGraphExecKernelNodeSetParams refused node {i}: {status:?}");
             return false;
         }
         cached.nodes[i] = NodeState::Kernel(k.clone());
@@ -682,7 +802,7 @@ fn instantiate_from(
     check(unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph.0, 0) })?;
     Ok(CachedExec {
         exec,
-        graph,
+        _graph: graph,
         handles,
         nodes: nodes.iter().map(|n| NodeState::of(&n.work)).collect(),
     })
@@ -737,15 +857,69 @@ fn build_graph(nodes: &mut [Node]) -> Result<(OwnedGraph, Vec<sys::CUgraphNode>)
 impl Drop for CommandEncoder {
     fn drop(&mut self) {
         let _ = self.synchronize();
+        self.timeline.close();
         self.exec_cache.clear();
-        for e in self.free_events.drain(..) {
-            // SAFETY: events are idle after the synchronise.
-            unsafe { sys::cuEventDestroy_v2(e) };
-        }
         // SAFETY: the streams are ours and idle.
         unsafe {
             sys::cuStreamDestroy_v2(self.stream);
             sys::cuStreamDestroy_v2(self.capture_stream);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kernel(function: usize, values: &[u64]) -> KernelNode {
+        let mut args = KernelArgs::new();
+        for v in values {
+            args.push(*v);
+        }
+        KernelNode {
+            function: function as sys::CUfunction,
+            grid: Dim3(1, 1, 1),
+            block: Dim3(32, 1, 1),
+            shared_mem: 0,
+            args,
+        }
+    }
+
+    #[test]
+    fn node_changes() {
+        let old = NodeState::Kernel(kernel(8, &[1, 2]));
+        let same = NodeWork::Kernel(kernel(8, &[1, 2]));
+        assert_eq!(old.change_to(&same), NodeChange::Same);
+        let moved = NodeWork::Kernel(kernel(8, &[1, 3]));
+        assert_eq!(old.change_to(&moved), NodeChange::KernelParams);
+        let mut regrid = kernel(8, &[1, 2]);
+        regrid.grid = Dim3(4, 1, 1);
+        regrid.shared_mem = 1024;
+        assert_eq!(
+            old.change_to(&NodeWork::Kernel(regrid)),
+            NodeChange::KernelParams
+        );
+        // Another function, or another parameter layout, is no node patch.
+        let other = NodeWork::Kernel(kernel(16, &[1, 2]));
+        assert_eq!(old.change_to(&other), NodeChange::Other);
+        let longer = NodeWork::Kernel(kernel(8, &[1, 2, 3]));
+        assert_eq!(old.change_to(&longer), NodeChange::Other);
+        assert_eq!(old.change_to(&NodeWork::Empty), NodeChange::Other);
+        assert_eq!(
+            NodeState::Empty.change_to(&NodeWork::Empty),
+            NodeChange::Same
+        );
+    }
+
+    #[test]
+    fn refresh_decisions() {
+        use NodeChange::*;
+        assert_eq!(plan_refresh([Same, Same]), Refresh::AsIs);
+        assert_eq!(plan_refresh([]), Refresh::AsIs);
+        assert_eq!(
+            plan_refresh([Same, KernelParams, Same, KernelParams]),
+            Refresh::Patch(vec![1, 3])
+        );
+        assert_eq!(plan_refresh([KernelParams, Other, Same]), Refresh::Whole);
     }
 }

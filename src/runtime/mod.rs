@@ -6,6 +6,7 @@ pub mod array;
 pub mod deps;
 pub mod device;
 pub mod encoder;
+mod timeline;
 
 pub use allocator::{Allocator, Buffer, MemoryStats};
 pub use args::KernelArgs;

@@ -54,3 +54,5 @@ pub fn gpus_or_skip(test: &str) -> Option<Vec<kiln::runtime::GpuInfo>> {
         }
     }
 }
+
+pub mod train_step;

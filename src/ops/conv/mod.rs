@@ -236,7 +236,7 @@ fn run(
     };
     check_shape(a_name, a, &a_shape)?;
     check_shape(b_name, b, &b_shape)?;
-    let out = Array::empty(enc.device(), dtype, &out_shape)?;
+    let out = Array::empty_on(enc, dtype, &out_shape)?;
     let (m, n, _) = pass.gemm(g);
     if m == 0 || n == 0 {
         return Ok(out);
@@ -256,8 +256,8 @@ fn run(
 fn launch(enc: &mut CommandEncoder, plan: &Plan, a: &Array, b: &Array, out: &Array) -> Result<()> {
     // A split reduction writes one f32 partial weight gradient per split.
     let partial = if plan.splits > 1 {
-        Some(Array::empty(
-            enc.device(),
+        Some(Array::empty_on(
+            enc,
             DType::F32,
             &[plan.splits * out.size()],
         )?)
