@@ -7,11 +7,19 @@ use std::ffi::c_void;
 /// Up to 512 bytes of arguments (a kernel may take up to 4 KiB; kiln's take far less).
 const CAPACITY_WORDS: usize = 64;
 const MAX_ARGS: usize = 24;
+/// The widest alignment a parameter may need: a CUDA tensor map (`CUtensorMap`, 128 bytes) is
+/// 64-byte aligned.
+pub const MAX_ARG_ALIGN: usize = 64;
+
+/// Storage for the values, aligned for any parameter.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Storage([u64; CAPACITY_WORDS]);
 
 #[derive(Clone)]
 pub struct KernelArgs {
-    /// 8-byte aligned storage for the values.
-    words: [u64; CAPACITY_WORDS],
+    /// The values, each at an offset that is a multiple of its alignment.
+    words: Storage,
     /// Byte offset of each argument in `words`.
     offsets: [u16; MAX_ARGS],
     count: usize,
@@ -21,7 +29,7 @@ pub struct KernelArgs {
 impl Default for KernelArgs {
     fn default() -> Self {
         KernelArgs {
-            words: [0; CAPACITY_WORDS],
+            words: Storage([0; CAPACITY_WORDS]),
             offsets: [0; MAX_ARGS],
             count: 0,
             used: 0,
@@ -35,15 +43,19 @@ impl KernelArgs {
     }
 
     /// Appends one argument. `T` must have the layout the kernel parameter has (a `#[repr(C)]`
-    /// struct, an integer, a float, or a device address as `u64`).
+    /// struct, an integer, a float, a device address as `u64`, or a 64-byte aligned tensor
+    /// map for a `const __grid_constant__ CUtensorMap` parameter).
     ///
     /// # Panics
-    /// When the arguments exceed kiln's fixed capacity (512 bytes, 24 arguments): a programming
-    /// error in an op, not a user input.
+    /// When the arguments exceed kiln's fixed capacity (512 bytes, 24 arguments) or `T` needs
+    /// more than 64-byte alignment: a programming error in an op, not a user input.
     pub fn push<T: Copy + 'static>(&mut self, value: T) -> &mut Self {
         let size = std::mem::size_of::<T>();
         let align = std::mem::align_of::<T>();
-        assert!(align <= 8, "kernel arguments are at most 8-byte aligned");
+        assert!(
+            align <= MAX_ARG_ALIGN,
+            "kernel arguments are at most {MAX_ARG_ALIGN}-byte aligned"
+        );
         let offset = self.used.div_ceil(align) * align;
         assert!(
             self.count < MAX_ARGS && offset + size <= CAPACITY_WORDS * 8,
@@ -51,7 +63,7 @@ impl KernelArgs {
         );
         // SAFETY: the destination range lies inside `words` (checked above); T is Copy.
         unsafe {
-            let dst = (self.words.as_mut_ptr() as *mut u8).add(offset);
+            let dst = (self.words.0.as_mut_ptr() as *mut u8).add(offset);
             std::ptr::copy_nonoverlapping(&value as *const T as *const u8, dst, size);
         }
         self.offsets[self.count] = offset as u16;
@@ -77,7 +89,7 @@ impl KernelArgs {
     /// The bytes of all arguments (for comparing two launches).
     pub fn bytes(&self) -> &[u8] {
         // SAFETY: `used` bytes of `words` are initialised.
-        unsafe { std::slice::from_raw_parts(self.words.as_ptr() as *const u8, self.used) }
+        unsafe { std::slice::from_raw_parts(self.words.0.as_ptr() as *const u8, self.used) }
     }
 
     /// Each argument's bytes (the padding after it included).
@@ -92,7 +104,7 @@ impl KernelArgs {
 
     /// The pointer array the driver takes; valid while `self` is neither moved nor changed.
     pub fn pointers(&mut self) -> [*mut c_void; MAX_ARGS] {
-        let base = self.words.as_mut_ptr() as *mut u8;
+        let base = self.words.0.as_mut_ptr() as *mut u8;
         let mut out = [std::ptr::null_mut(); MAX_ARGS];
         for (i, p) in out.iter_mut().enumerate().take(self.count) {
             // SAFETY: every offset lies inside `words`.
@@ -146,6 +158,23 @@ mod tests {
         let p = a.pointers();
         let l = unsafe { *(p[1] as *const Layout) };
         assert_eq!((l.shape, l.rank), ([4, 5, 6], 3));
+    }
+
+    #[test]
+    fn a_tensor_map_is_64_byte_aligned() {
+        #[repr(C, align(64))]
+        #[derive(Clone, Copy)]
+        struct TensorMap([u64; 16]);
+        let map = TensorMap(std::array::from_fn(|i| i as u64 * 3 + 1));
+        let mut a = KernelArgs::new();
+        a.push(5u32).push(map).push(9u64);
+        let p = a.pointers();
+        assert_eq!(p[1] as usize % 64, 0);
+        assert_eq!(p[1] as usize - p[0] as usize, 64);
+        let got = unsafe { *(p[1] as *const TensorMap) };
+        assert_eq!(got.0, map.0);
+        assert_eq!(unsafe { *(p[2] as *const u64) }, 9);
+        assert_eq!(a.values().nth(1).map(<[u8]>::len), Some(128));
     }
 
     #[test]
