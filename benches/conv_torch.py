@@ -1,8 +1,9 @@
-"""cuDNN anchor for benches/conv.rs, through PyTorch: channels-last 2-D convolution forward,
-backward-data and backward-weight (aten.convolution_backward with one output each), with
-cudnn.benchmark on and TF32 off, on the shapes given as arguments
-("N,C,H,W,K,R,S,stride,pad"). Times with CUDA events, median of repeats. Prints one JSON object:
-{"N,C,H,W,K,R,S,stride,pad dtype pass": seconds, ...}."""
+"""cuDNN anchor for benches/conv.rs, through PyTorch: channels-last 1-D, 2-D and 3-D convolution
+forward, backward-data and backward-weight (aten.convolution_backward with one output each),
+with cudnn.benchmark on and TF32 off, on the shapes given as arguments ("N,C,H,W,K,R,S,stride,pad"
+for 2-D, "N,C,D1xD2..,K,R1xR2..,stride,pad" for any rank). Times with CUDA events, median of
+repeats; `--dtypes f16,bf16` first limits the dtypes. Prints one JSON object:
+{"SHAPE dtype pass": seconds, ...}."""
 import json
 import statistics
 import sys
@@ -31,23 +32,52 @@ def timed(fn):
     return statistics.median(s.elapsed_time(e) for s, e in zip(start, end)) / 1e3
 
 
+def parse(shape):
+    """(n, c, spatial, k, kernel, stride, pad) from "N,C,H,W,K,R,S,stride,pad" (2-D) or
+    "N,C,D1xD2..,K,R1xR2..,stride,pad" (any rank)."""
+    f = shape.split(",")
+    if len(f) == 9:
+        n, c, h, w, k, r, s, stride, pad = map(int, f)
+        return n, c, [h, w], k, [r, s], stride, pad
+    n, c, sp, k, kr, stride, pad = f
+    dims = lambda t: [int(v) for v in t.split("x")]
+    return int(n), int(c), dims(sp), int(k), dims(kr), int(stride), int(pad)
+
+
+def channels_last(t):
+    """The same values laid out with channels innermost (kiln's layout)."""
+    if t.dim() == 4:
+        return t.contiguous(memory_format=torch.channels_last)
+    if t.dim() == 5:
+        return t.contiguous(memory_format=torch.channels_last_3d)
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+
+args = sys.argv[1:]
+if args[:1] == ["--dtypes"]:
+    DTYPES = {d: DTYPES[d] for d in args[1].split(",")}
+    args = args[2:]
 out = {"torch": torch.__version__, "cudnn": torch.backends.cudnn.version()}
-for shape in sys.argv[1:]:
-    n, c, h, w, k, r, s, stride, pad = map(int, shape.split(","))
+for shape in args:
+    n, c, spatial, k, kernel, stride, pad = parse(shape)
+    rank = len(spatial)
+    conv = CONV[rank]
     for name, dt in DTYPES.items():
-        cl = torch.channels_last
-        x = torch.randn(n, c, h, w, device="cuda", dtype=dt).to(memory_format=cl)
-        wt = torch.randn(k, c, r, s, device="cuda", dtype=dt).to(memory_format=cl)
-        y = F.conv2d(x, wt, stride=stride, padding=pad)
-        gy = torch.randn_like(y).to(memory_format=cl)
+        x = channels_last(torch.randn(n, c, *spatial, device="cuda", dtype=dt))
+        wt = channels_last(torch.randn(k, c, *kernel, device="cuda", dtype=dt))
+        y = conv(x, wt, stride=stride, padding=pad)
+        gy = channels_last(torch.randn_like(y))
 
         def backward(mask):
             return lambda: torch.ops.aten.convolution_backward(
-                gy, x, wt, None, [stride] * 2, [pad] * 2, [1, 1], False, [0, 0], 1, mask
+                gy, x, wt, None, [stride] * rank, [pad] * rank, [1] * rank, False,
+                [0] * rank, 1, mask
             )
 
         key = f"{shape} {name}"
-        out[f"{key} forward"] = timed(lambda: F.conv2d(x, wt, stride=stride, padding=pad))
+        out[f"{key} forward"] = timed(lambda: conv(x, wt, stride=stride, padding=pad))
         out[f"{key} backward_data"] = timed(backward([True, False, False]))
         out[f"{key} backward_weight"] = timed(backward([False, True, False]))
         del x, wt, y, gy
