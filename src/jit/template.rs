@@ -15,6 +15,7 @@ use crate::error::{Error, Result};
 pub const PARTIALS: &[(&str, &str)] = &[
     ("prelude", include_str!("../../templates/prelude.cuh")),
     ("norm", include_str!("../../templates/norm.cuh")),
+    ("tma", include_str!("../../templates/tma.cuh")),
 ];
 
 /// CUDA source for one spec, ready for NVRTC.

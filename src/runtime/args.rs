@@ -8,12 +8,12 @@ use std::ffi::c_void;
 const CAPACITY_WORDS: usize = 64;
 const MAX_ARGS: usize = 24;
 /// The widest alignment a parameter may need: a CUDA tensor map (`CUtensorMap`, 128 bytes) is
-/// 64-byte aligned.
-pub const MAX_ARG_ALIGN: usize = 64;
+/// 64-byte aligned on the device, and the driver's CUDA 13 header declares it 128-byte aligned.
+pub const MAX_ARG_ALIGN: usize = 128;
 
 /// Storage for the values, aligned for any parameter.
 #[derive(Clone, Copy)]
-#[repr(C, align(64))]
+#[repr(C, align(128))]
 struct Storage([u64; CAPACITY_WORDS]);
 
 #[derive(Clone)]
@@ -43,12 +43,12 @@ impl KernelArgs {
     }
 
     /// Appends one argument. `T` must have the layout the kernel parameter has (a `#[repr(C)]`
-    /// struct, an integer, a float, a device address as `u64`, or a 64-byte aligned tensor
-    /// map for a `const __grid_constant__ CUtensorMap` parameter).
+    /// struct, an integer, a float, a device address as `u64`, or a
+    /// [`TensorMap`](super::tensor_map::TensorMap) for a `const __grid_constant__` parameter).
     ///
     /// # Panics
     /// When the arguments exceed kiln's fixed capacity (512 bytes, 24 arguments) or `T` needs
-    /// more than 64-byte alignment: a programming error in an op, not a user input.
+    /// more than 128-byte alignment: a programming error in an op, not a user input.
     pub fn push<T: Copy + 'static>(&mut self, value: T) -> &mut Self {
         let size = std::mem::size_of::<T>();
         let align = std::mem::align_of::<T>();

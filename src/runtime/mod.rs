@@ -6,6 +6,7 @@ pub mod array;
 pub mod deps;
 pub mod device;
 pub mod encoder;
+pub mod tensor_map;
 mod timeline;
 
 pub use allocator::{Allocator, Buffer, MemoryStats};
