@@ -242,7 +242,7 @@ impl Allocator {
                     Ok(ptr) => ptr,
                     Err(sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY) => {
                         let cached_before = pool.stats.cached;
-                        self.release_locked(&mut pool, true)?;
+                        self.release_locked(&mut pool)?;
                         match self.driver_alloc(class) {
                             Ok(ptr) => ptr,
                             Err(sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY) => {
@@ -299,17 +299,14 @@ impl Allocator {
     /// (not yet committed) stays cached.
     pub fn release_cache(&self) -> Result<()> {
         let mut pool = self.inner.lock();
-        self.release_locked(&mut pool, true)
+        self.release_locked(&mut pool)
     }
 
-    fn release_locked(&self, pool: &mut Pool, wait: bool) -> Result<()> {
+    fn release_locked(&self, pool: &mut Pool) -> Result<()> {
         self.inner.ctx.bind_to_thread()?;
         for t in pool.blocking_timelines(None) {
-            t.poll()?;
-            if wait {
-                // Wait for the newest commit launched: its fences cover the older ones.
-                t.wait_for(t.next_seq() - 1)?;
-            }
+            // The newest commit launched: waiting for it covers the older ones.
+            t.wait_for(t.next_seq() - 1)?;
         }
         let mut kept: BTreeMap<usize, FreeList> = BTreeMap::new();
         for (class, list) in std::mem::take(&mut pool.free) {

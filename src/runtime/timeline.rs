@@ -162,18 +162,14 @@ impl Timeline {
         Ok(true)
     }
 
-    /// Waits until commit `seq` has finished. False, without waiting, if it has not been
-    /// launched yet (its work is still being encoded, so nothing can wait for it).
-    pub(crate) fn wait_for(&self, seq: u64) -> Result<bool> {
+    /// Waits until commit `seq` has finished; returns at once if it has not been launched yet
+    /// (its work is still being encoded, so nothing can wait for it).
+    pub(crate) fn wait_for(&self, seq: u64) -> Result<()> {
         if seq > self.committed.load(Ordering::Acquire) {
-            return Ok(false);
+            return Ok(());
         }
-        while !self.is_done(seq) {
-            if !self.wait_oldest()? {
-                break;
-            }
-        }
-        Ok(true)
+        while !self.is_done(seq) && self.wait_oldest()? {}
+        Ok(())
     }
 
     /// Marks every commit finished and frees the events: the owner has synchronised its stream
