@@ -219,6 +219,54 @@ fn sweep(enc: &mut CommandEncoder) {
     }
 }
 
+/// `--sweep-hopper`: bf16 TFLOP/s of every Hopper tile width (and split, for backward-weight)
+/// on each model layer the family takes, with the plan's choice marked.
+fn sweep_hopper(enc: &mut CommandEncoder) {
+    use kiln::ops::conv::{hopper, plan::Kind};
+    let dtype = DType::BF16;
+    for l in &model_layers() {
+        let o = operands(enc, l, dtype);
+        let flops = 2.0 * o.g.macs() as f64;
+        for pass in Pass::ALL {
+            let Ok(plan) = conv::plan_for(enc, pass, &o.params, &o.x, &o.w, &o.dy) else {
+                continue;
+            };
+            let Kind::Wgmma(chosen) = &plan.kind else {
+                println!("sweep {} {}: not on the Hopper path", name(l), pass.name());
+                continue;
+            };
+            let (first, second) = match pass {
+                Pass::Forward => (&o.x, &o.w),
+                Pass::BackwardData => (&o.dy, &o.w),
+                Pass::BackwardWeight => (&o.x, &o.dy),
+            };
+            let splits: &[usize] = if pass == Pass::BackwardWeight {
+                &[1, 2, 3, 4, 6, 8]
+            } else {
+                &[1]
+            };
+            for bn in hopper::WIDTHS {
+                for &sp in splits {
+                    let secs = seconds_per_call(enc, |e| {
+                        tuning::run_hopper_with(e, pass, &o.g, first, second, bn, sp).unwrap();
+                    });
+                    let mark = if bn == chosen.bn && sp == chosen.problem.splits as usize {
+                        " <- plan"
+                    } else {
+                        ""
+                    };
+                    println!(
+                        "sweep {} {} bn {bn} splits {sp}: {:.1} TFLOP/s{mark}",
+                        name(l),
+                        pass.name(),
+                        flops / secs / 1e12
+                    );
+                }
+            }
+        }
+    }
+}
+
 fn main() {
     let dev = match kiln::runtime::gpus() {
         Ok(g) if !g.is_empty() => Device::get(0).unwrap(),
@@ -230,6 +278,10 @@ fn main() {
     let mut enc = CommandEncoder::new(&dev).unwrap();
     if std::env::args().any(|a| a == "--sweep") {
         sweep(&mut enc);
+        return;
+    }
+    if std::env::args().any(|a| a == "--sweep-hopper") {
+        sweep_hopper(&mut enc);
         return;
     }
     let (only, no_anchor) = common::variant_flags();

@@ -32,6 +32,10 @@ fn main() {
         if !spec.to_string().contains(&only) {
             continue;
         }
+        if !spec.builds_for(target.arch) {
+            continue;
+        }
+        let target = jit.resolve_target(&spec, target).unwrap();
         let parts = jit.key_parts(&spec, target).unwrap();
         let mut options = parts.options.clone();
         options.push(target.nvrtc_option());

@@ -28,6 +28,24 @@ impl CacheMode {
     }
 }
 
+/// `KILN_CONV_PATH`: which convolution kernels run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ConvPath {
+    /// The Hopper kernels (TMA + wgmma) where they apply, `mma.sync` elsewhere (the default).
+    Auto,
+    /// The `mma.sync` / FMA implicit GEMM everywhere, as on GPUs before Hopper.
+    Igemm,
+}
+
+impl ConvPath {
+    pub fn name(self) -> &'static str {
+        match self {
+            ConvPath::Auto => "auto",
+            ConvPath::Igemm => "igemm",
+        }
+    }
+}
+
 pub const DEFAULT_CACHE_MAX_BYTES: u64 = 1 << 30;
 pub const DEFAULT_GRAPH_CACHE_SIZE: usize = 400;
 pub const DEFAULT_CONV_CACHE_SIZE: usize = 128;
@@ -60,6 +78,8 @@ pub struct Config {
     /// `KILN_MAX_MB_IN_FLIGHT`: megabytes those commits may touch (counted as
     /// `MLX_MAX_MB_PER_BUFFER` counts them); `None` means four commits' worth.
     pub max_mb_in_flight: Option<usize>,
+    /// `KILN_CONV_PATH` = auto | igemm.
+    pub conv_path: ConvPath,
 }
 
 /// Every variable kiln reads, for `kiln info`.
@@ -77,6 +97,7 @@ pub const VARIABLES: &[&str] = &[
     "MLX_CUDA_CONV_CACHE_SIZE",
     "KILN_MAX_COMMITS_IN_FLIGHT",
     "KILN_MAX_MB_IN_FLIGHT",
+    "KILN_CONV_PATH",
 ];
 
 impl Config {
@@ -124,6 +145,10 @@ impl Config {
             max_mb_in_flight: set("KILN_MAX_MB_IN_FLIGHT")
                 .map(|v| parse_count("KILN_MAX_MB_IN_FLIGHT", &v))
                 .transpose()?,
+            conv_path: match set("KILN_CONV_PATH") {
+                None => ConvPath::Auto,
+                Some(v) => parse_conv_path(&v)?,
+            },
         })
     }
 }
@@ -145,6 +170,18 @@ fn parse_cache_mode(v: &str) -> Result<CacheMode> {
             var: "KILN_CACHE",
             value: v.to_string(),
             expected: "on, off or ro",
+        }),
+    }
+}
+
+fn parse_conv_path(v: &str) -> Result<ConvPath> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "auto" => Ok(ConvPath::Auto),
+        "igemm" => Ok(ConvPath::Igemm),
+        _ => Err(Error::Env {
+            var: "KILN_CONV_PATH",
+            value: v.to_string(),
+            expected: "auto or igemm",
         }),
     }
 }
@@ -218,6 +255,7 @@ mod tests {
         assert_eq!(c.max_ops_per_buffer, None);
         assert_eq!(c.max_commits_in_flight, DEFAULT_MAX_COMMITS_IN_FLIGHT);
         assert_eq!(c.max_mb_in_flight, None);
+        assert_eq!(c.conv_path, ConvPath::Auto);
     }
 
     #[test]
@@ -233,6 +271,7 @@ mod tests {
             ("MLX_CUDA_CONV_CACHE_SIZE", "7"),
             ("KILN_MAX_COMMITS_IN_FLIGHT", "3"),
             ("KILN_MAX_MB_IN_FLIGHT", "64"),
+            ("KILN_CONV_PATH", "IGEMM"),
         ])
         .unwrap();
         assert_eq!(c.cache_dir, Some(PathBuf::from("/tmp/k")));
@@ -245,6 +284,8 @@ mod tests {
         assert_eq!(c.conv_cache_size, 7);
         assert_eq!(c.max_commits_in_flight, 3);
         assert_eq!(c.max_mb_in_flight, Some(64));
+        assert_eq!(c.conv_path, ConvPath::Igemm);
+        assert!(config(&[("KILN_CONV_PATH", "wgmma")]).is_err());
     }
 
     #[test]

@@ -13,8 +13,8 @@ mod common;
 
 use std::sync::{Arc, Mutex};
 
-use kiln::env::Config;
-use kiln::ops::conv::{self, plan, reference, tuning, ConvParams, Geometry, Pass};
+use kiln::env::{Config, ConvPath};
+use kiln::ops::conv::{self, hopper, plan, reference, tuning, ConvParams, Geometry, Pass};
 use kiln::runtime::{Array, CommandEncoder, Device};
 use kiln::selfcheck::TestRng;
 use kiln::{DType, Error};
@@ -204,6 +204,48 @@ fn cases() -> Vec<Case> {
             &[32, 3, 3, 32],
             d().input_dilation(&[2]).padding(&[1]),
         ),
+        // The Hopper path (sm_90): channel counts off its 64-channel boxes, pixel counts off its
+        // 128-row tiles, every tile width, 1-D and 3-D maps, strides, dilation and flip.
+        case(
+            "wgmma 2d 3x3 72 -> 80",
+            &[3, 13, 11, 72],
+            &[80, 3, 3, 72],
+            d().padding(&[1]),
+        ),
+        case(
+            "wgmma 2d stride 2, dilation 2, flip, pad 2/1, 64 -> 136",
+            &[2, 15, 12, 64],
+            &[136, 3, 3, 64],
+            d().strides(&[2])
+                .kernel_dilation(&[2])
+                .flip(true)
+                .padding_lo(&[2])
+                .padding_hi(&[1]),
+        ),
+        case(
+            "wgmma 1d kernel 5, 16 -> 24",
+            &[3, 50, 16],
+            &[24, 5, 16],
+            d().padding(&[2]),
+        ),
+        case(
+            "wgmma 3d 3x3x3, 32 -> 40",
+            &[2, 5, 6, 7, 32],
+            &[40, 3, 3, 3, 32],
+            d().padding(&[1]),
+        ),
+        case(
+            "wgmma 2d 192 -> 264, wide tiles",
+            &[2, 12, 12, 192],
+            &[264, 3, 3, 192],
+            d().padding(&[1]),
+        ),
+        case(
+            "wgmma 2d 1x1 stride 2, 128 -> 64",
+            &[4, 15, 15, 128],
+            &[64, 1, 1, 128],
+            d().strides(&[2]),
+        ),
         // Several tiles in every direction, and a reduction long enough to split.
         case(
             "2d 3x3 64 -> 144 channels",
@@ -228,7 +270,7 @@ fn run_pass(
     pass: Pass,
     explicit: Option<(plan::Tile, usize)>,
     seed: u64,
-) -> (Vec<f64>, reference::Reference, Geometry) {
+) -> (Vec<f64>, reference::Reference, Geometry, &'static str) {
     let g = Geometry::new(&c.x, &c.w, &c.p).unwrap();
     let mut rng = TestRng::new(seed);
     let x = random(&mut rng, dtype, c.x.iter().product());
@@ -254,6 +296,20 @@ fn run_pass(
             up(enc, &dy, &g.output_shape()),
         ),
     };
+    let family = if explicit.is_none() {
+        let (xa, wa, dya) = (
+            up(enc, &x, &c.x),
+            up(enc, &w, &c.w),
+            up(enc, &dy, &g.output_shape()),
+        );
+        conv::plan_for(enc, pass, &c.p, &xa, &wa, &dya)
+            .unwrap()
+            .spec
+            .template
+            .name
+    } else {
+        plan::IGEMM.name
+    };
     let out = match explicit {
         Some((t, splits)) => tuning::run_with(enc, pass, &g, &first, &second, t, splits).unwrap(),
         None => match pass {
@@ -266,7 +322,7 @@ fn run_pass(
             }
         },
     };
-    (out.to_f64(enc).unwrap(), want, g)
+    (out.to_f64(enc).unwrap(), want, g, family)
 }
 
 /// The largest error over the tolerance (<= 1 passes) and where it is.
@@ -295,13 +351,31 @@ fn matrix(graphs: bool) {
     let dev = Device::get(0).unwrap();
     let mut enc = encoder(&dev, graphs);
     let mut failures = Vec::new();
-    let mut checked = 0;
+    let (mut checked, mut on_hopper) = (0, 0);
+    let cc = dev.info().compute_capability;
+    let path = Config::from_env().unwrap().conv_path;
     for (ci, c) in cases().iter().enumerate() {
         for dtype in DType::ALL {
             for pass in Pass::ALL {
-                let (got, want, _) = run_pass(&mut enc, dtype, c, pass, None, ci as u64 * 7 + 1);
+                let (got, want, g, family) =
+                    run_pass(&mut enc, dtype, c, pass, None, ci as u64 * 7 + 1);
                 let (ratio, at) = worst(dtype, &got, &want);
                 checked += 1;
+                let key = plan::PlanKey {
+                    device: 0,
+                    dtype,
+                    pass,
+                    geometry: g,
+                    vec_a: true,
+                    vec_b: true,
+                };
+                let hopper = hopper::unsupported(cc, &key).is_none() && path == ConvPath::Auto;
+                if hopper {
+                    on_hopper += 1;
+                }
+                if family != if hopper { "conv_wgmma" } else { "conv_igemm" } {
+                    failures.push(format!("{} {dtype} {}: ran {family}", c.name, pass.name()));
+                }
                 if ratio > 1.0 {
                     failures.push(format!(
                         "{} {dtype} {}: error {ratio:.2}x tolerance at {at}: got {} want {}",
@@ -315,7 +389,7 @@ fn matrix(graphs: bool) {
         }
     }
     eprintln!(
-        "conv matrix ({}): {checked} checks, {} failed",
+        "conv matrix ({}): {checked} checks ({on_hopper} on the Hopper path), {} failed",
         if graphs { "graph" } else { "direct" },
         failures.len()
     );
@@ -398,7 +472,7 @@ fn every_tile_and_vector_width() {
                         &[1]
                     };
                     for &s in splits {
-                        let (got, want, _) = run_pass(&mut enc, dtype, c, pass, Some((t, s)), 5);
+                        let (got, want, _, _) = run_pass(&mut enc, dtype, c, pass, Some((t, s)), 5);
                         let (ratio, at) = worst(dtype, &got, &want);
                         checked += 1;
                         if ratio > 1.0 {

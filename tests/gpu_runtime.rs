@@ -410,6 +410,7 @@ extern "C" __global__ void {{kernel}}(const float* src, float* dst, long long n,
     kernel: "test_spin_copy",
     const_names: &[],
     arch_specific: false,
+    only_arch: None,
 };
 
 #[test]
@@ -650,6 +651,7 @@ extern "C" __global__ void {{kernel}}(unsigned int tag, const __grid_constant__ 
     kernel: "test_read_map",
     const_names: &[],
     arch_specific: false,
+    only_arch: None,
 };
 
 /// A 64-byte aligned 128-byte parameter (the shape of a tensor map) reaches the kernel intact,
@@ -706,6 +708,7 @@ extern "C" __global__ void {{kernel}}(const __grid_constant__ kiln_tensor_map ma
     kernel: "test_tma_tile",
     const_names: &[],
     arch_specific: false,
+    only_arch: None,
 };
 
 /// The tensor memory accelerator loads a box through a map passed by value, zero outside the

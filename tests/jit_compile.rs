@@ -15,7 +15,12 @@ use kiln::{DType, Error};
 fn compile_all(jit: &kiln::jit::Jit, specs: &[KernelSpec], targets: &[Target]) -> [usize; 3] {
     let work: Vec<_> = targets
         .iter()
-        .flat_map(|t| specs.iter().map(move |s| (*s, *t)))
+        .flat_map(|t| {
+            specs
+                .iter()
+                .filter(|s| s.builds_for(t.arch))
+                .map(move |s| (*s, *t))
+        })
         .collect();
     let next = AtomicUsize::new(0);
     let counts = [0, 1, 2].map(|_| AtomicUsize::new(0));
@@ -29,7 +34,8 @@ fn compile_all(jit: &kiln::jit::Jit, specs: &[KernelSpec], targets: &[Target]) -
                 let c = jit
                     .compile(spec, *target)
                     .unwrap_or_else(|e| panic!("{spec} on {target}: {e}"));
-                assert_eq!(c.entry.parts.target, target.to_string());
+                let resolved = jit.resolve_target(spec, *target).unwrap();
+                assert_eq!(c.entry.parts.target, resolved.to_string());
                 assert_eq!(c.entry.image_kind, ImageKind::Cubin);
                 assert_eq!(&c.entry.image[..4], b"\x7fELF", "{spec}: not a cubin");
                 assert_eq!(
@@ -53,7 +59,17 @@ fn every_registered_spec_compiles_for_sm80_and_sm90_then_hits_the_disk() {
     let dir = tempfile::tempdir().unwrap();
     let specs = kiln::ops::registered_specs();
     let targets = [Target::sass(80), Target::sass(90)];
-    let n = specs.len() * targets.len();
+    let n: usize = targets
+        .iter()
+        .map(|t| specs.iter().filter(|s| s.builds_for(t.arch)).count())
+        .sum();
+    // The Hopper family builds for sm_90 only (as sm_90a), and says so for anything else.
+    let hopper: Vec<_> = specs.iter().filter(|s| !s.builds_for(80)).collect();
+    assert!(!hopper.is_empty() && hopper.iter().all(|s| s.builds_for(90)));
+    let err = common::jit_in(dir.path())
+        .compile(hopper[0], Target::sass(80))
+        .unwrap_err();
+    assert!(err.to_string().contains("sm_90 only"), "{err}");
 
     let cold = compile_all(&common::jit_in(dir.path()), &specs, &targets);
     assert_eq!(
@@ -138,6 +154,7 @@ static ARCH_SPECIFIC: TemplateDef = TemplateDef {
     kernel: "test_arch_specific",
     const_names: &[],
     arch_specific: true,
+    only_arch: None,
 };
 
 #[test]
@@ -156,6 +173,7 @@ static BROKEN: TemplateDef = TemplateDef {
     kernel: "test_broken",
     const_names: &[],
     arch_specific: false,
+    only_arch: None,
 };
 
 #[test]
@@ -188,6 +206,7 @@ static BAD_TEMPLATE: TemplateDef = TemplateDef {
     kernel: "test_bad_template",
     const_names: &[],
     arch_specific: false,
+    only_arch: None,
 };
 
 #[test]

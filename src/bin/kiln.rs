@@ -170,7 +170,12 @@ fn warm(
     }
     let work: Vec<_> = targets
         .iter()
-        .flat_map(|t| specs.iter().map(move |s| (*s, *t)))
+        .flat_map(|t| {
+            specs
+                .iter()
+                .filter(|s| s.builds_for(t.arch))
+                .map(move |s| (*s, *t))
+        })
         .collect();
     let jobs = jobs
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))

@@ -107,6 +107,16 @@ impl Jit {
                 })?;
             target = Target::ptx(best);
         }
+        if !spec.builds_for(requested.arch) {
+            return Err(Error::InvalidArgument {
+                arg: "target",
+                reason: format!(
+                    "{} is written for sm_{} only, not {requested}",
+                    spec.template.name,
+                    spec.template.only_arch.unwrap_or_default()
+                ),
+            });
+        }
         if spec.template.arch_specific {
             target = target.arch_specific();
         }

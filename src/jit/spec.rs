@@ -24,6 +24,9 @@ pub struct TemplateDef {
     pub const_names: &'static [&'static str],
     /// Whether the family needs the arch-specific target (`sm_90a`) to compile.
     pub arch_specific: bool,
+    /// The one architecture the family is written for (its instructions exist nowhere else),
+    /// or None for every architecture kiln supports.
+    pub only_arch: Option<u32>,
 }
 
 impl PartialEq for TemplateDef {
@@ -52,6 +55,11 @@ pub struct KernelSpec {
 }
 
 impl KernelSpec {
+    /// Whether the family can be built for architecture `arch` (compute capability x 10).
+    pub fn builds_for(&self, arch: u32) -> bool {
+        self.template.only_arch.map_or(true, |a| a == arch)
+    }
+
     pub fn new(
         template: &'static TemplateDef,
         dtype: DType,

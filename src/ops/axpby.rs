@@ -12,6 +12,7 @@ pub static AXPBY: TemplateDef = TemplateDef {
     kernel: "kiln_axpby",
     const_names: &[],
     arch_specific: false,
+    only_arch: None,
 };
 
 const BLOCK_DIM: u16 = 256;

@@ -11,6 +11,7 @@ pub static COPY: TemplateDef = TemplateDef {
     kernel: "kiln_copy",
     const_names: &["OUT_DTYPE"],
     arch_specific: false,
+    only_arch: None,
 };
 
 const BLOCK_DIM: u16 = 256;

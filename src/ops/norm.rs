@@ -20,6 +20,7 @@ pub static FORWARD: TemplateDef = TemplateDef {
     kernel: "kiln_norm_fwd",
     const_names: &["RMS", "GROUP", "ITEMS", "STAGES"],
     arch_specific: false,
+    only_arch: None,
 };
 
 pub static VJP: TemplateDef = TemplateDef {
@@ -28,6 +29,7 @@ pub static VJP: TemplateDef = TemplateDef {
     kernel: "kiln_norm_vjp",
     const_names: &["RMS", "GROUP", "ITEMS", "STAGES", "RESIDENT"],
     arch_specific: false,
+    only_arch: None,
 };
 
 pub static REDUCE_COLS: TemplateDef = TemplateDef {
@@ -36,6 +38,7 @@ pub static REDUCE_COLS: TemplateDef = TemplateDef {
     kernel: "kiln_reduce_cols",
     const_names: &[],
     arch_specific: false,
+    only_arch: None,
 };
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

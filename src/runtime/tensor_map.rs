@@ -52,21 +52,25 @@ fn invalid(arg: &'static str, reason: String) -> Error {
     Error::InvalidArgument { arg, reason }
 }
 
-/// A tensor map over `array` (rank 1 to 5, innermost axis contiguous) whose copies move boxes of
-/// `box_shape` elements, one extent per axis in the array's order (outermost first).
-pub fn tiled(array: &Array, box_shape: &[usize], swizzle: Swizzle) -> Result<TensorMap> {
+/// The driver's description of an array: its element type, extents and byte strides, each
+/// list innermost first as the driver takes them. Checked against the driver's limits.
+struct Layout {
+    data_type: sys::CUtensorMapDataType,
+    dims: Vec<u64>,
+    byte_strides: Vec<u64>,
+}
+
+fn layout(array: &Array, ranks: std::ops::RangeInclusive<usize>) -> Result<Layout> {
     let rank = array.ndim();
     let elem = array.dtype().size();
-    if !(1..=5).contains(&rank) {
+    if !ranks.contains(&rank) {
         return Err(invalid(
             "array",
-            format!("rank {rank}: a tensor map takes 1 to 5"),
-        ));
-    }
-    if box_shape.len() != rank {
-        return Err(invalid(
-            "box_shape",
-            format!("{} extents for a rank-{rank} array", box_shape.len()),
+            format!(
+                "rank {rank}: this tensor map takes {} to {}",
+                ranks.start(),
+                ranks.end()
+            ),
         ));
     }
     if array.device_ptr() % 16 != 0 {
@@ -101,13 +105,20 @@ pub fn tiled(array: &Array, box_shape: &[usize], swizzle: Swizzle) -> Result<Ten
             format!("extent {d}: a tensor map takes 1 to 2^32"),
         ));
     }
-    if let Some(b) = box_shape.iter().find(|&&b| !(1..=256).contains(&b)) {
-        return Err(invalid(
-            "box_shape",
-            format!("extent {b}: boxes take 1 to 256"),
-        ));
-    }
-    let inner_bytes = box_shape[rank - 1] * elem;
+    let data_type = match array.dtype() {
+        DType::F32 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
+        DType::F16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+        DType::BF16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+    };
+    Ok(Layout {
+        data_type,
+        dims,
+        byte_strides,
+    })
+}
+
+/// Checks the bytes of a box's innermost extent against 16-byte granules and the swizzle span.
+fn check_inner_bytes(inner_bytes: usize, swizzle: Swizzle) -> Result<()> {
     if inner_bytes % 16 != 0 {
         return Err(invalid(
             "box_shape",
@@ -122,13 +133,40 @@ pub fn tiled(array: &Array, box_shape: &[usize], swizzle: Swizzle) -> Result<Ten
             ),
         ));
     }
+    Ok(())
+}
+
+fn finish(
+    status: sys::CUresult,
+    map: std::mem::MaybeUninit<sys::CUtensorMap>,
+) -> Result<TensorMap> {
+    if status != sys::cudaError_enum::CUDA_SUCCESS {
+        return Err(Error::Driver(cudarc::driver::DriverError(status)));
+    }
+    // SAFETY: the driver filled the map in.
+    Ok(TensorMap(unsafe { map.assume_init() }))
+}
+
+/// A tensor map over `array` (rank 1 to 5, innermost axis contiguous) whose copies move boxes of
+/// `box_shape` elements, one extent per axis in the array's order (outermost first).
+pub fn tiled(array: &Array, box_shape: &[usize], swizzle: Swizzle) -> Result<TensorMap> {
+    let l = layout(array, 1..=5)?;
+    let rank = array.ndim();
+    if box_shape.len() != rank {
+        return Err(invalid(
+            "box_shape",
+            format!("{} extents for a rank-{rank} array", box_shape.len()),
+        ));
+    }
+    if let Some(b) = box_shape.iter().find(|&&b| !(1..=256).contains(&b)) {
+        return Err(invalid(
+            "box_shape",
+            format!("extent {b}: boxes take 1 to 256"),
+        ));
+    }
+    check_inner_bytes(box_shape[rank - 1] * array.dtype().size(), swizzle)?;
     let boxes: Vec<u32> = box_shape.iter().rev().map(|&b| b as u32).collect();
     let element_strides = vec![1u32; rank];
-    let data_type = match array.dtype() {
-        DType::F32 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
-        DType::F16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-        DType::BF16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-    };
     let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
     array.device().bind()?;
     // SAFETY: every list has `rank` entries (strides `rank - 1`), checked above against the
@@ -136,11 +174,11 @@ pub fn tiled(array: &Array, box_shape: &[usize], swizzle: Swizzle) -> Result<Ten
     let status = unsafe {
         sys::cuTensorMapEncodeTiled(
             map.as_mut_ptr(),
-            data_type,
+            l.data_type,
             rank as u32,
             array.device_ptr() as *mut std::ffi::c_void,
-            dims.as_ptr(),
-            byte_strides.as_ptr(),
+            l.dims.as_ptr(),
+            l.byte_strides.as_ptr(),
             boxes.as_ptr(),
             element_strides.as_ptr(),
             sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
@@ -149,9 +187,103 @@ pub fn tiled(array: &Array, box_shape: &[usize], swizzle: Swizzle) -> Result<Ten
             sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
         )
     };
-    if status != sys::cudaError_enum::CUDA_SUCCESS {
-        return Err(Error::Driver(cudarc::driver::DriverError(status)));
+    finish(status, map)
+}
+
+/// The window an im2col copy walks, per spatial dim in the array's order (outermost first):
+/// pixels run from `lower` to the extent plus `upper` (exclusive), `stride` apart, wrapping to
+/// the next row, then the next image, like the output pixels of a convolution. A copy names
+/// its first pixel and per-dim offsets (the kernel tap) that shift every pixel it reads.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Im2colWindow {
+    pub lower: Vec<i32>,
+    pub upper: Vec<i32>,
+    pub stride: Vec<u32>,
+}
+
+/// An im2col tensor map over `array` (batch, 1 to 3 spatial dims, channels; channels
+/// contiguous): each copy moves `pixels` pixels of the window, `channels` channels each, as a
+/// (pixels, channels) box. Elements outside the array read as zero.
+pub fn im2col(
+    array: &Array,
+    window: &Im2colWindow,
+    channels: usize,
+    pixels: usize,
+    swizzle: Swizzle,
+) -> Result<TensorMap> {
+    let l = layout(array, 3..=5)?;
+    let rank = array.ndim();
+    let spatial = rank - 2;
+    if window.lower.len() != spatial
+        || window.upper.len() != spatial
+        || window.stride.len() != spatial
+    {
+        return Err(invalid(
+            "window",
+            format!("needs {spatial} entries per list for a rank-{rank} array"),
+        ));
     }
-    // SAFETY: the driver filled the map in.
-    Ok(TensorMap(unsafe { map.assume_init() }))
+    // The corners are signed fields whose width shrinks with the rank.
+    let bits = [16, 8, 5][spatial - 1];
+    let (lo, hi) = (-(1i32 << (bits - 1)), (1i32 << (bits - 1)) - 1);
+    if let Some(c) = window
+        .lower
+        .iter()
+        .chain(&window.upper)
+        .find(|&&c| !(lo..=hi).contains(&c))
+    {
+        return Err(invalid(
+            "window",
+            format!("corner {c}: a rank-{rank} im2col map takes {lo} to {hi}"),
+        ));
+    }
+    if let Some(s) = window.stride.iter().find(|&&s| !(1..=8).contains(&s)) {
+        return Err(invalid(
+            "window",
+            format!("stride {s}: the copy engine steps 1 to 8"),
+        ));
+    }
+    if !(1..=256).contains(&channels) {
+        return Err(invalid(
+            "channels",
+            format!("{channels}: an im2col box takes 1 to 256 channels"),
+        ));
+    }
+    if !(1..=1024).contains(&pixels) {
+        return Err(invalid(
+            "pixels",
+            format!("{pixels}: an im2col box takes 1 to 1024 pixels"),
+        ));
+    }
+    check_inner_bytes(channels * array.dtype().size(), swizzle)?;
+    // Innermost first: channels, the spatial dims reversed, batch.
+    let lower: Vec<i32> = window.lower.iter().rev().copied().collect();
+    let upper: Vec<i32> = window.upper.iter().rev().copied().collect();
+    let mut element_strides = vec![1u32];
+    element_strides.extend(window.stride.iter().rev());
+    element_strides.push(1);
+    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
+    array.device().bind()?;
+    // SAFETY: dims and element strides have `rank` entries, byte strides `rank - 1`, corners
+    // `rank - 2`, all checked above against the driver's limits; the map is written by the call.
+    let status = unsafe {
+        sys::cuTensorMapEncodeIm2col(
+            map.as_mut_ptr(),
+            l.data_type,
+            rank as u32,
+            array.device_ptr() as *mut std::ffi::c_void,
+            l.dims.as_ptr(),
+            l.byte_strides.as_ptr(),
+            lower.as_ptr(),
+            upper.as_ptr(),
+            channels as u32,
+            pixels as u32,
+            element_strides.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            swizzle.driver(),
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    finish(status, map)
 }

@@ -6,6 +6,7 @@
 //! the FMA units; the weight gradient of a long reduction is split over blocks and summed in f32.
 
 pub mod geometry;
+pub mod hopper;
 pub mod plan;
 pub mod reference;
 
@@ -17,7 +18,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::jit::KernelSpec;
 use crate::runtime::{Array, CommandEncoder, KernelArgs};
-use plan::{Plan, PlanKey, Tile};
+use plan::{Kind, Plan, PlanKey, Tile};
 
 /// Every spec the convolutions can choose.
 pub fn specs() -> Vec<KernelSpec> {
@@ -182,8 +183,40 @@ pub mod tuning {
             Pass::BackwardWeight => (second, first),
             _ => (first, second),
         };
-        run(enc, pass, g, dtype, a, b, Some((tile, splits)))
+        run(enc, pass, g, dtype, a, b, Some(Chosen::Igemm(tile, splits)))
     }
+
+    /// [`run_with`] on the Hopper family with tile width `bn` (one of [`hopper::WIDTHS`]) and
+    /// `splits` of backward-weight's pixels; an error where that family cannot run the pass.
+    pub fn run_hopper_with(
+        enc: &mut CommandEncoder,
+        pass: Pass,
+        g: &Geometry,
+        first: &Array,
+        second: &Array,
+        bn: usize,
+        splits: usize,
+    ) -> Result<Array> {
+        let dtype = check_dtypes(&[("first", first), ("second", second)])?;
+        let (a, b) = match pass {
+            Pass::BackwardWeight => (second, first),
+            _ => (first, second),
+        };
+        if !hopper::WIDTHS.contains(&bn) {
+            return Err(bad(
+                "bn",
+                format!("{bn}: the Hopper tiles are {:?} wide", hopper::WIDTHS),
+            ));
+        }
+        run(enc, pass, g, dtype, a, b, Some(Chosen::Wgmma(bn, splits)))
+    }
+}
+
+/// A plan's choices given explicitly (sweeps), instead of by the model.
+#[derive(Clone, Copy)]
+enum Chosen {
+    Igemm(Tile, usize),
+    Wgmma(usize, usize),
 }
 
 /// Whether `a` may be read with 16-byte vectors: its base is 16-byte aligned, or it is not
@@ -222,7 +255,7 @@ fn run(
     dtype: DType,
     a: &Array,
     b: &Array,
-    chosen: Option<(Tile, usize)>,
+    chosen: Option<Chosen>,
 ) -> Result<Array> {
     let (a_shape, b_shape, out_shape) = match pass {
         Pass::Forward => (g.input_shape(), g.weight_shape(), g.output_shape()),
@@ -246,7 +279,17 @@ fn run(
     let b = b.contiguous(enc)?;
     let key = plan_key(enc, pass, g, &a, &b);
     let plan = match chosen {
-        Some((t, splits)) => Arc::new(plan::plan_with(enc.device(), key, t, splits)?),
+        Some(Chosen::Igemm(t, splits)) => Arc::new(plan::plan_with(enc.device(), key, t, splits)?),
+        Some(Chosen::Wgmma(bn, splits)) => {
+            let cc = enc.device().info().compute_capability;
+            if let Some(why) = hopper::unsupported(cc, &key) {
+                return Err(bad(
+                    "pass",
+                    format!("the Hopper kernels cannot run it: {why}"),
+                ));
+            }
+            Arc::new(plan::plan_wgmma(enc.device(), key, bn, splits)?)
+        }
         None => plan::plan(enc.device(), key)?,
     };
     launch(enc, &plan, &a, &b, &out)?;
@@ -265,11 +308,25 @@ fn launch(enc: &mut CommandEncoder, plan: &Plan, a: &Array, b: &Array, out: &Arr
         None
     };
     let mut args = KernelArgs::new();
-    args.push(a.device_ptr())
-        .push(b.device_ptr())
-        .push(out.device_ptr())
-        .push(partial.as_ref().map_or(0, |p| p.device_ptr()))
-        .push(plan.problem);
+    let partial_ptr = partial.as_ref().map_or(0, |p| p.device_ptr());
+    match &plan.kind {
+        Kind::Igemm(problem) => {
+            args.push(a.device_ptr())
+                .push(b.device_ptr())
+                .push(out.device_ptr())
+                .push(partial_ptr)
+                .push(*problem);
+        }
+        Kind::Wgmma(launch) => {
+            // The maps hold the operands' addresses: built per launch, checked by the driver.
+            let (amap, bmap) = launch.maps(a, b)?;
+            args.push(amap)
+                .push(bmap)
+                .push(out.device_ptr())
+                .push(partial_ptr)
+                .push(launch.problem);
+        }
+    }
     let target = partial.as_ref().unwrap_or(out);
     enc.launch(
         &plan.kernel,

@@ -8,8 +8,9 @@ use std::sync::{Arc, Mutex, OnceLock};
 use lru::LruCache;
 
 use super::geometry::{Geometry, Pass, Problem};
+use super::hopper;
 use crate::dtype::DType;
-use crate::env::Config;
+use crate::env::{Config, ConvPath};
 use crate::error::{Error, Result};
 use crate::jit::{KernelSpec, LoadedKernel, TemplateDef};
 use crate::runtime::Device;
@@ -30,6 +31,7 @@ pub static IGEMM: TemplateDef = TemplateDef {
         "TAP_TILES",
     ],
     arch_specific: false,
+    only_arch: None,
 };
 
 pub static SPLIT_SUM: TemplateDef = TemplateDef {
@@ -38,6 +40,7 @@ pub static SPLIT_SUM: TemplateDef = TemplateDef {
     kernel: "kiln_conv_split_sum",
     const_names: &[],
     arch_specific: false,
+    only_arch: None,
 };
 
 pub const SPLIT_SUM_BLOCK: u16 = 256;
@@ -162,6 +165,7 @@ pub fn specs() -> Vec<KernelSpec> {
         }
         out.push(split_sum_spec(dtype));
     }
+    out.extend(hopper::specs());
     out
 }
 
@@ -196,7 +200,15 @@ pub struct Plan {
     pub splits: usize,
     /// The kernel that adds the partials up, when `splits` > 1.
     pub split_sum: Option<Arc<LoadedKernel>>,
-    pub problem: Problem,
+    pub kind: Kind,
+}
+
+/// The kernel family a plan runs, with its view of the problem.
+pub enum Kind {
+    /// `mma.sync` / FMA implicit GEMM (`conv_igemm`), operands read through pointers.
+    Igemm(Problem),
+    /// The Hopper family (`conv_wgmma`), operands read through tensor maps.
+    Wgmma(hopper::Launch),
 }
 
 /// The plan cache's key: MLX's `ConvCacheKey` fields (device, dtype, shapes, stride, padding,
@@ -246,11 +258,23 @@ pub fn plan(device: &Device, key: PlanKey) -> Result<Arc<Plan>> {
         }
         c.misses += 1;
     }
-    let (t, splits) = choose(device, &key);
-    let plan = Arc::new(build(device, &key, t, splits)?);
+    let path = Config::from_env().map_or(ConvPath::Auto, |c| c.conv_path);
+    let plan = match hopper::plan(device, path, &key) {
+        Some((spec, launch)) => Arc::new(build_wgmma(device, &key, spec, launch)?),
+        None => {
+            let (t, splits) = choose(device, &key);
+            Arc::new(build(device, &key, t, splits)?)
+        }
+    };
     let mut c = cache().lock().unwrap_or_else(|e| e.into_inner());
     c.plans.put(key, plan.clone());
     Ok(plan)
+}
+
+/// A Hopper plan with tile width `bn` and `splits` (benchmark sweeps); not cached.
+pub fn plan_wgmma(device: &Device, key: PlanKey, bn: usize, splits: usize) -> Result<Plan> {
+    let (spec, launch) = hopper::launch_for(&key, bn, splits);
+    build_wgmma(device, &key, spec, launch)
 }
 
 /// A plan with the tile and split given (benchmark sweeps); not cached.
@@ -330,7 +354,35 @@ fn build(device: &Device, key: &PlanKey, t: Tile, splits: usize) -> Result<Plan>
         shared: shared as u32,
         splits,
         split_sum,
-        problem: Problem::new(g, key.pass, per_split, splits),
+        kind: Kind::Igemm(Problem::new(g, key.pass, per_split, splits)),
+    })
+}
+
+fn build_wgmma(
+    device: &Device,
+    key: &PlanKey,
+    spec: KernelSpec,
+    launch: hopper::Launch,
+) -> Result<Plan> {
+    let kernel = device.kernel(&spec)?;
+    let shared = hopper::shared_bytes(launch.bn);
+    kernel.allow_shared(shared)?;
+    let blocks = launch.tiles().min(device.info().multiprocessors as usize);
+    let splits = launch.problem.splits as usize;
+    let split_sum = if splits > 1 {
+        Some(device.kernel(&split_sum_spec(key.dtype))?)
+    } else {
+        None
+    };
+    Ok(Plan {
+        kernel,
+        spec,
+        grid: (blocks.max(1) as u32, 1, 1),
+        threads: hopper::THREADS as u32,
+        shared: shared as u32,
+        splits,
+        split_sum,
+        kind: Kind::Wgmma(launch),
     })
 }
 

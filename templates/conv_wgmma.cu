@@ -1,0 +1,362 @@
+// Convolution on Hopper's tensor cores (sm_90a), channels last, one group: an implicit GEMM whose
+// operand tiles the tensor memory accelerator copies into shared memory (im2col boxes of the
+// activations, tiled boxes of the weight or the cotangent) and whose products wgmma.mma_async
+// takes straight from there, accumulating in f32 registers.
+//   PASS 0 forward:         C[pixel, cout] = sum over (tap, cin)  im2col(input)  * weight
+//   PASS 1 backward-data:   C[pixel, cin]  = sum over (tap, cout) im2col(cotangent) * weight
+//                           (stride 1: the forward of the cotangent with the kernel turned round)
+//   PASS 2 backward-weight: C[cout, (tap, cin)] = sum over pixels cotangent^T * im2col(input)
+// A block is three warpgroups: the first issues the copies (one thread), the other two each
+// multiply 64 rows of the 128-row tile. STAGES buffers of both operands, each with a "full"
+// barrier (the copy engine's bytes arrived) and an "empty" one (both consumers' products that
+// read it are done), let the copies run ahead of the products. Blocks are persistent: each
+// walks the tile schedule with a grid stride, so a tile's stores overlap the next tile's copies.
+// Backward-weight splits its pixels over tiles and writes f32 partial sums per split, which
+// conv_split_sum adds up in a fixed order.
+//
+// Shared-memory layouts, all 128-byte swizzled as the copy engine writes them:
+//   K-major (rows of 64 k elements, 128 bytes): A of forward and backward-data, B of forward.
+//   MN-major (64-wide chunks of rows or columns, 64 k rows each): A of backward-weight, B of
+//   backward-data and backward-weight.
+{{> prelude}}
+{{> tma}}
+
+typedef {{dtype}} T;
+constexpr int PASS = {{PASS}};
+constexpr int BN = {{BN}}, STAGES = {{STAGES}}, SPATIAL = {{SPATIAL}};
+constexpr int BM = 128, BK = 64;
+constexpr int A_MN = PASS == 2, B_MN = PASS != 0;
+constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, CHUNK = 64 * BK * 2;
+constexpr int THREADS = 384;
+
+// Mirrors ops::conv::hopper::Problem (repr(C)).
+struct kiln_wg_problem {
+  int rows, cols;             // valid rows of C; valid columns of a column block (per tap for PASS 2)
+  int m_tiles, n_tiles, splits, k_per_split, k_iters;
+  int cblocks;                // 64-channel blocks of the reduced channels (PASS 0, 1)
+  int col_blocks;             // PASS 2: BN-column blocks of one tap's channels
+  int batch, pix[3];          // the pixel space the tiles walk: (batch, d, h, w)
+  int stride[3], lower[3];    // a pixel's first input coordinate: pos * stride + lower
+  int ks[3], dil[3], taps;    // kernel taps; a tap's im2col offset is tap * dil
+  int flip_w;                 // the weight's tap for offset tap t: taps - 1 - t when set
+  long long ldc;              // elements between rows of C
+  long long split_elems;      // PASS 2: elements of one split's partial sums
+};
+
+// --- wgmma -----------------------------------------------------------------------------------
+
+// A shared-memory matrix descriptor for a 128-byte swizzled tile at `addr` (1024-aligned atoms):
+// `lead` bytes between 64-element chunks along MN (MN-major) and 1024 between groups of 8 rows.
+__device__ __forceinline__ unsigned long long kiln_wg_desc(unsigned addr, unsigned lead) {
+  return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)(lead >> 4) << 16) |
+         ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void kiln_wg_fence() {
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void kiln_wg_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+template <int N> __device__ __forceinline__ void kiln_wg_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+// d (64 x BN per warpgroup, f32) += A (64 x 16) * B (16 x BN); d = A * B when !accumulate.
+__device__ __forceinline__ void kiln_wgmma(float (&d)[BN / 2], unsigned long long desc_a,
+                                           unsigned long long desc_b, int accumulate) {
+  if constexpr (BN == 64) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.{{dtype_name}}.{{dtype_name}} "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
+        "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "%32, %33, p, 1, 1, %35, %36;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+          "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
+          "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
+          "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(A_MN), "n"(B_MN));
+  } else if constexpr (BN == 128) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.{{dtype_name}}.{{dtype_name}} "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
+        "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "
+        "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, "
+        "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "%64, %65, p, 1, 1, %67, %68;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+          "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
+          "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
+          "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]),
+          "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
+          "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]),
+          "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]),
+          "+f"(d[62]), "+f"(d[63])
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(A_MN), "n"(B_MN));
+  } else if constexpr (BN == 256) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.{{dtype_name}}.{{dtype_name}} "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
+        "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "
+        "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, "
+        "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, "
+        "%70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, "
+        "%87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, "
+        "%104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, "
+        "%118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+        "%128, %129, p, 1, 1, %131, %132;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+          "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
+          "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
+          "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]),
+          "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
+          "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]),
+          "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]),
+          "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]),
+          "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]),
+          "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]),
+          "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]),
+          "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]),
+          "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]),
+          "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]),
+          "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]),
+          "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(A_MN), "n"(B_MN));
+  }
+}
+
+// --- copies ----------------------------------------------------------------------------------
+
+// An im2col box: the pixels from (n, d, h, w) on (stride, wrapping as the map's window says), each
+// at its tap offset, 64 channels from c.
+__device__ __forceinline__ void kiln_im2col_load(void* smem, const kiln_tensor_map* map, int c,
+                                                 int n, const int (&pos)[3], const int (&off)[3],
+                                                 unsigned long long* bar) {
+  unsigned dst = kiln_smem_addr(smem), b = kiln_smem_addr(bar);
+  unsigned short ow = off[2], oh = off[1], od = off[0];
+  if constexpr (SPATIAL == 1) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.im2col.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3, %4}], [%5], {%6};"
+        ::"r"(dst), "l"(map), "r"(c), "r"(pos[2]), "r"(n), "r"(b), "h"(ow)
+        : "memory");
+  } else if constexpr (SPATIAL == 2) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.im2col.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3, %4, %5}], [%6], {%7, %8};"
+        ::"r"(dst), "l"(map), "r"(c), "r"(pos[2]), "r"(pos[1]), "r"(n), "r"(b), "h"(ow), "h"(oh)
+        : "memory");
+  } else {
+    asm volatile(
+        "cp.async.bulk.tensor.5d.shared::cluster.global.im2col.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3, %4, %5, %6}], [%7], {%8, %9, %10};"
+        ::"r"(dst), "l"(map), "r"(c), "r"(pos[2]), "r"(pos[1]), "r"(pos[0]), "r"(n), "r"(b),
+          "h"(ow), "h"(oh), "h"(od)
+        : "memory");
+  }
+}
+
+__device__ __forceinline__ void kiln_tma_load_3d(void* smem, const kiln_tensor_map* map, int x,
+                                                 int y, int z, unsigned long long* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4}], [%5];"
+      ::"r"(kiln_smem_addr(smem)), "l"(map), "r"(x), "r"(y), "r"(z), "r"(kiln_smem_addr(bar))
+      : "memory");
+}
+
+__device__ __forceinline__ void kiln_mbarrier_arrive(unsigned long long* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(kiln_smem_addr(bar)) : "memory");
+}
+
+// --- the tile schedule -------------------------------------------------------------------------
+
+struct kiln_wg_tile {
+  int row0, col0, tap, split;  // first row and column of C; PASS 2: the tap and the split
+  int k0, k1;                  // its k iterations
+};
+
+__device__ __forceinline__ kiln_wg_tile kiln_wg_decode(const kiln_wg_problem& p, int t) {
+  kiln_wg_tile r;
+  const int nt = t % p.n_tiles, rest = t / p.n_tiles;
+  const int mt = rest % p.m_tiles;
+  r.split = rest / p.m_tiles;
+  r.row0 = mt * BM;
+  if (PASS == 2) {
+    r.tap = nt / p.col_blocks;
+    r.col0 = (nt % p.col_blocks) * BN;
+  } else {
+    r.tap = 0;
+    r.col0 = nt * BN;
+  }
+  r.k0 = r.split * p.k_per_split;
+  r.k1 = min(r.k0 + p.k_per_split, p.k_iters);
+  return r;
+}
+
+// Pixel `i` of the walk as (batch, first input coordinate per dim).
+__device__ __forceinline__ int kiln_wg_pixel(const kiln_wg_problem& p, int i, int (&pos)[3]) {
+  const int w = i % p.pix[2];
+  i /= p.pix[2];
+  const int h = i % p.pix[1];
+  i /= p.pix[1];
+  const int d = i % p.pix[0];
+  pos[0] = d * p.stride[0] + p.lower[0];
+  pos[1] = h * p.stride[1] + p.lower[1];
+  pos[2] = w * p.stride[2] + p.lower[2];
+  return i / p.pix[0];
+}
+
+__device__ __forceinline__ void kiln_wg_offsets(const kiln_wg_problem& p, int tap, int (&off)[3]) {
+  const int tw = tap % p.ks[2], th = (tap / p.ks[2]) % p.ks[1], td = tap / (p.ks[2] * p.ks[1]);
+  off[0] = td * p.dil[0];
+  off[1] = th * p.dil[1];
+  off[2] = tw * p.dil[2];
+}
+
+// The producer's copies for k iteration `k` of tile `tl` into stage buffers a and b.
+__device__ __forceinline__ void kiln_wg_load(const kiln_wg_problem& p, const kiln_tensor_map* amap,
+                                             const kiln_tensor_map* bmap, const kiln_wg_tile& tl,
+                                             int n, const int (&pos)[3], int k, unsigned char* a,
+                                             unsigned char* b, unsigned long long* full) {
+  if (PASS != 2) {
+    // k = (tap, channel block); A: the tile's pixels at that tap, B: the weight at that tap.
+    const int tap = k / p.cblocks, c = (k % p.cblocks) * BK;
+    int off[3];
+    kiln_wg_offsets(p, tap, off);
+    kiln_im2col_load(a, amap, c, n, pos, off, full);
+    const int wtap = p.flip_w ? p.taps - 1 - tap : tap;
+    if (PASS == 0) {
+      // weight viewed as (cout, taps, cin): BN rows of cout, 64 cin each.
+      kiln_tma_load_3d(b, bmap, c, wtap, tl.col0, full);
+    } else {
+      // (cout, taps, cin) again, now 64 cout rows (k) by 64 cin (n) per chunk.
+#pragma unroll
+      for (int j = 0; j < BN / 64; ++j)
+        kiln_tma_load_3d(b + j * CHUNK, bmap, tl.col0 + 64 * j, wtap, c, full);
+    }
+  } else {
+    // k = a block of 64 pixels; A: the cotangent's (pixel, cout) box, B: the input's im2col box.
+    const int pix = k * BK;
+#pragma unroll
+    for (int j = 0; j < BM / 64; ++j)
+      kiln_tma_load_2d(a + j * CHUNK, amap, tl.row0 + 64 * j, pix, full);
+    int at[3], off[3];
+    const int nb = kiln_wg_pixel(p, pix, at);
+    kiln_wg_offsets(p, tl.tap, off);
+#pragma unroll
+    for (int j = 0; j < BN / 64; ++j)
+      kiln_im2col_load(b + j * CHUNK, bmap, tl.col0 + 64 * j, nb, at, off, full);
+  }
+}
+
+// --- the kernel --------------------------------------------------------------------------------
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1) {{kernel}}(
+    const __grid_constant__ kiln_tensor_map amap, const __grid_constant__ kiln_tensor_map bmap,
+    T* __restrict__ out, float* __restrict__ partial, const kiln_wg_problem p) {
+  extern __shared__ unsigned char smem_raw[];
+  // Swizzled tiles need 1024-byte alignment; the launch asks for 1 KiB of slack.
+  unsigned char* smem = (unsigned char*)(((size_t)smem_raw + 1023) & ~(size_t)1023);
+  unsigned char* a_stage = smem;
+  unsigned char* b_stage = smem + STAGES * A_BYTES;
+  unsigned long long* full = (unsigned long long*)(b_stage + STAGES * B_BYTES);
+  unsigned long long* empty = full + STAGES;
+
+  const int wg = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      kiln_mbarrier_init(&full[s], 1);
+      kiln_mbarrier_init(&empty[s], 8);  // each consumer warp arrives once
+    }
+  }
+  __syncthreads();
+  const int tiles = p.m_tiles * p.n_tiles * p.splits;
+
+  if (wg == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (threadIdx.x != 0) return;
+    int it = 0;
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+      const kiln_wg_tile tl = kiln_wg_decode(p, t);
+      int pos[3] = {0, 0, 0}, n = 0;
+      if (PASS != 2) n = kiln_wg_pixel(p, tl.row0, pos);
+      for (int k = tl.k0; k < tl.k1; ++k, ++it) {
+        const int s = it % STAGES;
+        kiln_mbarrier_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
+        kiln_mbarrier_expect_bytes(&full[s], A_BYTES + B_BYTES);
+        kiln_wg_load(p, &amap, &bmap, tl, n, pos, k, a_stage + s * A_BYTES, b_stage + s * B_BYTES,
+                     &full[s]);
+      }
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  const int cw = wg - 1;                       // this consumer's 64 rows of the tile
+  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  float acc[BN / 2];
+  int it = 0;
+  for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const kiln_wg_tile tl = kiln_wg_decode(p, t);
+    for (int k = tl.k0; k < tl.k1; ++k, ++it) {
+      const int s = it % STAGES;
+      kiln_mbarrier_wait(&full[s], (it / STAGES) & 1);
+      const unsigned a = kiln_smem_addr(a_stage + s * A_BYTES) + cw * CHUNK;
+      const unsigned b = kiln_smem_addr(b_stage + s * B_BYTES);
+      kiln_wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < BK / 16; ++kk) {
+        // K-major: 16 k elements are 32 bytes along a row; MN-major: 16 rows of 128 bytes.
+        const unsigned da = A_MN ? a + kk * 2048 : a + kk * 32;
+        const unsigned db = B_MN ? b + kk * 2048 : b + kk * 32;
+        kiln_wgmma(acc, kiln_wg_desc(da, CHUNK), kiln_wg_desc(db, CHUNK), k > tl.k0 || kk > 0);
+      }
+      kiln_wg_commit();
+      // The products of the previous iteration are done: its buffers may be refilled.
+      kiln_wg_wait<1>();
+      if (k > tl.k0 && lane == 0) kiln_mbarrier_arrive(&empty[(it + STAGES - 1) % STAGES]);
+    }
+    kiln_wg_wait<0>();
+    if (tl.k1 > tl.k0 && lane == 0) kiln_mbarrier_arrive(&empty[(it + STAGES - 1) % STAGES]);
+
+    // Thread (warp, lane) holds rows warp * 16 + lane / 4 (+ 8) and column pairs 8 j + 2 (lane % 4).
+    const int r0 = tl.row0 + cw * 64 + warp * 16 + lane / 4;
+    const int c0 = 2 * (lane % 4);
+    const int out_tap = p.flip_w ? p.taps - 1 - tl.tap : tl.tap;
+    const long long col_base = PASS == 2 ? (long long)out_tap * p.cols + tl.col0 : tl.col0;
+    const int col_limit = p.cols - tl.col0;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = r0 + 8 * half;
+      if (r >= p.rows) continue;
+      const long long row = (long long)r * p.ldc + col_base;
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+        const int c = 8 * j + c0;
+        if (c >= col_limit) continue;  // columns come in even counts (channels % 8 == 0)
+        const float x = acc[4 * j + 2 * half], y = acc[4 * j + 2 * half + 1];
+        if (PASS == 2 && p.splits > 1) {
+          *reinterpret_cast<float2*>(partial + tl.split * p.split_elems + row + c) = make_float2(x, y);
+        } else {
+          kiln_vec<T, 2> v;
+          v.v[0] = kiln_from_float<T>(x);
+          v.v[1] = kiln_from_float<T>(y);
+          *reinterpret_cast<kiln_vec<T, 2>*>(out + row + c) = v;
+        }
+      }
+    }
+  }
+}
