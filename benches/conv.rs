@@ -6,7 +6,8 @@
 //!
 //! Targets, per suite, pass and dtype, as geometric means of kiln / cuDNN: on the seven shapes
 //! at least 0.5 for f16 and bf16 and 0.8 for f32 (the mma.sync kernels); on the model layers at
-//! least 1.0 with no layer below 0.7 (the goal of a Hopper wgmma path, not yet built).
+//! least 1.0 with no layer below 0.7 (the Hopper family's goal). `--sweep-hopper` times every
+//! Hopper tile on the model layers it takes.
 //!
 //! kiln is timed on the host around many calls (graph mode, one synchronise at the end);
 //! PyTorch with CUDA events. `--sweep` times every tile (and split) kiln has on each shape and
@@ -219,7 +220,7 @@ fn sweep(enc: &mut CommandEncoder) {
     }
 }
 
-/// `--sweep-hopper`: bf16 TFLOP/s of every Hopper tile width (and split, for backward-weight)
+/// `--sweep-hopper`: bf16 TFLOP/s of every Hopper tile (and split, for backward-weight)
 /// on each model layer the family takes, with the plan's choice marked.
 fn sweep_hopper(enc: &mut CommandEncoder) {
     use kiln::ops::conv::{hopper, plan::Kind};
@@ -245,20 +246,22 @@ fn sweep_hopper(enc: &mut CommandEncoder) {
             } else {
                 &[1]
             };
-            for bn in hopper::WIDTHS {
+            for t in hopper::TILES {
                 for &sp in splits {
                     let secs = seconds_per_call(enc, |e| {
-                        tuning::run_hopper_with(e, pass, &o.g, first, second, bn, sp).unwrap();
+                        tuning::run_hopper_with(e, pass, &o.g, first, second, t, sp).unwrap();
                     });
-                    let mark = if bn == chosen.bn && sp == chosen.problem.splits as usize {
+                    let mark = if t == chosen.tile && sp == chosen.problem.splits as usize {
                         " <- plan"
                     } else {
                         ""
                     };
                     println!(
-                        "sweep {} {} bn {bn} splits {sp}: {:.1} TFLOP/s{mark}",
+                        "sweep {} {} {}x{} splits {sp}: {:.1} TFLOP/s{mark}",
                         name(l),
                         pass.name(),
+                        t.bm,
+                        t.bn,
                         flops / secs / 1e12
                     );
                 }

@@ -7,9 +7,9 @@
 //                           (stride 1: the forward of the cotangent with the kernel turned round)
 //   PASS 2 backward-weight: C[cout, (tap, cin)] = sum over pixels cotangent^T * im2col(input)
 // A block is three warpgroups: the first issues the copies (one thread), the other two each
-// multiply 64 rows of the 128-row tile. STAGES buffers of both operands, each with a "full"
-// barrier (the copy engine's bytes arrived) and an "empty" one (both consumers' products that
-// read it are done), let the copies run ahead of the products. Blocks are persistent: each
+// multiply half of the BM-row tile (64 or 128 rows). STAGES buffers of both operands, each with
+// a "full" barrier (the copy engine's bytes arrived) and an "empty" one (both consumers'
+// products that read it are done), let the copies run ahead of the products. Blocks are persistent: each
 // walks the tile schedule with a grid stride, so a tile's stores overlap the next tile's copies.
 // Backward-weight splits its pixels over tiles and writes f32 partial sums per split, which
 // conv_split_sum adds up in a fixed order.
@@ -23,8 +23,10 @@
 
 typedef {{dtype}} T;
 constexpr int PASS = {{PASS}};
-constexpr int BN = {{BN}}, STAGES = {{STAGES}}, SPATIAL = {{SPATIAL}};
-constexpr int BM = 128, BK = 64;
+constexpr int BM = {{BM}}, BN = {{BN}}, STAGES = {{STAGES}}, SPATIAL = {{SPATIAL}};
+constexpr int BK = 64;
+// Each consumer warpgroup multiplies SLICES slices of 64 rows (BM = 128 or 256).
+constexpr int SLICES = BM / 128;
 constexpr int A_MN = PASS == 2, B_MN = PASS != 0;
 constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, CHUNK = 64 * BK * 2;
 constexpr int THREADS = 384;
@@ -305,16 +307,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {{kernel}}(
   }
 
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-  const int cw = wg - 1;                       // this consumer's 64 rows of the tile
+  const int cw = wg - 1;                       // this consumer's BM / 2 rows of the tile
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
-  float acc[BN / 2];
+  float acc[SLICES][BN / 2];
   int it = 0;
   for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
     const kiln_wg_tile tl = kiln_wg_decode(p, t);
     for (int k = tl.k0; k < tl.k1; ++k, ++it) {
       const int s = it % STAGES;
       kiln_mbarrier_wait(&full[s], (it / STAGES) & 1);
-      const unsigned a = kiln_smem_addr(a_stage + s * A_BYTES) + cw * CHUNK;
+      const unsigned a = kiln_smem_addr(a_stage + s * A_BYTES) + cw * SLICES * CHUNK;
       const unsigned b = kiln_smem_addr(b_stage + s * B_BYTES);
       kiln_wg_fence();
 #pragma unroll
@@ -322,7 +324,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {{kernel}}(
         // K-major: 16 k elements are 32 bytes along a row; MN-major: 16 rows of 128 bytes.
         const unsigned da = A_MN ? a + kk * 2048 : a + kk * 32;
         const unsigned db = B_MN ? b + kk * 2048 : b + kk * 32;
-        kiln_wgmma(acc, kiln_wg_desc(da, CHUNK), kiln_wg_desc(db, CHUNK), k > tl.k0 || kk > 0);
+#pragma unroll
+        for (int sl = 0; sl < SLICES; ++sl)
+          kiln_wgmma(acc[sl], kiln_wg_desc(da + sl * CHUNK, CHUNK), kiln_wg_desc(db, CHUNK),
+                     k > tl.k0 || kk > 0);
       }
       kiln_wg_commit();
       // The products of the previous iteration are done: its buffers may be refilled.
@@ -332,22 +337,23 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {{kernel}}(
     kiln_wg_wait<0>();
     if (tl.k1 > tl.k0 && lane == 0) kiln_mbarrier_arrive(&empty[(it + STAGES - 1) % STAGES]);
 
-    // Thread (warp, lane) holds rows warp * 16 + lane / 4 (+ 8) and column pairs 8 j + 2 (lane % 4).
-    const int r0 = tl.row0 + cw * 64 + warp * 16 + lane / 4;
+    // Thread (warp, lane) holds rows warp * 16 + lane / 4 (+ 8) of each slice and column pairs
+    // 8 j + 2 (lane % 4).
     const int c0 = 2 * (lane % 4);
     const int out_tap = p.flip_w ? p.taps - 1 - tl.tap : tl.tap;
     const long long col_base = PASS == 2 ? (long long)out_tap * p.cols + tl.col0 : tl.col0;
     const int col_limit = p.cols - tl.col0;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r = r0 + 8 * half;
+    for (int sh = 0; sh < 2 * SLICES; ++sh) {
+      const int sl = sh / 2, half = sh % 2;
+      const int r = tl.row0 + (cw * SLICES + sl) * 64 + warp * 16 + lane / 4 + 8 * half;
       if (r >= p.rows) continue;
       const long long row = (long long)r * p.ldc + col_base;
 #pragma unroll
       for (int j = 0; j < BN / 8; ++j) {
         const int c = 8 * j + c0;
         if (c >= col_limit) continue;  // columns come in even counts (channels % 8 == 0)
-        const float x = acc[4 * j + 2 * half], y = acc[4 * j + 2 * half + 1];
+        const float x = acc[sl][4 * j + 2 * half], y = acc[sl][4 * j + 2 * half + 1];
         if (PASS == 2 && p.splits > 1) {
           *reinterpret_cast<float2*>(partial + tl.split * p.split_elems + row + c) = make_float2(x, y);
         } else {

@@ -262,13 +262,20 @@ fn cases() -> Vec<Case> {
     ]
 }
 
-/// Runs one pass on the GPU and returns (got, reference).
+/// A kernel chosen by the test instead of the plan: a tile and a split of each family.
+#[derive(Clone, Copy)]
+enum Explicit {
+    Igemm(plan::Tile, usize),
+    Wgmma(hopper::Tile, usize),
+}
+
+/// Runs one pass on the GPU and returns (got, reference, geometry, the family the plan picks).
 fn run_pass(
     enc: &mut CommandEncoder,
     dtype: DType,
     c: &Case,
     pass: Pass,
-    explicit: Option<(plan::Tile, usize)>,
+    explicit: Option<Explicit>,
     seed: u64,
 ) -> (Vec<f64>, reference::Reference, Geometry, &'static str) {
     let g = Geometry::new(&c.x, &c.w, &c.p).unwrap();
@@ -311,7 +318,12 @@ fn run_pass(
         plan::IGEMM.name
     };
     let out = match explicit {
-        Some((t, splits)) => tuning::run_with(enc, pass, &g, &first, &second, t, splits).unwrap(),
+        Some(Explicit::Igemm(t, splits)) => {
+            tuning::run_with(enc, pass, &g, &first, &second, t, splits).unwrap()
+        }
+        Some(Explicit::Wgmma(t, splits)) => {
+            tuning::run_hopper_with(enc, pass, &g, &first, &second, t, splits).unwrap()
+        }
         None => match pass {
             Pass::Forward => conv::conv_forward(enc, &first, &second, &c.p).unwrap(),
             Pass::BackwardData => {
@@ -472,7 +484,8 @@ fn every_tile_and_vector_width() {
                         &[1]
                     };
                     for &s in splits {
-                        let (got, want, _, _) = run_pass(&mut enc, dtype, c, pass, Some((t, s)), 5);
+                        let (got, want, _, _) =
+                            run_pass(&mut enc, dtype, c, pass, Some(Explicit::Igemm(t, s)), 5);
                         let (ratio, at) = worst(dtype, &got, &want);
                         checked += 1;
                         if ratio > 1.0 {
@@ -492,6 +505,79 @@ fn every_tile_and_vector_width() {
 }
 
 /// Non-contiguous operands are copied once and give the same result.
+/// Every Hopper tile, split and unsplit, on layers off its tile and channel-block sizes in 1, 2
+/// and 3 spatial dims, both 16-bit types, graph mode. Skipped on GPUs other than sm_90.
+#[test]
+fn every_hopper_tile() {
+    let Some(gpus) = common::gpus_or_skip("every_hopper_tile") else {
+        return;
+    };
+    if gpus[0].compute_capability != (9, 0) {
+        eprintln!("every_hopper_tile: skipped (needs sm_90)");
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = Device::get(0).unwrap();
+    let mut enc = encoder(&dev, true);
+    let d = ConvParams::default;
+    let shapes = [
+        case(
+            "2d 3x3 72 -> 136, stride 2, flip",
+            &[3, 13, 11, 72],
+            &[136, 3, 3, 72],
+            d().padding(&[1]).strides(&[2, 1]).flip(true),
+        ),
+        case(
+            "1d kernel 4, 40 -> 24",
+            &[2, 70, 40],
+            &[24, 4, 40],
+            d().padding(&[2]),
+        ),
+        case(
+            "3d 2x3x2 dilated, 16 -> 264",
+            &[2, 4, 7, 6, 16],
+            &[264, 2, 3, 2, 16],
+            d().padding(&[1]).kernel_dilation(&[1, 2, 1]),
+        ),
+    ];
+    let mut failures = Vec::new();
+    let mut checked = 0;
+    for c in &shapes {
+        for dtype in [DType::F16, DType::BF16] {
+            for t in hopper::TILES {
+                for pass in Pass::ALL {
+                    let splits: &[usize] = if pass == Pass::BackwardWeight {
+                        &[1, 3]
+                    } else {
+                        &[1]
+                    };
+                    for &s in splits {
+                        if pass == Pass::BackwardData && c.p.strides != [1] {
+                            continue;
+                        }
+                        let (got, want, _, _) =
+                            run_pass(&mut enc, dtype, c, pass, Some(Explicit::Wgmma(t, s)), 9);
+                        let (ratio, at) = worst(dtype, &got, &want);
+                        checked += 1;
+                        if ratio > 1.0 {
+                            failures.push(format!(
+                                "{} {dtype} {} {t:?} splits {s}: {ratio:.2}x tolerance at {at}",
+                                c.name,
+                                pass.name()
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    eprintln!(
+        "every Hopper tile: {checked} checks, {} failed",
+        failures.len()
+    );
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
 #[test]
 fn strided_input_is_copied() {
     if common::gpus_or_skip("strided_input_is_copied").is_none() {

@@ -22,40 +22,61 @@ pub static WGMMA: TemplateDef = TemplateDef {
     name: "conv_wgmma",
     source: include_str!("../../../templates/conv_wgmma.cu"),
     kernel: "kiln_conv_wgmma",
-    const_names: &["PASS", "BN", "STAGES", "SPATIAL"],
+    const_names: &["PASS", "BM", "BN", "STAGES", "SPATIAL"],
     arch_specific: true,
     only_arch: Some(90),
 };
 
 /// Three warpgroups: one issues the copies, two multiply.
 pub const THREADS: u16 = 384;
-/// Rows of a tile (two warpgroups of 64) and the k step of one stage.
-const BM: usize = 128;
+/// The k step of one stage: 64 elements, one 128-byte swizzled row.
 const BK: usize = 64;
-/// Tile widths, each a single `wgmma` of n = BN per k step of 16.
-pub const WIDTHS: [usize; 3] = [64, 128, 256];
+
+/// A tile of C: `bm` rows (each consumer warpgroup takes half, in slices of 64) by `bn`
+/// columns (one `wgmma` of n = bn per slice and k step of 16).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Tile {
+    pub bm: usize,
+    pub bn: usize,
+}
+
+/// The tiles kiln compiles. 256-row tiles stop at 128 columns: their accumulators (bn
+/// registers a thread) must fit the consumers' 232 registers.
+pub const TILES: [Tile; 5] = [
+    Tile { bm: 128, bn: 64 },
+    Tile { bm: 128, bn: 128 },
+    Tile { bm: 128, bn: 256 },
+    Tile { bm: 256, bn: 64 },
+    Tile { bm: 256, bn: 128 },
+];
 /// Shared memory the operand stages may fill (of the 227 KiB a block may have).
 const STAGE_BUDGET: usize = 192 * 1024;
 
-/// Stages of a tile of width `bn`: as many as fit the budget.
-pub fn stages(bn: usize) -> usize {
-    STAGE_BUDGET / ((BM + bn) * BK * 2)
+/// Stages of tile `t`: as many as fit the budget.
+pub fn stages(t: Tile) -> usize {
+    STAGE_BUDGET / ((t.bm + t.bn) * BK * 2)
 }
 
 /// Dynamic shared memory of a block: the stages, two barriers per stage and 1 KiB to align the
 /// swizzled tiles.
-pub fn shared_bytes(bn: usize) -> usize {
-    let s = stages(bn);
-    s * (BM + bn) * BK * 2 + 2 * 8 * s + 1024
+pub fn shared_bytes(t: Tile) -> usize {
+    let s = stages(t);
+    s * (t.bm + t.bn) * BK * 2 + 2 * 8 * s + 1024
 }
 
-pub fn spec(dtype: DType, pass: Pass, bn: usize, spatial: usize) -> KernelSpec {
+pub fn spec(dtype: DType, pass: Pass, t: Tile, spatial: usize) -> KernelSpec {
     KernelSpec::new(
         &WGMMA,
         dtype,
         THREADS,
         1,
-        &[pass as i32, bn as i32, stages(bn) as i32, spatial as i32],
+        &[
+            pass as i32,
+            t.bm as i32,
+            t.bn as i32,
+            stages(t) as i32,
+            spatial as i32,
+        ],
     )
 }
 
@@ -64,9 +85,9 @@ pub fn specs() -> Vec<KernelSpec> {
     let mut out = Vec::new();
     for dtype in [DType::F16, DType::BF16] {
         for pass in Pass::ALL {
-            for bn in WIDTHS {
+            for t in TILES {
                 for spatial in 1..=3 {
-                    out.push(spec(dtype, pass, bn, spatial));
+                    out.push(spec(dtype, pass, t, spatial));
                 }
             }
         }
@@ -103,7 +124,7 @@ pub struct Problem {
 #[derive(Clone, Debug)]
 pub struct Launch {
     pub pass: Pass,
-    pub bn: usize,
+    pub tile: Tile,
     pub problem: Problem,
     /// The window the activations' im2col map walks, per spatial dim (outermost first).
     pub window: Im2colWindow,
@@ -187,44 +208,44 @@ fn window(pass: Pass, g: &Geometry) -> Im2colWindow {
     }
 }
 
-/// Throughput of a tile width relative to the peak: the copies into shared memory of a
-/// narrower tile bring more bytes per multiply-add through the L2 (128 + BN rows per 128 x BN
-/// products), which bounds it before the tensor cores do.
-fn efficiency(bn: usize) -> f64 {
-    match bn {
-        64 => 0.45,
-        128 => 0.65,
-        _ => 0.85,
-    }
-}
-
 /// Most splits of backward-weight's pixels; each split keeps at least this many k steps.
 const MIN_K_PER_SPLIT: usize = 8;
-/// An SM's dense 16-bit multiply-adds per second (H100: about 990 TFLOP/s over 132 SMs), and
-/// the device memory's bytes per second, for the model's time.
-const SM_MACS_PER_S: f64 = 3.7e12;
+/// What bounds one k step of a tile on one SM, as the bench's sweep measured it on the H100:
+/// the tensor cores (dense 16-bit multiply-adds per second, about 90% of 990 TFLOP/s over
+/// 132 SMs), or the copies of its operand rows into shared memory (128 bytes each, about 32
+/// bytes a clock per SM through the L2).
+const SM_MACS_PER_S: f64 = 3.4e12;
+const SM_COPY_BYTES_PER_S: f64 = 5.6e10;
+/// Device memory bytes per second, for backward-weight's split partials.
 const MEMORY_BYTES_PER_S: f64 = 3.0e12;
 
-/// The tile width and the split of backward-weight's pixels with the least modelled time on
-/// `sms` multiprocessors (one block each): rounds of tiles over the SMs times the time of one
-/// tile (its k steps plus about two for filling and storing), plus for a split the f32
-/// partials written and read back.
-fn choose(sms: usize, pass: Pass, g: &Geometry) -> (usize, usize) {
+/// Seconds of one k step of tile `t` on one SM.
+fn step_seconds(t: Tile) -> f64 {
+    let multiply = (t.bm * t.bn * BK) as f64 / SM_MACS_PER_S;
+    let copy = ((t.bm + t.bn) * BK * 2) as f64 / SM_COPY_BYTES_PER_S;
+    multiply.max(copy)
+}
+
+/// The tile and the split of backward-weight's pixels with the least modelled time on `sms`
+/// multiprocessors (one block each): rounds of tiles over the SMs times the time of one tile
+/// (its k steps plus about two for filling and storing), plus for a split the f32 partials
+/// written and read back.
+fn choose(sms: usize, pass: Pass, g: &Geometry) -> (Tile, usize) {
     let taps = g.kernel_size();
     let pixels = g.batch * g.output_pixels();
-    let mut best: Option<(f64, usize, usize)> = None;
-    for bn in WIDTHS {
+    let mut best: Option<(f64, Tile, usize)> = None;
+    for t in TILES {
         let (base, k_iters) = match pass {
             Pass::Forward => (
-                (g.batch * g.output_pixels()).div_ceil(BM) * g.cout.div_ceil(bn),
+                pixels.div_ceil(t.bm) * g.cout.div_ceil(t.bn),
                 taps * g.cin.div_ceil(BK),
             ),
             Pass::BackwardData => (
-                (g.batch * g.input_pixels()).div_ceil(BM) * g.cin.div_ceil(bn),
+                (g.batch * g.input_pixels()).div_ceil(t.bm) * g.cin.div_ceil(t.bn),
                 taps * g.cout.div_ceil(BK),
             ),
             Pass::BackwardWeight => (
-                g.cout.div_ceil(BM) * taps * g.cin.div_ceil(bn),
+                g.cout.div_ceil(t.bm) * taps * g.cin.div_ceil(t.bn),
                 pixels.div_ceil(BK),
             ),
         };
@@ -232,7 +253,6 @@ fn choose(sms: usize, pass: Pass, g: &Geometry) -> (usize, usize) {
             Pass::BackwardWeight => (k_iters / MIN_K_PER_SPLIT).clamp(1, 64),
             _ => 1,
         };
-        let step = (BM * bn * BK) as f64 / (SM_MACS_PER_S * efficiency(bn));
         for splits in 1..=most {
             let per = k_iters.div_ceil(splits);
             let rounds = (base * splits).div_ceil(sms) as f64;
@@ -241,14 +261,14 @@ fn choose(sms: usize, pass: Pass, g: &Geometry) -> (usize, usize) {
             } else {
                 0.0
             };
-            let cost = rounds * (per + 2) as f64 * step + partials;
+            let cost = rounds * (per + 2) as f64 * step_seconds(t) + partials;
             if best.map_or(true, |(c, _, _)| cost < c) {
-                best = Some((cost, bn, splits));
+                best = Some((cost, t, splits));
             }
         }
     }
-    let (_, bn, splits) = best.unwrap_or((0.0, 128, 1));
-    (bn, splits)
+    let (_, t, splits) = best.unwrap_or((0.0, TILES[1], 1));
+    (t, splits)
 }
 
 /// The launch for `key` on `device`, or None when the Hopper path does not take it (or
@@ -261,12 +281,13 @@ pub fn plan(device: &Device, path: ConvPath, key: &PlanKey) -> Option<(KernelSpe
     if unsupported(info.compute_capability, key).is_some() {
         return None;
     }
-    let (bn, splits) = choose(info.multiprocessors as usize, key.pass, &key.geometry);
-    Some(launch_for(key, bn, splits))
+    let (tile, splits) = choose(info.multiprocessors as usize, key.pass, &key.geometry);
+    Some(launch_for(key, tile, splits))
 }
 
-/// The spec and launch of `key` with tile width `bn` and `splits` (backward-weight).
-pub fn launch_for(key: &PlanKey, bn: usize, splits: usize) -> (KernelSpec, Launch) {
+/// The spec and launch of `key` with `tile` and `splits` (backward-weight).
+pub fn launch_for(key: &PlanKey, tile: Tile, splits: usize) -> (KernelSpec, Launch) {
+    let (bm, bn) = (tile.bm, tile.bn);
     let g = &key.geometry;
     let taps = g.kernel_size();
     let (rows, cols, pix, k_iters, cblocks, ldc) = match key.pass {
@@ -317,7 +338,7 @@ pub fn launch_for(key: &PlanKey, bn: usize, splits: usize) -> (KernelSpec, Launc
     let problem = Problem {
         rows: rows as i32,
         cols: cols as i32,
-        m_tiles: rows.div_ceil(BM) as i32,
+        m_tiles: rows.div_ceil(bm) as i32,
         n_tiles: n_tiles as i32,
         splits: splits as i32,
         k_per_split: k_per_split as i32,
@@ -336,10 +357,10 @@ pub fn launch_for(key: &PlanKey, bn: usize, splits: usize) -> (KernelSpec, Launc
         split_elems: (g.cout * taps * g.cin) as i64,
     };
     (
-        spec(key.dtype, key.pass, bn, g.spatial),
+        spec(key.dtype, key.pass, tile, g.spatial),
         Launch {
             pass: key.pass,
-            bn,
+            tile,
             problem,
             window,
         },
@@ -355,7 +376,7 @@ impl Launch {
     /// The tensor maps of GEMM operands `a` and `b` (see `ops::conv::run`): forward (input,
     /// weight), backward-data (cotangent, weight), backward-weight (cotangent, input).
     pub fn maps(&self, a: &Array, b: &Array) -> Result<(TensorMap, TensorMap)> {
-        let bn = self.bn;
+        let Tile { bm, bn } = self.tile;
         let w = Swizzle::B128;
         let weight_3d = |wt: &Array| {
             let s = wt.shape();
@@ -364,11 +385,11 @@ impl Launch {
         };
         Ok(match self.pass {
             Pass::Forward => (
-                im2col(a, &self.window, BK, BM, w)?,
+                im2col(a, &self.window, BK, bm, w)?,
                 tiled(&weight_3d(b)?, &[bn, 1, BK], w)?,
             ),
             Pass::BackwardData => (
-                im2col(a, &self.window, BK, BM, w)?,
+                im2col(a, &self.window, BK, bm, w)?,
                 tiled(&weight_3d(b)?, &[64, 1, BK], w)?,
             ),
             Pass::BackwardWeight => {
@@ -402,9 +423,9 @@ mod tests {
 
     #[test]
     fn stages_fill_the_budget_and_fit_a_block() {
-        for bn in WIDTHS {
-            assert!(stages(bn) >= 4, "{bn}");
-            assert!(shared_bytes(bn) <= 227 * 1024, "{bn}");
+        for t in TILES {
+            assert!(stages(t) >= 4, "{t:?}");
+            assert!(shared_bytes(t) <= 227 * 1024, "{t:?}");
         }
     }
 
@@ -479,7 +500,7 @@ mod tests {
     fn backward_weight_splits_a_long_reduction() {
         let p = ConvParams::default().padding(&[1]);
         let g = Geometry::new(&[64, 56, 56, 64], &[64, 3, 3, 64], &p).unwrap();
-        let (bn, splits) = choose(132, Pass::BackwardWeight, &g);
+        let (tile, splits) = choose(132, Pass::BackwardWeight, &g);
         let (_, l) = launch_for(
             &PlanKey {
                 device: 0,
@@ -489,10 +510,10 @@ mod tests {
                 vec_a: true,
                 vec_b: true,
             },
-            bn,
+            tile,
             splits,
         );
-        assert!(splits > 1, "{bn} {splits}");
+        assert!(splits > 1, "{tile:?} {splits}");
         assert!(l.tiles() >= 66, "{} tiles", l.tiles());
         assert!(l.problem.k_per_split as usize >= MIN_K_PER_SPLIT);
     }

@@ -186,15 +186,15 @@ pub mod tuning {
         run(enc, pass, g, dtype, a, b, Some(Chosen::Igemm(tile, splits)))
     }
 
-    /// [`run_with`] on the Hopper family with tile width `bn` (one of [`hopper::WIDTHS`]) and
-    /// `splits` of backward-weight's pixels; an error where that family cannot run the pass.
+    /// [`run_with`] on the Hopper family with `tile` (one of [`hopper::TILES`]) and `splits` of
+    /// backward-weight's pixels; an error where that family cannot run the pass.
     pub fn run_hopper_with(
         enc: &mut CommandEncoder,
         pass: Pass,
         g: &Geometry,
         first: &Array,
         second: &Array,
-        bn: usize,
+        tile: hopper::Tile,
         splits: usize,
     ) -> Result<Array> {
         let dtype = check_dtypes(&[("first", first), ("second", second)])?;
@@ -202,13 +202,16 @@ pub mod tuning {
             Pass::BackwardWeight => (second, first),
             _ => (first, second),
         };
-        if !hopper::WIDTHS.contains(&bn) {
+        if !hopper::TILES.contains(&tile) {
             return Err(bad(
-                "bn",
-                format!("{bn}: the Hopper tiles are {:?} wide", hopper::WIDTHS),
+                "tile",
+                format!(
+                    "{tile:?} is not one of the Hopper tiles {:?}",
+                    hopper::TILES
+                ),
             ));
         }
-        run(enc, pass, g, dtype, a, b, Some(Chosen::Wgmma(bn, splits)))
+        run(enc, pass, g, dtype, a, b, Some(Chosen::Wgmma(tile, splits)))
     }
 }
 
@@ -216,7 +219,7 @@ pub mod tuning {
 #[derive(Clone, Copy)]
 enum Chosen {
     Igemm(Tile, usize),
-    Wgmma(usize, usize),
+    Wgmma(hopper::Tile, usize),
 }
 
 /// Whether `a` may be read with 16-byte vectors: its base is 16-byte aligned, or it is not
@@ -280,7 +283,7 @@ fn run(
     let key = plan_key(enc, pass, g, &a, &b);
     let plan = match chosen {
         Some(Chosen::Igemm(t, splits)) => Arc::new(plan::plan_with(enc.device(), key, t, splits)?),
-        Some(Chosen::Wgmma(bn, splits)) => {
+        Some(Chosen::Wgmma(tile, splits)) => {
             let cc = enc.device().info().compute_capability;
             if let Some(why) = hopper::unsupported(cc, &key) {
                 return Err(bad(
@@ -288,7 +291,7 @@ fn run(
                     format!("the Hopper kernels cannot run it: {why}"),
                 ));
             }
-            Arc::new(plan::plan_wgmma(enc.device(), key, bn, splits)?)
+            Arc::new(plan::plan_wgmma(enc.device(), key, tile, splits)?)
         }
         None => plan::plan(enc.device(), key)?,
     };

@@ -271,9 +271,14 @@ pub fn plan(device: &Device, key: PlanKey) -> Result<Arc<Plan>> {
     Ok(plan)
 }
 
-/// A Hopper plan with tile width `bn` and `splits` (benchmark sweeps); not cached.
-pub fn plan_wgmma(device: &Device, key: PlanKey, bn: usize, splits: usize) -> Result<Plan> {
-    let (spec, launch) = hopper::launch_for(&key, bn, splits);
+/// A Hopper plan with `tile` and `splits` (benchmark sweeps); not cached.
+pub fn plan_wgmma(
+    device: &Device,
+    key: PlanKey,
+    tile: hopper::Tile,
+    splits: usize,
+) -> Result<Plan> {
+    let (spec, launch) = hopper::launch_for(&key, tile, splits);
     build_wgmma(device, &key, spec, launch)
 }
 
@@ -365,7 +370,7 @@ fn build_wgmma(
     launch: hopper::Launch,
 ) -> Result<Plan> {
     let kernel = device.kernel(&spec)?;
-    let shared = hopper::shared_bytes(launch.bn);
+    let shared = hopper::shared_bytes(launch.tile);
     kernel.allow_shared(shared)?;
     let blocks = launch.tiles().min(device.info().multiprocessors as usize);
     let splits = launch.problem.splits as usize;
