@@ -226,29 +226,66 @@ fn step_seconds(t: Tile) -> f64 {
     multiply.max(copy)
 }
 
+/// One pass as the kernel's GEMM: C is `rows` x `cols` per column group (`groups`: the taps for
+/// backward-weight, else 1), walking the pixel space `pix`; `cblocks` 64-channel blocks per tap
+/// (forward, backward-data), `k_iters` k steps in all, `ldc` elements between rows of C.
+struct Gemm {
+    rows: usize,
+    cols: usize,
+    groups: usize,
+    pix: [usize; 3],
+    cblocks: usize,
+    k_iters: usize,
+    ldc: usize,
+}
+
+fn gemm(pass: Pass, g: &Geometry) -> Gemm {
+    let taps = g.kernel_size();
+    let per_tap = |channels: usize, rows: usize, cols: usize, pix: [usize; 3]| Gemm {
+        rows,
+        cols,
+        groups: 1,
+        pix,
+        cblocks: channels.div_ceil(BK),
+        k_iters: taps * channels.div_ceil(BK),
+        ldc: cols,
+    };
+    match pass {
+        Pass::Forward => per_tap(g.cin, g.batch * g.output_pixels(), g.cout, g.output),
+        Pass::BackwardData => per_tap(g.cout, g.batch * g.input_pixels(), g.cin, g.input),
+        Pass::BackwardWeight => Gemm {
+            rows: g.cout,
+            cols: g.cin,
+            groups: taps,
+            pix: g.output,
+            cblocks: 0,
+            k_iters: (g.batch * g.output_pixels()).div_ceil(BK),
+            ldc: taps * g.cin,
+        },
+    }
+}
+
+impl Gemm {
+    /// Tiles of C before any split: row tiles times column tiles of every group.
+    fn tiles(&self, t: Tile) -> (usize, usize) {
+        (
+            self.rows.div_ceil(t.bm),
+            self.groups * self.cols.div_ceil(t.bn),
+        )
+    }
+}
+
 /// The tile and the split of backward-weight's pixels with the least modelled time on `sms`
 /// multiprocessors (one block each): rounds of tiles over the SMs times the time of one tile
 /// (its k steps plus about two for filling and storing), plus for a split the f32 partials
 /// written and read back.
 fn choose(sms: usize, pass: Pass, g: &Geometry) -> (Tile, usize) {
-    let taps = g.kernel_size();
-    let pixels = g.batch * g.output_pixels();
+    let gm = gemm(pass, g);
+    let k_iters = gm.k_iters;
     let mut best: Option<(f64, Tile, usize)> = None;
     for t in TILES {
-        let (base, k_iters) = match pass {
-            Pass::Forward => (
-                pixels.div_ceil(t.bm) * g.cout.div_ceil(t.bn),
-                taps * g.cin.div_ceil(BK),
-            ),
-            Pass::BackwardData => (
-                (g.batch * g.input_pixels()).div_ceil(t.bm) * g.cin.div_ceil(t.bn),
-                taps * g.cout.div_ceil(BK),
-            ),
-            Pass::BackwardWeight => (
-                g.cout.div_ceil(t.bm) * taps * g.cin.div_ceil(t.bn),
-                pixels.div_ceil(BK),
-            ),
-        };
+        let (m_tiles, n_tiles) = gm.tiles(t);
+        let base = m_tiles * n_tiles;
         let most = match pass {
             Pass::BackwardWeight => (k_iters / MIN_K_PER_SPLIT).clamp(1, 64),
             _ => 1,
@@ -257,7 +294,7 @@ fn choose(sms: usize, pass: Pass, g: &Geometry) -> (Tile, usize) {
             let per = k_iters.div_ceil(splits);
             let rounds = (base * splits).div_ceil(sms) as f64;
             let partials = if splits > 1 {
-                (2 * splits * g.cout * taps * g.cin * 4) as f64 / MEMORY_BYTES_PER_S
+                (2 * splits * g.cout * g.kernel_size() * g.cin * 4) as f64 / MEMORY_BYTES_PER_S
             } else {
                 0.0
             };
@@ -287,40 +324,11 @@ pub fn plan(device: &Device, path: ConvPath, key: &PlanKey) -> Option<(KernelSpe
 
 /// The spec and launch of `key` with `tile` and `splits` (backward-weight).
 pub fn launch_for(key: &PlanKey, tile: Tile, splits: usize) -> (KernelSpec, Launch) {
-    let (bm, bn) = (tile.bm, tile.bn);
     let g = &key.geometry;
     let taps = g.kernel_size();
-    let (rows, cols, pix, k_iters, cblocks, ldc) = match key.pass {
-        Pass::Forward => (
-            g.batch * g.output_pixels(),
-            g.cout,
-            g.output,
-            taps * g.cin.div_ceil(BK),
-            g.cin.div_ceil(BK),
-            g.cout,
-        ),
-        Pass::BackwardData => (
-            g.batch * g.input_pixels(),
-            g.cin,
-            g.input,
-            taps * g.cout.div_ceil(BK),
-            g.cout.div_ceil(BK),
-            g.cin,
-        ),
-        Pass::BackwardWeight => (
-            g.cout,
-            g.cin,
-            g.output,
-            (g.batch * g.output_pixels()).div_ceil(BK),
-            0,
-            taps * g.cin,
-        ),
-    };
-    let col_blocks = cols.div_ceil(bn);
-    let n_tiles = match key.pass {
-        Pass::BackwardWeight => taps * col_blocks,
-        _ => col_blocks,
-    };
+    let gm = gemm(key.pass, g);
+    let (m_tiles, n_tiles) = gm.tiles(tile);
+    let k_iters = gm.k_iters;
     let splits = splits.clamp(1, k_iters.max(1));
     let k_per_split = k_iters.div_ceil(splits).max(1);
     let splits = k_iters.div_ceil(k_per_split).max(1);
@@ -336,24 +344,24 @@ pub fn launch_for(key: &PlanKey, tile: Tile, splits: usize) -> (KernelSpec, Laun
         _ => g.flip,
     };
     let problem = Problem {
-        rows: rows as i32,
-        cols: cols as i32,
-        m_tiles: rows.div_ceil(bm) as i32,
+        rows: gm.rows as i32,
+        cols: gm.cols as i32,
+        m_tiles: m_tiles as i32,
         n_tiles: n_tiles as i32,
         splits: splits as i32,
         k_per_split: k_per_split as i32,
         k_iters: k_iters as i32,
-        cblocks: cblocks as i32,
-        col_blocks: col_blocks as i32,
+        cblocks: gm.cblocks as i32,
+        col_blocks: gm.cols.div_ceil(tile.bn) as i32,
         batch: g.batch as i32,
-        pix: i3(pix),
+        pix: i3(gm.pix),
         stride,
         lower,
         ks: i3(g.kernel),
         dil: i3(g.kernel_dilation),
         taps: taps as i32,
         flip_w: flip_w as i32,
-        ldc: ldc as i64,
+        ldc: gm.ldc as i64,
         split_elems: (g.cout * taps * g.cin) as i64,
     };
     (

@@ -178,11 +178,7 @@ pub mod tuning {
         tile: Tile,
         splits: usize,
     ) -> Result<Array> {
-        let dtype = check_dtypes(&[("first", first), ("second", second)])?;
-        let (a, b) = match pass {
-            Pass::BackwardWeight => (second, first),
-            _ => (first, second),
-        };
+        let (dtype, a, b) = gemm_operands(pass, first, second)?;
         run(enc, pass, g, dtype, a, b, Some(Chosen::Igemm(tile, splits)))
     }
 
@@ -197,11 +193,7 @@ pub mod tuning {
         tile: hopper::Tile,
         splits: usize,
     ) -> Result<Array> {
-        let dtype = check_dtypes(&[("first", first), ("second", second)])?;
-        let (a, b) = match pass {
-            Pass::BackwardWeight => (second, first),
-            _ => (first, second),
-        };
+        let (dtype, a, b) = gemm_operands(pass, first, second)?;
         if !hopper::TILES.contains(&tile) {
             return Err(bad(
                 "tile",
@@ -213,6 +205,19 @@ pub mod tuning {
         }
         run(enc, pass, g, dtype, a, b, Some(Chosen::Wgmma(tile, splits)))
     }
+}
+
+/// The dtype and the GEMM operands (see [`run`]) of operands as the public op takes them.
+fn gemm_operands<'a>(
+    pass: Pass,
+    first: &'a Array,
+    second: &'a Array,
+) -> Result<(DType, &'a Array, &'a Array)> {
+    let dtype = check_dtypes(&[("first", first), ("second", second)])?;
+    Ok(match pass {
+        Pass::BackwardWeight => (dtype, second, first),
+        _ => (dtype, first, second),
+    })
 }
 
 /// A plan's choices given explicitly (sweeps), instead of by the model.

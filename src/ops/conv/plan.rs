@@ -346,11 +346,7 @@ fn build(device: &Device, key: &PlanKey, t: Tile, splits: usize) -> Result<Plan>
         });
     }
     let grid = (m.div_ceil(t.bm as usize) as u32, y as u32, z as u32);
-    let split_sum = if splits > 1 {
-        Some(device.kernel(&split_sum_spec(key.dtype))?)
-    } else {
-        None
-    };
+    let split_sum = split_sum_for(device, key.dtype, splits)?;
     Ok(Plan {
         kernel,
         spec,
@@ -361,6 +357,19 @@ fn build(device: &Device, key: &PlanKey, t: Tile, splits: usize) -> Result<Plan>
         split_sum,
         kind: Kind::Igemm(Problem::new(g, key.pass, per_split, splits)),
     })
+}
+
+/// The kernel that adds `splits` partials up, when there is more than one.
+fn split_sum_for(
+    device: &Device,
+    dtype: DType,
+    splits: usize,
+) -> Result<Option<Arc<LoadedKernel>>> {
+    if splits > 1 {
+        Ok(Some(device.kernel(&split_sum_spec(dtype))?))
+    } else {
+        Ok(None)
+    }
 }
 
 fn build_wgmma(
@@ -374,11 +383,7 @@ fn build_wgmma(
     kernel.allow_shared(shared)?;
     let blocks = launch.tiles().min(device.info().multiprocessors as usize);
     let splits = launch.problem.splits as usize;
-    let split_sum = if splits > 1 {
-        Some(device.kernel(&split_sum_spec(key.dtype))?)
-    } else {
-        None
-    };
+    let split_sum = split_sum_for(device, key.dtype, splits)?;
     Ok(Plan {
         kernel,
         spec,
