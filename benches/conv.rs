@@ -251,7 +251,7 @@ fn sweep_hopper(enc: &mut CommandEncoder) {
                     let secs = seconds_per_call(enc, |e| {
                         tuning::run_hopper_with(e, pass, &o.g, first, second, t, sp).unwrap();
                     });
-                    let mark = if t == chosen.tile && sp == chosen.problem.splits as usize {
+                    let mark = if t == chosen.tile && sp == chosen.splits {
                         " <- plan"
                     } else {
                         ""

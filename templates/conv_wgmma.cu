@@ -11,7 +11,9 @@
 // a "full" barrier (the copy engine's bytes arrived) and an "empty" one (both consumers'
 // products that read it are done), let the copies run ahead of the products. Blocks are persistent: each
 // walks the tile schedule with a grid stride, so a tile's stores overlap the next tile's copies.
-// Backward-weight splits its pixels over tiles and writes f32 partial sums per split, which
+// Backward-data at stride s runs one launch per stride phase: the input pixels f, f + s, ...
+// along each dim, which a stride-1 problem over the cotangent with that phase's taps gives
+// (a phase no tap reaches writes zeros). Backward-weight splits its pixels over tiles and writes f32 partial sums per split, which
 // conv_split_sum adds up in a fixed order.
 //
 // Shared-memory layouts, all 128-byte swizzled as the copy engine writes them:
@@ -38,9 +40,11 @@ struct kiln_wg_problem {
   int cblocks;                // 64-channel blocks of the reduced channels (PASS 0, 1)
   int col_blocks;             // PASS 2: BN-column blocks of one tap's channels
   int batch, pix[3];          // the pixel space the tiles walk: (batch, d, h, w)
-  int stride[3], lower[3];    // a pixel's first input coordinate: pos * stride + lower
-  int ks[3], dil[3], taps;    // kernel taps; a tap's im2col offset is tap * dil
-  int flip_w;                 // the weight's tap for offset tap t: taps - 1 - t when set
+  int stride[3], lower[3];    // a pixel's first activation coordinate: pos * stride + lower
+  int taps_per_dim[3], tap_step[3], taps;  // the launch's taps; tap t's offset is t * tap_step
+  int kernel[3];              // the weight's taps per dim
+  int weight_first[3], weight_step[3];     // the weight's tap for tap t: first + t * step
+  int out_pix[3], out_first[3], out_step[3];  // PASS 1: pixel i writes out_first + i * out_step
   long long ldc;              // elements between rows of C
   long long split_elems;      // PASS 2: elements of one split's partial sums
 };
@@ -221,11 +225,34 @@ __device__ __forceinline__ int kiln_wg_pixel(const kiln_wg_problem& p, int i, in
   return i / p.pix[0];
 }
 
-__device__ __forceinline__ void kiln_wg_offsets(const kiln_wg_problem& p, int tap, int (&off)[3]) {
-  const int tw = tap % p.ks[2], th = (tap / p.ks[2]) % p.ks[1], td = tap / (p.ks[2] * p.ks[1]);
-  off[0] = td * p.dil[0];
-  off[1] = th * p.dil[1];
-  off[2] = tw * p.dil[2];
+// Tap `tap` of the launch: its im2col offset per dim, and the weight's tap it multiplies.
+__device__ __forceinline__ int kiln_wg_tap(const kiln_wg_problem& p, int tap, int (&off)[3]) {
+  int t[3];
+  t[2] = tap % p.taps_per_dim[2];
+  t[1] = (tap / p.taps_per_dim[2]) % p.taps_per_dim[1];
+  t[0] = tap / (p.taps_per_dim[2] * p.taps_per_dim[1]);
+  int w = 0;
+#pragma unroll
+  for (int d = 0; d < 3; ++d) {
+    off[d] = t[d] * p.tap_step[d];
+    w = w * p.kernel[d] + p.weight_first[d] + t[d] * p.weight_step[d];
+  }
+  return w;
+}
+
+// PASS 1: the output row of row r of C (its phase's pixel r).
+__device__ __forceinline__ long long kiln_wg_out_row(const kiln_wg_problem& p, int r) {
+  long long row = 0;
+  int pos[3];
+#pragma unroll
+  for (int d = 2; d >= 0; --d) {
+    pos[d] = p.out_first[d] + (r % p.pix[d]) * p.out_step[d];
+    r /= p.pix[d];
+  }
+  row = r;
+#pragma unroll
+  for (int d = 0; d < 3; ++d) row = row * p.out_pix[d] + pos[d];
+  return row;
 }
 
 // The producer's copies for k iteration `k` of tile `tl` into stage buffers a and b.
@@ -237,9 +264,8 @@ __device__ __forceinline__ void kiln_wg_load(const kiln_wg_problem& p, const kil
     // k = (tap, channel block); A: the tile's pixels at that tap, B: the weight at that tap.
     const int tap = k / p.cblocks, c = (k % p.cblocks) * BK;
     int off[3];
-    kiln_wg_offsets(p, tap, off);
+    const int wtap = kiln_wg_tap(p, tap, off);
     kiln_im2col_load(a, amap, c, n, pos, off, full);
-    const int wtap = p.flip_w ? p.taps - 1 - tap : tap;
     if (PASS == 0) {
       // weight viewed as (cout, taps, cin): BN rows of cout, 64 cin each.
       kiln_tma_load_3d(b, bmap, c, wtap, tl.col0, full);
@@ -257,7 +283,7 @@ __device__ __forceinline__ void kiln_wg_load(const kiln_wg_problem& p, const kil
       kiln_tma_load_2d(a + j * CHUNK, amap, tl.row0 + 64 * j, pix, full);
     int at[3], off[3];
     const int nb = kiln_wg_pixel(p, pix, at);
-    kiln_wg_offsets(p, tl.tap, off);
+    kiln_wg_tap(p, tl.tap, off);
 #pragma unroll
     for (int j = 0; j < BN / 64; ++j)
       kiln_im2col_load(b + j * CHUNK, bmap, tl.col0 + 64 * j, nb, at, off, full);
@@ -313,6 +339,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {{kernel}}(
   int it = 0;
   for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
     const kiln_wg_tile tl = kiln_wg_decode(p, t);
+    if (tl.k1 == tl.k0) {
+      // Nothing to multiply (a stride phase no tap reaches): the tile is zeros.
+#pragma unroll
+      for (int sl = 0; sl < SLICES; ++sl)
+#pragma unroll
+        for (int j = 0; j < BN / 2; ++j) acc[sl][j] = 0.f;
+    }
     for (int k = tl.k0; k < tl.k1; ++k, ++it) {
       const int s = it % STAGES;
       kiln_mbarrier_wait(&full[s], (it / STAGES) & 1);
@@ -340,7 +373,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {{kernel}}(
     // Thread (warp, lane) holds rows warp * 16 + lane / 4 (+ 8) of each slice and column pairs
     // 8 j + 2 (lane % 4).
     const int c0 = 2 * (lane % 4);
-    const int out_tap = p.flip_w ? p.taps - 1 - tl.tap : tl.tap;
+    int unused[3];
+    const int out_tap = PASS == 2 ? kiln_wg_tap(p, tl.tap, unused) : 0;
     const long long col_base = PASS == 2 ? (long long)out_tap * p.cols + tl.col0 : tl.col0;
     const int col_limit = p.cols - tl.col0;
 #pragma unroll
@@ -348,7 +382,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {{kernel}}(
       const int sl = sh / 2, half = sh % 2;
       const int r = tl.row0 + (cw * SLICES + sl) * 64 + warp * 16 + lane / 4 + 8 * half;
       if (r >= p.rows) continue;
-      const long long row = (long long)r * p.ldc + col_base;
+      const long long row = (PASS == 1 ? kiln_wg_out_row(p, r) : r) * p.ldc + col_base;
 #pragma unroll
       for (int j = 0; j < BN / 8; ++j) {
         const int c = 8 * j + c0;

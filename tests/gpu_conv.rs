@@ -506,7 +506,7 @@ fn every_tile_and_vector_width() {
 
 /// Non-contiguous operands are copied once and give the same result.
 /// Every Hopper tile, split and unsplit, on layers off its tile and channel-block sizes in 1, 2
-/// and 3 spatial dims, both 16-bit types, graph mode. Skipped on GPUs other than sm_90.
+/// and 3 spatial dims, strided backward-data among them, both 16-bit types, graph mode. Skipped on GPUs other than sm_90.
 #[test]
 fn every_hopper_tile() {
     let Some(gpus) = common::gpus_or_skip("every_hopper_tile") else {
@@ -539,6 +539,20 @@ fn every_hopper_tile() {
             &[264, 2, 3, 2, 16],
             d().padding(&[1]).kernel_dilation(&[1, 2, 1]),
         ),
+        // Backward-data by stride phase: phases without taps (stride above the kernel), and
+        // phases of unequal sizes and tap counts in 3-D.
+        case(
+            "1d stride 3 > kernel 2, 24 -> 48",
+            &[2, 50, 24],
+            &[48, 2, 24],
+            d().strides(&[3]).padding(&[1]),
+        ),
+        case(
+            "3d 3x2x3 stride (2, 1, 2), 16 -> 40",
+            &[2, 5, 6, 7, 16],
+            &[40, 3, 2, 3, 16],
+            d().padding(&[1]).strides(&[2, 1, 2]),
+        ),
     ];
     let mut failures = Vec::new();
     let mut checked = 0;
@@ -552,9 +566,6 @@ fn every_hopper_tile() {
                         &[1]
                     };
                     for &s in splits {
-                        if pass == Pass::BackwardData && c.p.strides != [1] {
-                            continue;
-                        }
                         let (got, want, _, _) =
                             run_pass(&mut enc, dtype, c, pass, Some(Explicit::Wgmma(t, s)), 9);
                         let (ratio, at) = worst(dtype, &got, &want);

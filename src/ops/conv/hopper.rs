@@ -4,8 +4,8 @@
 //! See `templates/conv_wgmma.cu`.
 //!
 //! It takes 16-bit convolutions of one group, no input dilation, channel counts that are a
-//! multiple of 8 (the copy engine steps rows in 16-byte units), and for backward-data stride 1;
-//! everything else runs on the `mma.sync` path. `KILN_CONV_PATH` picks the path for tests and
+//! multiple of 8 (the copy engine steps rows in 16-byte units), and backward-data of at most
+//! 16 stride phases (one launch each); everything else runs on the `mma.sync` path. `KILN_CONV_PATH` picks the path for tests and
 //! comparisons.
 
 use crate::dtype::DType;
@@ -112,19 +112,35 @@ pub struct Problem {
     pub pix: [i32; 3],
     pub stride: [i32; 3],
     pub lower: [i32; 3],
-    pub ks: [i32; 3],
-    pub dil: [i32; 3],
+    pub taps_per_dim: [i32; 3],
+    pub tap_step: [i32; 3],
     pub taps: i32,
-    pub flip_w: i32,
+    pub kernel: [i32; 3],
+    pub weight_first: [i32; 3],
+    pub weight_step: [i32; 3],
+    pub out_pix: [i32; 3],
+    pub out_first: [i32; 3],
+    pub out_step: [i32; 3],
     pub ldc: i64,
     pub split_elems: i64,
 }
 
-/// What a launch of the Hopper kernel needs besides its tensors.
+/// What a launch of the Hopper kernel needs besides its tensors: one kernel launch per phase
+/// (backward-data at stride s runs s^dims phases, each a stride-1 problem over the cotangent;
+/// every other pass is one phase).
 #[derive(Clone, Debug)]
 pub struct Launch {
     pub pass: Pass,
     pub tile: Tile,
+    pub splits: usize,
+    /// Blocks of each phase's persistent grid: at most this many (one per SM).
+    pub max_blocks: usize,
+    pub phases: Vec<Phase>,
+}
+
+/// One kernel launch of a [`Launch`].
+#[derive(Clone, Debug)]
+pub struct Phase {
     pub problem: Problem,
     /// The window the activations' im2col map walks, per spatial dim (outermost first).
     pub window: Im2colWindow,
@@ -133,6 +149,10 @@ pub struct Launch {
 fn i3(v: [usize; 3]) -> [i32; 3] {
     v.map(|x| x as i32)
 }
+
+/// Backward-data phases a Hopper launch may run; more (large strides in 2-D and 3-D) go to the
+/// `mma.sync` path, which runs phases as one grid.
+const MAX_PHASES: usize = 16;
 
 /// Why the Hopper path cannot take `key` on a GPU of compute capability `cc`, or None.
 pub fn unsupported(cc: (u32, u32), key: &PlanKey) -> Option<&'static str> {
@@ -153,53 +173,172 @@ pub fn unsupported(cc: (u32, u32), key: &PlanKey) -> Option<&'static str> {
     if g.input_dilation.iter().any(|&d| d != 1) {
         return Some("input dilation");
     }
-    if key.pass == Pass::BackwardData && g.stride.iter().any(|&s| s != 1) {
-        return Some("strided backward-data");
-    }
     if g.cin % 8 != 0 || g.cout % 8 != 0 {
         return Some("channels not a multiple of 8");
     }
     if !key.vec_a || !key.vec_b {
         return Some("operands not 16-byte aligned");
     }
-    let window = window(key.pass, g);
+    let phases = phases(key.pass, g);
+    if phases.len() > MAX_PHASES {
+        return Some("more stride phases than the Hopper path launches");
+    }
     let bits = [16, 8, 5][g.spatial - 1];
     let (lo, hi) = (-(1i64 << (bits - 1)), (1i64 << (bits - 1)) - 1);
-    let corners_fit = window
-        .lower
-        .iter()
-        .chain(&window.upper)
-        .all(|&c| (lo..=hi).contains(&(c as i64)));
-    let offsets_fit = (0..3).all(|d| (g.kernel[d] - 1) * g.kernel_dilation[d] < 1 << 16);
-    if !corners_fit || !offsets_fit || g.stride.iter().any(|&s| s > 8) {
+    let fits = |axes: &[Axis; 3]| {
+        let w = window(g, axes);
+        let corners = w.lower.iter().chain(&w.upper);
+        let offsets = axes
+            .iter()
+            .all(|a| a.taps.saturating_sub(1) * a.tap_step < 1 << 16);
+        corners
+            .into_iter()
+            .all(|&c| (lo..=hi).contains(&(c as i64)))
+            && offsets
+            && axes.iter().all(|a| a.step <= 8)
+    };
+    if !phases.iter().all(fits) {
         return Some("padding, dilation or stride beyond the copy engine's fields");
     }
     None
 }
 
-/// The im2col window of the pass's activation operand (input, or the cotangent for
+/// How one launch walks one dim (outermost first; dims the arrays lack walk one pixel).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Axis {
+    /// Pixels of C's pixel space along the dim.
+    walked: usize,
+    /// The activation position pixel i reads at tap 0: `lower + i * step`.
+    lower: i64,
+    step: usize,
+    /// The activation operand's extent.
+    extent: usize,
+    /// Taps of the launch; tap t reads `t * tap_step` positions further.
+    taps: usize,
+    tap_step: usize,
+    /// The weight's tap for tap t: `weight_first + t * weight_step`.
+    weight_first: i64,
+    weight_step: i64,
+    /// C's pixel i is output position `out_first + i * out_step` (backward-data's phases).
+    out_first: usize,
+    out_step: usize,
+}
+
+/// The weight taps of geometric taps `first`, `first + step`, ...: the kernel is applied
+/// turned round when the geometry flips it.
+fn weight_taps(g: &Geometry, d: usize, first: i64, step: i64) -> (i64, i64) {
+    if g.flip {
+        (g.kernel[d] as i64 - 1 - first, -step)
+    } else {
+        (first, step)
+    }
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+/// The axes of the launches of `pass` along dim `d`: one, or one per stride phase of
+/// backward-data.
+fn axes(pass: Pass, g: &Geometry, d: usize) -> Vec<Axis> {
+    let (k, dil, s) = (g.kernel[d], g.kernel_dilation[d], g.stride[d]);
+    let pad = g.pad_lo[d] as i64;
+    if pass != Pass::BackwardData {
+        let (weight_first, weight_step) = weight_taps(g, d, 0, 1);
+        return vec![Axis {
+            walked: g.output[d],
+            lower: -pad,
+            step: s,
+            extent: g.input[d],
+            taps: k,
+            tap_step: dil,
+            weight_first,
+            weight_step,
+            out_first: 0,
+            out_step: 1,
+        }];
+    }
+    // Input position x gets tap r of output o where o * s - pad + r * dil = x. Phase f holds the
+    // positions x = f + i * s; its taps are those with (f + pad - r * dil) divisible by s, every
+    // `rho`-th from the first, and tap r reads output i + (f + pad - r * dil) / s. Ordered by
+    // what they read (r descending), consecutive taps read `rho * dil / s` outputs apart.
+    let rho = s / gcd(s, dil);
+    (0..s)
+        .map(|f| {
+            let walked = g.input[d].saturating_sub(f).div_ceil(s);
+            let reads = |r: usize| f as i64 + pad - (r * dil) as i64;
+            let first = (0..k.min(rho)).find(|&r| reads(r).rem_euclid(s as i64) == 0);
+            let Some(r0) = first else {
+                // No tap reaches these positions: the launch writes their zeros.
+                return Axis {
+                    walked,
+                    lower: 0,
+                    step: 1,
+                    extent: g.output[d],
+                    taps: 0,
+                    tap_step: 1,
+                    weight_first: 0,
+                    weight_step: 1,
+                    out_first: f,
+                    out_step: s,
+                };
+            };
+            let taps = (k - 1 - r0) / rho + 1;
+            let last = r0 + (taps - 1) * rho;
+            let (weight_first, weight_step) = weight_taps(g, d, last as i64, -(rho as i64));
+            Axis {
+                walked,
+                lower: reads(last) / s as i64,
+                step: 1,
+                extent: g.output[d],
+                taps,
+                tap_step: rho * dil / s,
+                weight_first,
+                weight_step,
+                out_first: f,
+                out_step: s,
+            }
+        })
+        .collect()
+}
+
+/// The axes of every launch of `pass`, phases in row-major order of their first positions.
+fn phases(pass: Pass, g: &Geometry) -> Vec<[Axis; 3]> {
+    let per_dim = [axes(pass, g, 0), axes(pass, g, 1), axes(pass, g, 2)];
+    let mut out = Vec::new();
+    for &a in &per_dim[0] {
+        for &b in &per_dim[1] {
+            for &c in &per_dim[2] {
+                out.push([a, b, c]);
+            }
+        }
+    }
+    out
+}
+
+/// The im2col window of a launch's activation operand (input, or the cotangent for
 /// backward-data), per spatial dim of the arrays: pixel i of a row reads position
-/// `lower + i * stride`, for as many pixels as the GEMM's pixel space has.
-fn window(pass: Pass, g: &Geometry) -> Im2colWindow {
+/// `lower + i * stride`, for as many pixels as the launch's pixel space has. A launch without
+/// taps copies nothing and takes the plain window.
+fn window(g: &Geometry, axes: &[Axis; 3]) -> Im2colWindow {
     let dims = 3 - g.spatial..3;
+    let copies = axes.iter().all(|a| a.taps > 0 && a.walked > 0);
     let (mut lower, mut upper, mut stride) = (vec![], vec![], vec![]);
-    for d in dims {
-        let (lo, s, walked, extent) = match pass {
-            // The cotangent with the kernel turned round: tap t' of the window reads
-            // position i - ((k - 1) * dilation - pad) + t' * dilation.
-            Pass::BackwardData => (
-                g.pad_lo[d] as i64 - ((g.kernel[d] - 1) * g.kernel_dilation[d]) as i64,
-                1,
-                g.input[d],
-                g.output[d],
-            ),
-            _ => (-(g.pad_lo[d] as i64), g.stride[d], g.output[d], g.input[d]),
+    for a in &axes[dims] {
+        let (lo, hi) = if copies {
+            // Half-open: `walked` positions `step` apart span (walked - 1) * step + 1 from lo.
+            let hi = a.lower + ((a.walked - 1) * a.step + 1) as i64 - a.extent as i64;
+            (a.lower, hi)
+        } else {
+            (0, 0)
         };
-        // Half-open: `walked` positions `s` apart span (walked - 1) * s + 1 from `lo`.
-        let hi = lo + ((walked - 1) * s + 1) as i64 - extent as i64;
         lower.push(lo.clamp(i32::MIN as i64, i32::MAX as i64) as i32);
         upper.push(hi.clamp(i32::MIN as i64, i32::MAX as i64) as i32);
-        stride.push(s as u32);
+        stride.push(if copies { a.step as u32 } else { 1 });
     }
     Im2colWindow {
         lower,
@@ -239,10 +378,12 @@ struct Gemm {
     ldc: usize,
 }
 
-fn gemm(pass: Pass, g: &Geometry) -> Gemm {
-    let taps = g.kernel_size();
-    let per_tap = |channels: usize, rows: usize, cols: usize, pix: [usize; 3]| Gemm {
-        rows,
+fn gemm(pass: Pass, g: &Geometry, axes: &[Axis; 3]) -> Gemm {
+    let taps: usize = axes.iter().map(|a| a.taps).product();
+    let pix = axes.map(|a| a.walked);
+    let pixels = g.batch * pix.iter().product::<usize>();
+    let per_tap = |channels: usize, cols: usize| Gemm {
+        rows: pixels,
         cols,
         groups: 1,
         pix,
@@ -251,15 +392,15 @@ fn gemm(pass: Pass, g: &Geometry) -> Gemm {
         ldc: cols,
     };
     match pass {
-        Pass::Forward => per_tap(g.cin, g.batch * g.output_pixels(), g.cout, g.output),
-        Pass::BackwardData => per_tap(g.cout, g.batch * g.input_pixels(), g.cin, g.input),
+        Pass::Forward => per_tap(g.cin, g.cout),
+        Pass::BackwardData => per_tap(g.cout, g.cin),
         Pass::BackwardWeight => Gemm {
             rows: g.cout,
             cols: g.cin,
             groups: taps,
-            pix: g.output,
+            pix,
             cblocks: 0,
-            k_iters: (g.batch * g.output_pixels()).div_ceil(BK),
+            k_iters: pixels.div_ceil(BK),
             ldc: taps * g.cin,
         },
     }
@@ -275,30 +416,39 @@ impl Gemm {
     }
 }
 
+/// The GEMMs of the launches of `pass` that have pixels to write, with their axes.
+fn gemms(pass: Pass, g: &Geometry) -> Vec<(Gemm, [Axis; 3])> {
+    phases(pass, g)
+        .into_iter()
+        .map(|axes| (gemm(pass, g, &axes), axes))
+        .filter(|(gm, _)| gm.rows > 0)
+        .collect()
+}
+
 /// The tile and the split of backward-weight's pixels with the least modelled time on `sms`
-/// multiprocessors (one block each): rounds of tiles over the SMs times the time of one tile
-/// (its k steps plus about two for filling and storing), plus for a split the f32 partials
-/// written and read back.
+/// multiprocessors (one block each), summed over the launches: rounds of tiles over the SMs
+/// times the time of one tile (its k steps plus about two for filling and storing), plus for a
+/// split the f32 partials written and read back.
 fn choose(sms: usize, pass: Pass, g: &Geometry) -> (Tile, usize) {
-    let gm = gemm(pass, g);
-    let k_iters = gm.k_iters;
+    let gemms = gemms(pass, g);
+    let most = match pass {
+        Pass::BackwardWeight => (gemms[0].0.k_iters / MIN_K_PER_SPLIT).clamp(1, 64),
+        _ => 1,
+    };
     let mut best: Option<(f64, Tile, usize)> = None;
     for t in TILES {
-        let (m_tiles, n_tiles) = gm.tiles(t);
-        let base = m_tiles * n_tiles;
-        let most = match pass {
-            Pass::BackwardWeight => (k_iters / MIN_K_PER_SPLIT).clamp(1, 64),
-            _ => 1,
-        };
         for splits in 1..=most {
-            let per = k_iters.div_ceil(splits);
-            let rounds = (base * splits).div_ceil(sms) as f64;
-            let partials = if splits > 1 {
-                (2 * splits * g.cout * g.kernel_size() * g.cin * 4) as f64 / MEMORY_BYTES_PER_S
-            } else {
-                0.0
-            };
-            let cost = rounds * (per + 2) as f64 * step_seconds(t) + partials;
+            let mut cost = 0.0;
+            for (gm, _) in &gemms {
+                let (m_tiles, n_tiles) = gm.tiles(t);
+                let per = gm.k_iters.div_ceil(splits);
+                let rounds = (m_tiles * n_tiles * splits).div_ceil(sms) as f64;
+                cost += rounds * (per + 2) as f64 * step_seconds(t);
+            }
+            if splits > 1 {
+                cost +=
+                    (2 * splits * g.cout * g.kernel_size() * g.cin * 4) as f64 / MEMORY_BYTES_PER_S;
+            }
             if best.map_or(true, |(c, _, _)| cost < c) {
                 best = Some((cost, t, splits));
             }
@@ -318,72 +468,94 @@ pub fn plan(device: &Device, path: ConvPath, key: &PlanKey) -> Option<(KernelSpe
     if unsupported(info.compute_capability, key).is_some() {
         return None;
     }
-    let (tile, splits) = choose(info.multiprocessors as usize, key.pass, &key.geometry);
-    Some(launch_for(key, tile, splits))
+    let sms = info.multiprocessors as usize;
+    let (tile, splits) = choose(sms, key.pass, &key.geometry);
+    Some(launch_for(key, tile, splits, sms))
 }
 
-/// The spec and launch of `key` with `tile` and `splits` (backward-weight).
-pub fn launch_for(key: &PlanKey, tile: Tile, splits: usize) -> (KernelSpec, Launch) {
+/// The spec and launch of `key` with `tile` and `splits` (backward-weight), on `sms`
+/// multiprocessors.
+pub fn launch_for(key: &PlanKey, tile: Tile, splits: usize, sms: usize) -> (KernelSpec, Launch) {
     let g = &key.geometry;
-    let taps = g.kernel_size();
-    let gm = gemm(key.pass, g);
-    let (m_tiles, n_tiles) = gm.tiles(tile);
-    let k_iters = gm.k_iters;
-    let splits = splits.clamp(1, k_iters.max(1));
-    let k_per_split = k_iters.div_ceil(splits).max(1);
-    let splits = k_iters.div_ceil(k_per_split).max(1);
-    let window = window(key.pass, g);
-    let mut lower = [0i32; 3];
-    let mut stride = [1i32; 3];
-    for (i, d) in (3 - g.spatial..3).enumerate() {
-        lower[d] = window.lower[i];
-        stride[d] = window.stride[i] as i32;
-    }
-    let flip_w = match key.pass {
-        Pass::BackwardData => !g.flip,
-        _ => g.flip,
-    };
-    let problem = Problem {
-        rows: gm.rows as i32,
-        cols: gm.cols as i32,
-        m_tiles: m_tiles as i32,
-        n_tiles: n_tiles as i32,
-        splits: splits as i32,
-        k_per_split: k_per_split as i32,
-        k_iters: k_iters as i32,
-        cblocks: gm.cblocks as i32,
-        col_blocks: gm.cols.div_ceil(tile.bn) as i32,
-        batch: g.batch as i32,
-        pix: i3(gm.pix),
-        stride,
-        lower,
-        ks: i3(g.kernel),
-        dil: i3(g.kernel_dilation),
-        taps: taps as i32,
-        flip_w: flip_w as i32,
-        ldc: gm.ldc as i64,
-        split_elems: (g.cout * taps * g.cin) as i64,
-    };
+    let mut chosen_splits = 1;
+    let phases = gemms(key.pass, g)
+        .into_iter()
+        .map(|(gm, axes)| {
+            let (m_tiles, n_tiles) = gm.tiles(tile);
+            let k_iters = gm.k_iters;
+            let splits = splits.clamp(1, k_iters.max(1));
+            let k_per_split = k_iters.div_ceil(splits).max(1);
+            let splits = k_iters.div_ceil(k_per_split).max(1);
+            chosen_splits = splits;
+            let window = window(g, &axes);
+            let field = |f: fn(&Axis) -> i64| axes.map(|a| f(&a) as i32);
+            let problem = Problem {
+                rows: gm.rows as i32,
+                cols: gm.cols as i32,
+                m_tiles: m_tiles as i32,
+                n_tiles: n_tiles as i32,
+                splits: splits as i32,
+                k_per_split: k_per_split as i32,
+                k_iters: k_iters as i32,
+                cblocks: gm.cblocks as i32,
+                col_blocks: gm.cols.div_ceil(tile.bn) as i32,
+                batch: g.batch as i32,
+                pix: i3(gm.pix),
+                stride: field(|a| a.step as i64),
+                lower: field(|a| a.lower),
+                taps_per_dim: field(|a| a.taps as i64),
+                tap_step: field(|a| a.tap_step as i64),
+                taps: axes.iter().map(|a| a.taps).product::<usize>() as i32,
+                kernel: i3(g.kernel),
+                weight_first: field(|a| a.weight_first),
+                weight_step: field(|a| a.weight_step),
+                out_pix: i3(match key.pass {
+                    Pass::BackwardData => g.input,
+                    _ => gm.pix,
+                }),
+                out_first: field(|a| a.out_first as i64),
+                out_step: field(|a| a.out_step as i64),
+                ldc: gm.ldc as i64,
+                split_elems: (g.cout * g.kernel_size() * g.cin) as i64,
+            };
+            Phase { problem, window }
+        })
+        .collect();
     (
         spec(key.dtype, key.pass, tile, g.spatial),
         Launch {
             pass: key.pass,
             tile,
-            problem,
-            window,
+            splits: chosen_splits,
+            max_blocks: sms.max(1),
+            phases,
         },
     )
 }
 
-impl Launch {
+impl Phase {
+    /// Tiles of the phase's schedule.
     pub fn tiles(&self) -> usize {
         let p = &self.problem;
         (p.m_tiles * p.n_tiles * p.splits) as usize
     }
+}
 
-    /// The tensor maps of GEMM operands `a` and `b` (see `ops::conv::run`): forward (input,
-    /// weight), backward-data (cotangent, weight), backward-weight (cotangent, input).
-    pub fn maps(&self, a: &Array, b: &Array) -> Result<(TensorMap, TensorMap)> {
+impl Launch {
+    /// Tiles of every phase's schedule.
+    pub fn tiles(&self) -> usize {
+        self.phases.iter().map(Phase::tiles).sum()
+    }
+
+    /// Blocks of `phase`'s persistent grid.
+    pub fn blocks(&self, phase: &Phase) -> u32 {
+        phase.tiles().clamp(1, self.max_blocks) as u32
+    }
+
+    /// The tensor maps of `phase` over GEMM operands `a` and `b` (see `ops::conv::run`):
+    /// forward (input, weight), backward-data (cotangent, weight), backward-weight (cotangent,
+    /// input).
+    pub fn maps(&self, phase: &Phase, a: &Array, b: &Array) -> Result<(TensorMap, TensorMap)> {
         let Tile { bm, bn } = self.tile;
         let w = Swizzle::B128;
         let weight_3d = |wt: &Array| {
@@ -393,11 +565,11 @@ impl Launch {
         };
         Ok(match self.pass {
             Pass::Forward => (
-                im2col(a, &self.window, BK, bm, w)?,
+                im2col(a, &phase.window, BK, bm, w)?,
                 tiled(&weight_3d(b)?, &[bn, 1, BK], w)?,
             ),
             Pass::BackwardData => (
-                im2col(a, &self.window, BK, bm, w)?,
+                im2col(a, &phase.window, BK, bm, w)?,
                 tiled(&weight_3d(b)?, &[64, 1, BK], w)?,
             ),
             Pass::BackwardWeight => {
@@ -406,7 +578,7 @@ impl Launch {
                 let dy = a.reshape(&[a.size() / cout, cout])?;
                 (
                     tiled(&dy, &[BK, 64], w)?,
-                    im2col(b, &self.window, 64, BK, w)?,
+                    im2col(b, &phase.window, 64, BK, w)?,
                 )
             }
         })
@@ -427,6 +599,10 @@ mod tests {
             vec_a: true,
             vec_b: true,
         }
+    }
+
+    fn first_window(pass: Pass, g: &Geometry) -> Im2colWindow {
+        window(g, &phases(pass, g)[0])
     }
 
     #[test]
@@ -451,19 +627,19 @@ mod tests {
         // 3x3, stride 2, pad 1 on 9x9: 5 outputs reading from -1, 1, 3, 5, 7.
         let p = ConvParams::default().strides(&[2]).padding(&[1]);
         let k = key(Pass::Forward, &[1, 9, 9, 8], &[8, 3, 3, 8], &p);
-        let w = window(Pass::Forward, &k.geometry);
+        let w = first_window(Pass::Forward, &k.geometry);
         assert_eq!(walk(&w, 0, 9), vec![-1, 1, 3, 5, 7]);
         // Uneven padding: lo 2, hi 0, kernel 5 on 7 -> 5 outputs from -2.
         let p = ConvParams::default().padding_lo(&[2]).padding_hi(&[0]);
         let k = key(Pass::Forward, &[1, 7, 8], &[8, 5, 8], &p);
         assert_eq!(
-            walk(&window(Pass::Forward, &k.geometry), 0, 7),
+            walk(&first_window(Pass::Forward, &k.geometry), 0, 7),
             vec![-2, -1, 0, 1, 2]
         );
         // Backward-data of 3x3 pad 1 stride 1 on 6: 6 input pixels, the cotangent read from -1.
         let p = ConvParams::default().padding(&[1]);
         let k = key(Pass::BackwardData, &[1, 6, 6, 8], &[8, 3, 3, 8], &p);
-        let w = window(Pass::BackwardData, &k.geometry);
+        let w = first_window(Pass::BackwardData, &k.geometry);
         assert_eq!(walk(&w, 1, 6), vec![-1, 0, 1, 2, 3, 4]);
     }
 
@@ -486,7 +662,18 @@ mod tests {
             unsupported(hopper, &key(Pass::Forward, &x, &wt, &strided)),
             None
         );
-        assert!(unsupported(hopper, &key(Pass::BackwardData, &x, &wt, &strided)).is_some());
+        assert_eq!(
+            unsupported(hopper, &key(Pass::BackwardData, &x, &wt, &strided)),
+            None
+        );
+        // Stride 3 in 3-D: 27 phases.
+        let many = key(
+            Pass::BackwardData,
+            &[1, 6, 6, 6, 8],
+            &[8, 3, 3, 3, 8],
+            &d().strides(&[3]),
+        );
+        assert!(unsupported(hopper, &many).is_some());
         let odd = key(Pass::Forward, &[2, 8, 8, 12], &[64, 3, 3, 12], &d());
         assert!(unsupported(hopper, &odd).is_some());
         // A 3-D map's corners take 5 bits: a pad of 20 does not fit.
@@ -520,9 +707,83 @@ mod tests {
             },
             tile,
             splits,
+            132,
         );
         assert!(splits > 1, "{tile:?} {splits}");
         assert!(l.tiles() >= 66, "{} tiles", l.tiles());
-        assert!(l.problem.k_per_split as usize >= MIN_K_PER_SPLIT);
+        assert_eq!(l.phases.len(), 1);
+        assert!(l.phases[0].problem.k_per_split as usize >= MIN_K_PER_SPLIT);
+    }
+
+    /// Backward-data's phases along one dim, against every (input position, tap, output)
+    /// triple of the convolution: each one read exactly once, by the launch that writes that
+    /// input position, through the right weight tap; positions no tap reaches are written as
+    /// zeros by a launch without taps.
+    #[test]
+    fn phases_cover_every_contribution_once() {
+        let mut cases = 0;
+        for input in 1..=9usize {
+            for k in 1..=4usize {
+                for s in 1..=4usize {
+                    for dil in 1..=3usize {
+                        for pad in 0..=(k - 1) * dil {
+                            for flip in [false, true] {
+                                let p = ConvParams::default()
+                                    .strides(&[s])
+                                    .padding(&[pad])
+                                    .kernel_dilation(&[dil])
+                                    .flip(flip);
+                                let Ok(g) = Geometry::new(&[1, input, 8], &[8, k, 8], &p) else {
+                                    continue;
+                                };
+                                check_phases(&g);
+                                cases += 1;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert!(cases > 500, "{cases} geometries");
+    }
+
+    fn check_phases(g: &Geometry) {
+        let (k, s, dil, pad) = (
+            g.kernel[2] as i64,
+            g.stride[2] as i64,
+            g.kernel_dilation[2] as i64,
+            g.pad_lo[2] as i64,
+        );
+        let out = g.output[2] as i64;
+        let mut want = vec![];
+        for x in 0..g.input[2] as i64 {
+            for r in 0..k {
+                let o = x + pad - r * dil;
+                if o % s == 0 && (0..out).contains(&(o / s)) {
+                    let w = if g.flip { k - 1 - r } else { r };
+                    want.push((x, w, o / s));
+                }
+            }
+        }
+        let mut got = vec![];
+        let mut written = vec![0; g.input[2]];
+        for a in axes(Pass::BackwardData, g, 2) {
+            for i in 0..a.walked {
+                let x = (a.out_first + i * a.out_step) as i64;
+                written[x as usize] += 1;
+                for t in 0..a.taps {
+                    let o = a.lower + i as i64 + (t * a.tap_step) as i64;
+                    let w = a.weight_first + t as i64 * a.weight_step;
+                    assert!((0..k).contains(&w), "{g:?}: weight tap {w}");
+                    if (0..out).contains(&o) {
+                        got.push((x, w, o));
+                    }
+                }
+            }
+        }
+        want.sort();
+        got.sort();
+        assert_eq!(got, want, "{g:?}");
+        assert!(written.iter().all(|&n| n == 1), "{g:?}: {written:?}");
     }
 }

@@ -315,36 +315,49 @@ fn launch(enc: &mut CommandEncoder, plan: &Plan, a: &Array, b: &Array, out: &Arr
     } else {
         None
     };
-    let mut args = KernelArgs::new();
     let partial_ptr = partial.as_ref().map_or(0, |p| p.device_ptr());
+    let target = partial.as_ref().unwrap_or(out);
     match &plan.kind {
         Kind::Igemm(problem) => {
+            let mut args = KernelArgs::new();
             args.push(a.device_ptr())
                 .push(b.device_ptr())
                 .push(out.device_ptr())
                 .push(partial_ptr)
                 .push(*problem);
+            enc.launch(
+                &plan.kernel,
+                plan.grid,
+                plan.threads,
+                plan.shared,
+                args,
+                &[a, b],
+                &[target],
+            )?;
         }
         Kind::Wgmma(launch) => {
-            // The maps hold the operands' addresses: built per launch, checked by the driver.
-            let (amap, bmap) = launch.maps(a, b)?;
-            args.push(amap)
-                .push(bmap)
-                .push(out.device_ptr())
-                .push(partial_ptr)
-                .push(launch.problem);
+            // Backward-data's stride phases write disjoint pixels of `out`, one launch each.
+            for phase in &launch.phases {
+                // The maps hold the operands' addresses: built per launch, checked by the driver.
+                let (amap, bmap) = launch.maps(phase, a, b)?;
+                let mut args = KernelArgs::new();
+                args.push(amap)
+                    .push(bmap)
+                    .push(out.device_ptr())
+                    .push(partial_ptr)
+                    .push(phase.problem);
+                enc.launch(
+                    &plan.kernel,
+                    launch.blocks(phase),
+                    plan.threads,
+                    plan.shared,
+                    args,
+                    &[a, b],
+                    &[target],
+                )?;
+            }
         }
     }
-    let target = partial.as_ref().unwrap_or(out);
-    enc.launch(
-        &plan.kernel,
-        plan.grid,
-        plan.threads,
-        plan.shared,
-        args,
-        &[a, b],
-        &[target],
-    )?;
     if let (Some(p), Some(kernel)) = (&partial, &plan.split_sum) {
         let n = out.size();
         let mut args = KernelArgs::new();

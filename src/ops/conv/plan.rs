@@ -278,7 +278,8 @@ pub fn plan_wgmma(
     tile: hopper::Tile,
     splits: usize,
 ) -> Result<Plan> {
-    let (spec, launch) = hopper::launch_for(&key, tile, splits);
+    let sms = device.info().multiprocessors as usize;
+    let (spec, launch) = hopper::launch_for(&key, tile, splits, sms);
     build_wgmma(device, &key, spec, launch)
 }
 
@@ -381,13 +382,13 @@ fn build_wgmma(
     let kernel = device.kernel(&spec)?;
     let shared = hopper::shared_bytes(launch.tile);
     kernel.allow_shared(shared)?;
-    let blocks = launch.tiles().min(device.info().multiprocessors as usize);
-    let splits = launch.problem.splits as usize;
+    let splits = launch.splits;
     let split_sum = split_sum_for(device, key.dtype, splits)?;
     Ok(Plan {
         kernel,
         spec,
-        grid: (blocks.max(1) as u32, 1, 1),
+        // Each phase's launch takes its own grid (Launch::blocks).
+        grid: (launch.max_blocks as u32, 1, 1),
         threads: hopper::THREADS as u32,
         shared: shared as u32,
         splits,
