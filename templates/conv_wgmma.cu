@@ -32,6 +32,8 @@ constexpr int SLICES = BM / 128;
 constexpr int A_MN = PASS == 2, B_MN = PASS != 0;
 constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, CHUNK = 64 * BK * 2;
 constexpr int THREADS = 384;
+// Shared memory each consumer warp stages its stores through: 16 rows of 64 columns.
+constexpr int EPILOGUE_WARP_BYTES = 16 * 64 * 2;
 
 // Mirrors ops::conv::hopper::Problem (repr(C)).
 struct kiln_wg_problem {
@@ -300,7 +302,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {{kernel}}(
   unsigned char* smem = (unsigned char*)(((size_t)smem_raw + 1023) & ~(size_t)1023);
   unsigned char* a_stage = smem;
   unsigned char* b_stage = smem + STAGES * A_BYTES;
-  unsigned long long* full = (unsigned long long*)(b_stage + STAGES * B_BYTES);
+  unsigned char* epilogue = b_stage + STAGES * B_BYTES;
+  unsigned long long* full = (unsigned long long*)(epilogue + 8 * EPILOGUE_WARP_BYTES);
   unsigned long long* empty = full + STAGES;
 
   const int wg = threadIdx.x / 128;
@@ -372,30 +375,69 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {{kernel}}(
 
     // Thread (warp, lane) holds rows warp * 16 + lane / 4 (+ 8) of each slice and column pairs
     // 8 j + 2 (lane % 4).
-    const int c0 = 2 * (lane % 4);
     int unused[3];
     const int out_tap = PASS == 2 ? kiln_wg_tap(p, tl.tap, unused) : 0;
     const long long col_base = PASS == 2 ? (long long)out_tap * p.cols + tl.col0 : tl.col0;
     const int col_limit = p.cols - tl.col0;
+    if (PASS == 2 && p.splits > 1) {
+      // f32 partials, straight from the registers (pairs of columns).
+      const int c0 = 2 * (lane % 4);
 #pragma unroll
-    for (int sh = 0; sh < 2 * SLICES; ++sh) {
-      const int sl = sh / 2, half = sh % 2;
-      const int r = tl.row0 + (cw * SLICES + sl) * 64 + warp * 16 + lane / 4 + 8 * half;
-      if (r >= p.rows) continue;
-      const long long row = (PASS == 1 ? kiln_wg_out_row(p, r) : r) * p.ldc + col_base;
+      for (int sh = 0; sh < 2 * SLICES; ++sh) {
+        const int sl = sh / 2, half = sh % 2;
+        const int r = tl.row0 + (cw * SLICES + sl) * 64 + warp * 16 + lane / 4 + 8 * half;
+        if (r >= p.rows) continue;
+        float* row = partial + tl.split * p.split_elems + (long long)r * p.ldc + col_base;
 #pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
-        const int c = 8 * j + c0;
-        if (c >= col_limit) continue;  // columns come in even counts (channels % 8 == 0)
-        const float x = acc[sl][4 * j + 2 * half], y = acc[sl][4 * j + 2 * half + 1];
-        if (PASS == 2 && p.splits > 1) {
-          *reinterpret_cast<float2*>(partial + tl.split * p.split_elems + row + c) = make_float2(x, y);
-        } else {
-          kiln_vec<T, 2> v;
-          v.v[0] = kiln_from_float<T>(x);
-          v.v[1] = kiln_from_float<T>(y);
-          *reinterpret_cast<kiln_vec<T, 2>*>(out + row + c) = v;
+        for (int j = 0; j < BN / 8; ++j) {
+          const int c = 8 * j + c0;
+          if (c >= col_limit) continue;  // columns come in even counts (channels % 8 == 0)
+          *reinterpret_cast<float2*>(row + c) =
+              make_float2(acc[sl][4 * j + 2 * half], acc[sl][4 * j + 2 * half + 1]);
         }
+      }
+      continue;
+    }
+    // Through shared memory, so that each row leaves as whole 128-byte pieces: the warp puts
+    // its 16 rows x 64 columns of a slice in its 2 KiB (16-byte units of a row XOR-swizzled by
+    // the row, so that neither side conflicts on banks), then each quarter of the warp stores
+    // one row's 128 bytes with 16-byte stores.
+    unsigned char* stage = epilogue + (cw * 4 + warp) * EPILOGUE_WARP_BYTES;
+#pragma unroll
+    for (int sl = 0; sl < SLICES; ++sl) {
+      // The output offsets of the four rows this lane stores.
+      long long base[4];
+      bool valid[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int r = tl.row0 + (cw * SLICES + sl) * 64 + warp * 16 + 4 * q + lane / 8;
+        valid[q] = r < p.rows;
+        base[q] = (PASS == 1 ? kiln_wg_out_row(p, valid[q] ? r : 0) : r) * p.ldc + col_base;
+      }
+#pragma unroll
+      for (int ch = 0; ch < BN / 64; ++ch) {
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj) {
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int row = lane / 4 + 8 * half, j = 8 * ch + jj;
+            kiln_vec<T, 2> v;
+            v.v[0] = kiln_from_float<T>(acc[sl][4 * j + 2 * half]);
+            v.v[1] = kiln_from_float<T>(acc[sl][4 * j + 2 * half + 1]);
+            *reinterpret_cast<kiln_vec<T, 2>*>(stage + row * 128 + ((jj ^ (row & 7)) * 16) +
+                                               4 * (lane % 4)) = v;
+          }
+        }
+        __syncwarp();
+        const int unit = lane % 8, c = 64 * ch + 8 * unit;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int row = 4 * q + lane / 8;
+          const uint4 v =
+              *reinterpret_cast<const uint4*>(stage + row * 128 + ((unit ^ (row & 7)) * 16));
+          if (valid[q] && c < col_limit) *reinterpret_cast<uint4*>(out + base[q] + c) = v;
+        }
+        __syncwarp();
       }
     }
   }

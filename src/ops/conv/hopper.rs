@@ -57,11 +57,15 @@ pub fn stages(t: Tile) -> usize {
     STAGE_BUDGET / ((t.bm + t.bn) * BK * 2)
 }
 
-/// Dynamic shared memory of a block: the stages, two barriers per stage and 1 KiB to align the
-/// swizzled tiles.
+/// Shared memory each of the eight consumer warps stores its tile through (16 rows of 64
+/// 16-bit columns).
+const EPILOGUE_WARP_BYTES: usize = 16 * 64 * 2;
+
+/// Dynamic shared memory of a block: the stages, the consumers' store staging, two barriers per
+/// stage and 1 KiB to align the swizzled tiles.
 pub fn shared_bytes(t: Tile) -> usize {
     let s = stages(t);
-    s * (t.bm + t.bn) * BK * 2 + 2 * 8 * s + 1024
+    s * (t.bm + t.bn) * BK * 2 + 8 * EPILOGUE_WARP_BYTES + 2 * 8 * s + 1024
 }
 
 pub fn spec(dtype: DType, pass: Pass, t: Tile, spatial: usize) -> KernelSpec {
