@@ -40,7 +40,7 @@ struct kiln_wg_problem {
   int rows, cols;             // valid rows of C; valid columns of a column block (per tap for PASS 2)
   int m_tiles, n_tiles, splits, k_per_split, k_iters;
   int cblocks;                // 64-channel blocks of the reduced channels (PASS 0, 1)
-  int col_blocks;             // PASS 2: BN-column blocks of one tap's channels
+  int col_blocks;             // PASS 2: 64-channel chunks of one tap's columns
   int batch, pix[3];          // the pixel space the tiles walk: (batch, d, h, w)
   int stride[3], lower[3];    // a pixel's first activation coordinate: pos * stride + lower
   int taps_per_dim[3], tap_step[3], taps;  // the launch's taps; tap t's offset is t * tap_step
@@ -191,48 +191,45 @@ __device__ __forceinline__ void kiln_mbarrier_arrive(unsigned long long* bar) {
 
 // --- the tile schedule -------------------------------------------------------------------------
 
+// PASS 2's columns are 64-channel chunks of the taps laid end to end (chunk g: tap g / col_blocks,
+// channels from 64 (g % col_blocks)), so a tile may span taps and a layer's taps waste no more
+// than one partial tile between them.
 struct kiln_wg_tile {
-  int row0, col0, tap, split;  // first row and column of C; PASS 2: the tap and the split
-  int k0, k1;                  // its k iterations
+  int row0, col0, split;  // first row and column of C (PASS 2: chunk col0 / 64); the split
+  int k0, k1;             // its k iterations
 };
 
 __device__ __forceinline__ kiln_wg_tile kiln_wg_decode(const kiln_wg_problem& p, int t) {
   kiln_wg_tile r;
   const int nt = t % p.n_tiles, rest = t / p.n_tiles;
-  const int mt = rest % p.m_tiles;
+  r.row0 = (rest % p.m_tiles) * BM;
   r.split = rest / p.m_tiles;
-  r.row0 = mt * BM;
-  if (PASS == 2) {
-    r.tap = nt / p.col_blocks;
-    r.col0 = (nt % p.col_blocks) * BN;
-  } else {
-    r.tap = 0;
-    r.col0 = nt * BN;
-  }
+  r.col0 = nt * BN;
   r.k0 = r.split * p.k_per_split;
   r.k1 = min(r.k0 + p.k_per_split, p.k_iters);
   return r;
 }
 
-// Pixel `i` of the walk as (batch, first input coordinate per dim).
-__device__ __forceinline__ int kiln_wg_pixel(const kiln_wg_problem& p, int i, int (&pos)[3]) {
-  const int w = i % p.pix[2];
-  i /= p.pix[2];
-  const int h = i % p.pix[1];
-  i /= p.pix[1];
-  const int d = i % p.pix[0];
-  pos[0] = d * p.stride[0] + p.lower[0];
-  pos[1] = h * p.stride[1] + p.lower[1];
-  pos[2] = w * p.stride[2] + p.lower[2];
-  return i / p.pix[0];
-}
-
-// Tap `tap` of the launch: its im2col offset per dim, and the weight's tap it multiplies.
-__device__ __forceinline__ int kiln_wg_tap(const kiln_wg_problem& p, int tap, int (&off)[3]) {
-  int t[3];
+// A tap as digits per dim (outermost first), stepped without dividing.
+__device__ __forceinline__ void kiln_wg_tap_digits(const kiln_wg_problem& p, int tap, int (&t)[3]) {
   t[2] = tap % p.taps_per_dim[2];
   t[1] = (tap / p.taps_per_dim[2]) % p.taps_per_dim[1];
   t[0] = tap / (p.taps_per_dim[2] * p.taps_per_dim[1]);
+}
+
+__device__ __forceinline__ void kiln_wg_next_tap(const kiln_wg_problem& p, int (&t)[3]) {
+  if (++t[2] == p.taps_per_dim[2]) {
+    t[2] = 0;
+    if (++t[1] == p.taps_per_dim[1]) {
+      t[1] = 0;
+      ++t[0];
+    }
+  }
+}
+
+// Tap t's im2col offset per dim, and the weight's tap it multiplies.
+__device__ __forceinline__ int kiln_wg_tap_at(const kiln_wg_problem& p, const int (&t)[3],
+                                              int (&off)[3]) {
   int w = 0;
 #pragma unroll
   for (int d = 0; d < 3; ++d) {
@@ -240,6 +237,51 @@ __device__ __forceinline__ int kiln_wg_tap(const kiln_wg_problem& p, int tap, in
     w = w * p.kernel[d] + p.weight_first[d] + t[d] * p.weight_step[d];
   }
   return w;
+}
+
+__device__ __forceinline__ int kiln_wg_tap(const kiln_wg_problem& p, int tap, int (&off)[3]) {
+  int t[3];
+  kiln_wg_tap_digits(p, tap, t);
+  return kiln_wg_tap_at(p, t, off);
+}
+
+// A pixel of the walk as digits (batch, d, h, w), stepped forward without dividing per step.
+struct kiln_wg_cursor {
+  int n, i[3];
+};
+
+__device__ __forceinline__ kiln_wg_cursor kiln_wg_cursor_at(const kiln_wg_problem& p, int i) {
+  kiln_wg_cursor c;
+#pragma unroll
+  for (int d = 2; d >= 0; --d) {
+    c.i[d] = i % p.pix[d];
+    i /= p.pix[d];
+  }
+  c.n = i;
+  return c;
+}
+
+__device__ __forceinline__ void kiln_wg_cursor_add(const kiln_wg_problem& p, kiln_wg_cursor& c,
+                                                   int step) {
+  c.i[2] += step;
+  if (c.i[2] < p.pix[2]) return;
+  int carry = c.i[2] / p.pix[2];
+  c.i[2] -= carry * p.pix[2];
+#pragma unroll
+  for (int d = 1; d >= 0; --d) {
+    c.i[d] += carry;
+    if (c.i[d] < p.pix[d]) return;
+    carry = c.i[d] / p.pix[d];
+    c.i[d] -= carry * p.pix[d];
+  }
+  c.n += carry;
+}
+
+// The first activation coordinate per dim of the cursor's pixel.
+__device__ __forceinline__ void kiln_wg_position(const kiln_wg_problem& p, const kiln_wg_cursor& c,
+                                                 int (&pos)[3]) {
+#pragma unroll
+  for (int d = 0; d < 3; ++d) pos[d] = c.i[d] * p.stride[d] + p.lower[d];
 }
 
 // PASS 1: the output row of row r of C (its phase's pixel r).
@@ -257,38 +299,90 @@ __device__ __forceinline__ long long kiln_wg_out_row(const kiln_wg_problem& p, i
   return row;
 }
 
-// The producer's copies for k iteration `k` of tile `tl` into stage buffers a and b.
-__device__ __forceinline__ void kiln_wg_load(const kiln_wg_problem& p, const kiln_tensor_map* amap,
-                                             const kiln_tensor_map* bmap, const kiln_wg_tile& tl,
-                                             int n, const int (&pos)[3], int k, unsigned char* a,
-                                             unsigned char* b, unsigned long long* full) {
+// The output column of 64-column chunk `ch` of tile `tl`, and how many of its columns are real.
+__device__ __forceinline__ int kiln_wg_chunk(const kiln_wg_problem& p, const kiln_wg_tile& tl,
+                                             int ch, long long& col) {
   if (PASS != 2) {
-    // k = (tap, channel block); A: the tile's pixels at that tap, B: the weight at that tap.
-    const int tap = k / p.cblocks, c = (k % p.cblocks) * BK;
-    int off[3];
-    const int wtap = kiln_wg_tap(p, tap, off);
-    kiln_im2col_load(a, amap, c, n, pos, off, full);
-    if (PASS == 0) {
-      // weight viewed as (cout, taps, cin): BN rows of cout, 64 cin each.
-      kiln_tma_load_3d(b, bmap, c, wtap, tl.col0, full);
-    } else {
-      // (cout, taps, cin) again, now 64 cout rows (k) by 64 cin (n) per chunk.
-#pragma unroll
-      for (int j = 0; j < BN / 64; ++j)
-        kiln_tma_load_3d(b + j * CHUNK, bmap, tl.col0 + 64 * j, wtap, c, full);
+    col = tl.col0 + 64 * ch;
+    return p.cols - (tl.col0 + 64 * ch);
+  }
+  const int g = tl.col0 / 64 + ch, tap = g / p.col_blocks, c0 = (g % p.col_blocks) * 64;
+  if (tap >= p.taps) {
+    col = 0;
+    return 0;
+  }
+  int unused[3];
+  col = (long long)kiln_wg_tap(p, tap, unused) * p.cols + c0;
+  return p.cols - c0;
+}
+
+// The producer: one thread walks the tile schedule and issues each k step's copies into the
+// next stage, once both consumers are done with it.
+__device__ __forceinline__ void kiln_wg_produce(const kiln_wg_problem& p,
+                                                const kiln_tensor_map* amap,
+                                                const kiln_tensor_map* bmap,
+                                                unsigned char* a_stage, unsigned char* b_stage,
+                                                unsigned long long* full,
+                                                unsigned long long* empty) {
+  const int tiles = p.m_tiles * p.n_tiles * p.splits;
+  int it = 0;
+  for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const kiln_wg_tile tl = kiln_wg_decode(p, t);
+    // PASS 0, 1: k runs over (tap, channel block) from the first; the tile's pixels are fixed.
+    // PASS 2: k runs over blocks of 64 pixels; the tile's chunks (taps, channels) are fixed.
+    kiln_wg_cursor cur = kiln_wg_cursor_at(p, PASS == 2 ? tl.k0 * BK : tl.row0);
+    int tap[3] = {0, 0, 0}, cb = 0;
+    if (PASS == 2) {
+      const int g = tl.col0 / 64;
+      kiln_wg_tap_digits(p, g / p.col_blocks, tap);
+      cb = g % p.col_blocks;
     }
-  } else {
-    // k = a block of 64 pixels; A: the cotangent's (pixel, cout) box, B: the input's im2col box.
-    const int pix = k * BK;
+    for (int k = tl.k0; k < tl.k1; ++k, ++it) {
+      const int s = it % STAGES;
+      unsigned char* a = a_stage + s * A_BYTES;
+      unsigned char* b = b_stage + s * B_BYTES;
+      kiln_mbarrier_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
+      kiln_mbarrier_expect_bytes(&full[s], A_BYTES + B_BYTES);
+      int pos[3], off[3];
+      kiln_wg_position(p, cur, pos);
+      if (PASS != 2) {
+        // A: the tile's pixels at this tap; B: the weight at this tap.
+        const int wtap = kiln_wg_tap_at(p, tap, off), c = cb * BK;
+        kiln_im2col_load(a, amap, c, cur.n, pos, off, &full[s]);
+        if (PASS == 0) {
+          // weight viewed as (cout, taps, cin): BN rows of cout, 64 cin each.
+          kiln_tma_load_3d(b, bmap, c, wtap, tl.col0, &full[s]);
+        } else {
+          // (cout, taps, cin) again, now 64 cout rows (k) by 64 cin (n) per chunk.
 #pragma unroll
-    for (int j = 0; j < BM / 64; ++j)
-      kiln_tma_load_2d(a + j * CHUNK, amap, tl.row0 + 64 * j, pix, full);
-    int at[3], off[3];
-    const int nb = kiln_wg_pixel(p, pix, at);
-    kiln_wg_tap(p, tl.tap, off);
+          for (int j = 0; j < BN / 64; ++j)
+            kiln_tma_load_3d(b + j * CHUNK, bmap, tl.col0 + 64 * j, wtap, c, &full[s]);
+        }
+        if (++cb == p.cblocks) {
+          cb = 0;
+          kiln_wg_next_tap(p, tap);
+        }
+      } else {
+        // A: the cotangent's (pixel, cout) boxes; B: the input's im2col box of each chunk.
 #pragma unroll
-    for (int j = 0; j < BN / 64; ++j)
-      kiln_im2col_load(b + j * CHUNK, bmap, tl.col0 + 64 * j, nb, at, off, full);
+        for (int j = 0; j < BM / 64; ++j)
+          kiln_tma_load_2d(a + j * CHUNK, amap, tl.row0 + 64 * j, k * BK, &full[s]);
+        int t[3] = {tap[0], tap[1], tap[2]}, c = cb;
+#pragma unroll
+        for (int j = 0; j < BN / 64; ++j) {
+          if (j > 0 && ++c == p.col_blocks) {
+            c = 0;
+            kiln_wg_next_tap(p, t);
+          }
+          // Chunks past the last tap (the last tile's) copy tap 0: read, never stored.
+          const bool real = t[0] < p.taps_per_dim[0];
+          kiln_wg_tap_at(p, t, off);
+          if (!real) off[0] = off[1] = off[2] = 0;
+          kiln_im2col_load(b + j * CHUNK, bmap, c * 64, cur.n, pos, off, &full[s]);
+        }
+        kiln_wg_cursor_add(p, cur, BK);
+      }
+    }
   }
 }
 
@@ -318,20 +412,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {{kernel}}(
 
   if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-    if (threadIdx.x != 0) return;
-    int it = 0;
-    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-      const kiln_wg_tile tl = kiln_wg_decode(p, t);
-      int pos[3] = {0, 0, 0}, n = 0;
-      if (PASS != 2) n = kiln_wg_pixel(p, tl.row0, pos);
-      for (int k = tl.k0; k < tl.k1; ++k, ++it) {
-        const int s = it % STAGES;
-        kiln_mbarrier_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
-        kiln_mbarrier_expect_bytes(&full[s], A_BYTES + B_BYTES);
-        kiln_wg_load(p, &amap, &bmap, tl, n, pos, k, a_stage + s * A_BYTES, b_stage + s * B_BYTES,
-                     &full[s]);
-      }
-    }
+    if (threadIdx.x == 0) kiln_wg_produce(p, &amap, &bmap, a_stage, b_stage, full, empty);
     return;
   }
 
@@ -375,25 +456,26 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {{kernel}}(
 
     // Thread (warp, lane) holds rows warp * 16 + lane / 4 (+ 8) of each slice and column pairs
     // 8 j + 2 (lane % 4).
-    int unused[3];
-    const int out_tap = PASS == 2 ? kiln_wg_tap(p, tl.tap, unused) : 0;
-    const long long col_base = PASS == 2 ? (long long)out_tap * p.cols + tl.col0 : tl.col0;
-    const int col_limit = p.cols - tl.col0;
     if (PASS == 2 && p.splits > 1) {
       // f32 partials, straight from the registers (pairs of columns).
       const int c0 = 2 * (lane % 4);
 #pragma unroll
-      for (int sh = 0; sh < 2 * SLICES; ++sh) {
-        const int sl = sh / 2, half = sh % 2;
-        const int r = tl.row0 + (cw * SLICES + sl) * 64 + warp * 16 + lane / 4 + 8 * half;
-        if (r >= p.rows) continue;
-        float* row = partial + tl.split * p.split_elems + (long long)r * p.ldc + col_base;
+      for (int ch = 0; ch < BN / 64; ++ch) {
+        long long col;
+        const int limit = kiln_wg_chunk(p, tl, ch, col);
 #pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
-          const int c = 8 * j + c0;
-          if (c >= col_limit) continue;  // columns come in even counts (channels % 8 == 0)
-          *reinterpret_cast<float2*>(row + c) =
-              make_float2(acc[sl][4 * j + 2 * half], acc[sl][4 * j + 2 * half + 1]);
+        for (int sh = 0; sh < 2 * SLICES; ++sh) {
+          const int sl = sh / 2, half = sh % 2;
+          const int r = tl.row0 + (cw * SLICES + sl) * 64 + warp * 16 + lane / 4 + 8 * half;
+          if (r >= p.rows) continue;
+          float* row = partial + tl.split * p.split_elems + (long long)r * p.ldc + col;
+#pragma unroll
+          for (int jj = 0; jj < 8; ++jj) {
+            const int c = 8 * jj + c0, j = 8 * ch + jj;
+            if (c >= limit) continue;  // columns come in even counts (channels % 8 == 0)
+            *reinterpret_cast<float2*>(row + c) =
+                make_float2(acc[sl][4 * j + 2 * half], acc[sl][4 * j + 2 * half + 1]);
+          }
         }
       }
       continue;
@@ -412,10 +494,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {{kernel}}(
       for (int q = 0; q < 4; ++q) {
         const int r = tl.row0 + (cw * SLICES + sl) * 64 + warp * 16 + 4 * q + lane / 8;
         valid[q] = r < p.rows;
-        base[q] = (PASS == 1 ? kiln_wg_out_row(p, valid[q] ? r : 0) : r) * p.ldc + col_base;
+        base[q] = (PASS == 1 ? kiln_wg_out_row(p, valid[q] ? r : 0) : r) * p.ldc;
       }
 #pragma unroll
       for (int ch = 0; ch < BN / 64; ++ch) {
+        long long col;
+        const int limit = kiln_wg_chunk(p, tl, ch, col);
 #pragma unroll
         for (int jj = 0; jj < 8; ++jj) {
 #pragma unroll
@@ -429,13 +513,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {{kernel}}(
           }
         }
         __syncwarp();
-        const int unit = lane % 8, c = 64 * ch + 8 * unit;
+        const int unit = lane % 8, c = 8 * unit;
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
           const int row = 4 * q + lane / 8;
           const uint4 v =
               *reinterpret_cast<const uint4*>(stage + row * 128 + ((unit ^ (row & 7)) * 16));
-          if (valid[q] && c < col_limit) *reinterpret_cast<uint4*>(out + base[q] + c) = v;
+          if (valid[q] && c < limit) *reinterpret_cast<uint4*>(out + base[q] + col + c) = v;
         }
         __syncwarp();
       }

@@ -411,11 +411,17 @@ fn gemm(pass: Pass, g: &Geometry, axes: &[Axis; 3]) -> Gemm {
 }
 
 impl Gemm {
-    /// Tiles of C before any split: row tiles times column tiles of every group.
+    /// 64-column chunks of one group's columns.
+    fn chunks(&self) -> usize {
+        self.cols.div_ceil(64)
+    }
+
+    /// Tiles of C before any split: row tiles times column tiles. The groups' chunks lie end to
+    /// end (backward-weight's tiles may span taps).
     fn tiles(&self, t: Tile) -> (usize, usize) {
         (
             self.rows.div_ceil(t.bm),
-            self.groups * self.cols.div_ceil(t.bn),
+            (self.groups * self.chunks() * 64).div_ceil(t.bn),
         )
     }
 }
@@ -502,7 +508,7 @@ pub fn launch_for(key: &PlanKey, tile: Tile, splits: usize, sms: usize) -> (Kern
                 k_per_split: k_per_split as i32,
                 k_iters: k_iters as i32,
                 cblocks: gm.cblocks as i32,
-                col_blocks: gm.cols.div_ceil(tile.bn) as i32,
+                col_blocks: gm.chunks() as i32,
                 batch: g.batch as i32,
                 pix: i3(gm.pix),
                 stride: field(|a| a.step as i64),
