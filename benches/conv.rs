@@ -7,10 +7,12 @@
 //! Targets, per suite, pass and dtype, as geometric means of kiln / cuDNN: on the seven shapes
 //! at least 0.5 for f16 and bf16 and 0.8 for f32 (the mma.sync kernels); on the model layers at
 //! least 1.0 with no layer below 0.7 (the Hopper family's goal). `--sweep-hopper` times every
-//! Hopper tile on the model layers it takes.
+//! Hopper tile on the model layers it takes (bf16; those whose name contains `--only TEXT`),
+//! checks each tile's result against the `mma.sync` path's, and counts how often the plan's tile
+//! is within 5% of the best.
 //!
-//! kiln is timed on the host around many calls (graph mode, one synchronise at the end);
-//! PyTorch with CUDA events. `--sweep` times every tile (and split) kiln has on each shape and
+//! kiln is timed on the host around many calls in direct mode (stream order, one synchronise at
+//! the end); PyTorch with CUDA events. `--sweep` times every tile (and split) kiln has on each shape and
 //! marks the plan's choice. `--only TEXT` keeps the rows whose "dtype pass" contains TEXT (e.g.
 //! `--only "f32 backward_weight"`), `--no-anchor` skips PyTorch: both for comparing kernel
 //! variants quickly, not for the targets.
@@ -225,7 +227,9 @@ fn sweep(enc: &mut CommandEncoder) {
 fn sweep_hopper(enc: &mut CommandEncoder) {
     use kiln::ops::conv::{hopper, plan::Kind};
     let dtype = DType::BF16;
-    for l in &model_layers() {
+    let (mut passes, mut within, mut worst) = (0, 0, 1.0f64);
+    let (only, _) = common::variant_flags();
+    for l in model_layers().iter().filter(|l| name(l).contains(&only)) {
         let o = operands(enc, l, dtype);
         let flops = 2.0 * o.g.macs() as f64;
         for pass in Pass::ALL {
@@ -241,33 +245,81 @@ fn sweep_hopper(enc: &mut CommandEncoder) {
                 Pass::BackwardData => (&o.dy, &o.w),
                 Pass::BackwardWeight => (&o.x, &o.dy),
             };
-            let splits: &[usize] = if pass == Pass::BackwardWeight {
-                &[1, 2, 3, 4, 6, 8]
+            let mut splits = if pass == Pass::BackwardWeight {
+                vec![1, 2, 3, 4, 6, 8, 12, 16]
             } else {
-                &[1]
+                vec![1]
             };
+            if !splits.contains(&chosen.splits) {
+                splits.push(chosen.splits);
+            }
+            // Every tile's result against the mma.sync path's, so a fast wrong kernel shows.
+            let reference =
+                tuning::run_with(enc, pass, &o.g, first, second, tuning::TENSOR_TILES[0], 1)
+                    .unwrap()
+                    .to_f64(enc)
+                    .unwrap();
+            let scale = reference
+                .iter()
+                .fold(0.0f64, |m, v| m.max(v.abs()))
+                .max(1e-30);
+            let (mut best, mut planned) = (0.0f64, 0.0f64);
             for t in hopper::TILES {
-                for &sp in splits {
+                for &sp in &splits {
+                    let got = tuning::run_hopper_with(enc, pass, &o.g, first, second, t, sp)
+                        .unwrap()
+                        .to_f64(enc)
+                        .unwrap();
+                    let off = got
+                        .iter()
+                        .zip(&reference)
+                        .fold(0.0f64, |m, (a, b)| m.max((a - b).abs()))
+                        / scale;
+                    if off > 2e-2 {
+                        println!(
+                            "sweep {} {} {}x{} splits {sp}: WRONG, off by {off:.3} of the largest \
+                             value",
+                            name(l),
+                            pass.name(),
+                            t.bm,
+                            t.bn
+                        );
+                    }
                     let secs = seconds_per_call(enc, |e| {
                         tuning::run_hopper_with(e, pass, &o.g, first, second, t, sp).unwrap();
                     });
+                    let tflops = flops / secs / 1e12;
+                    best = best.max(tflops);
                     let mark = if t == chosen.tile && sp == chosen.splits {
+                        planned = tflops;
                         " <- plan"
                     } else {
                         ""
                     };
                     println!(
-                        "sweep {} {} {}x{} splits {sp}: {:.1} TFLOP/s{mark}",
+                        "sweep {} {} {}x{} splits {sp}: {tflops:.1} TFLOP/s{mark}",
                         name(l),
                         pass.name(),
                         t.bm,
                         t.bn,
-                        flops / secs / 1e12
                     );
                 }
             }
+            println!(
+                "sweep {} {}: plan {planned:.1}, best {best:.1} TFLOP/s ({:.2})",
+                name(l),
+                pass.name(),
+                planned / best
+            );
+            passes += 1;
+            within += (planned >= 0.95 * best) as usize;
+            worst = worst.min(planned / best);
         }
     }
+    println!(
+        "sweep: the plan's tile within 5% of the best on {within} of {passes} layer passes \
+         (lowest {worst:.2} of the best)"
+    );
 }
 
 fn main() {
@@ -278,7 +330,12 @@ fn main() {
             return;
         }
     };
-    let mut enc = CommandEncoder::new(&dev).unwrap();
+    // Direct mode: each call runs after the previous in stream order, as cuDNN's calls do
+    // under PyTorch. In graph mode independent calls may overlap on the GPU, which would credit
+    // a kernel of fewer blocks than SMs with its neighbours' work.
+    let mut config = kiln::env::Config::from_env().unwrap();
+    config.use_cuda_graphs = false;
+    let mut enc = CommandEncoder::with_config(&dev, &config).unwrap();
     if std::env::args().any(|a| a == "--sweep") {
         sweep(&mut enc);
         return;
