@@ -80,6 +80,9 @@ pub struct Config {
     pub max_mb_in_flight: Option<usize>,
     /// `KILN_CONV_PATH` = auto | igemm.
     pub conv_path: ConvPath,
+    /// `KILN_CONV_AUTOTUNE` (default false): time a few Hopper tiles on a plan's first use and
+    /// keep the fastest in the disk cache.
+    pub conv_autotune: bool,
 }
 
 /// Every variable kiln reads, for `kiln info`.
@@ -98,6 +101,7 @@ pub const VARIABLES: &[&str] = &[
     "KILN_MAX_COMMITS_IN_FLIGHT",
     "KILN_MAX_MB_IN_FLIGHT",
     "KILN_CONV_PATH",
+    "KILN_CONV_AUTOTUNE",
 ];
 
 impl Config {
@@ -148,6 +152,10 @@ impl Config {
             conv_path: match set("KILN_CONV_PATH") {
                 None => ConvPath::Auto,
                 Some(v) => parse_conv_path(&v)?,
+            },
+            conv_autotune: match set("KILN_CONV_AUTOTUNE") {
+                None => false,
+                Some(v) => parse_bool("KILN_CONV_AUTOTUNE", &v)?,
             },
         })
     }
@@ -272,6 +280,7 @@ mod tests {
             ("KILN_MAX_COMMITS_IN_FLIGHT", "3"),
             ("KILN_MAX_MB_IN_FLIGHT", "64"),
             ("KILN_CONV_PATH", "IGEMM"),
+            ("KILN_CONV_AUTOTUNE", "1"),
         ])
         .unwrap();
         assert_eq!(c.cache_dir, Some(PathBuf::from("/tmp/k")));
@@ -285,7 +294,10 @@ mod tests {
         assert_eq!(c.max_commits_in_flight, 3);
         assert_eq!(c.max_mb_in_flight, Some(64));
         assert_eq!(c.conv_path, ConvPath::Igemm);
+        assert!(c.conv_autotune);
+        assert!(!config(&[]).unwrap().conv_autotune);
         assert!(config(&[("KILN_CONV_PATH", "wgmma")]).is_err());
+        assert!(config(&[("KILN_CONV_AUTOTUNE", "maybe")]).is_err());
     }
 
     #[test]

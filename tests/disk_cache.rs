@@ -209,3 +209,31 @@ fn opening_creates_a_versioned_root() {
     assert!(cache.root().is_dir());
     assert!(cache.is_writable());
 }
+
+/// Notes (measured tuning choices): stored and read back by name, replaced by a newer value,
+/// never confused with another name's, removed by clear; ro reads but does not write, off
+/// neither.
+#[test]
+fn notes_are_kept_by_name_and_follow_the_cache_mode() {
+    let dir = tempfile::tempdir().unwrap();
+    let on = DiskCache::open(dir.path(), CacheMode::On, 1 << 30);
+    assert_eq!(on.load_note("conv a"), None);
+    on.store_note("conv a", "128x256 1");
+    on.store_note("conv b", "256x128 3");
+    assert_eq!(on.load_note("conv a").as_deref(), Some("128x256 1"));
+    assert_eq!(on.load_note("conv b").as_deref(), Some("256x128 3"));
+    on.store_note("conv a", "128x128 2");
+    assert_eq!(on.load_note("conv a").as_deref(), Some("128x128 2"));
+    assert_eq!(on.load_note("conv a\nforged"), None, "names are one line");
+
+    let ro = DiskCache::open(dir.path(), CacheMode::ReadOnly, 1 << 30);
+    assert_eq!(ro.load_note("conv b").as_deref(), Some("256x128 3"));
+    ro.store_note("conv c", "x");
+    assert_eq!(on.load_note("conv c"), None, "ro wrote a note");
+    let off = DiskCache::open(dir.path(), CacheMode::Off, 1 << 30);
+    assert_eq!(off.load_note("conv b"), None);
+
+    on.clear().unwrap();
+    assert_eq!(on.load_note("conv a"), None);
+    assert_eq!(on.load_note("conv b"), None);
+}

@@ -750,3 +750,74 @@ fn plans_are_cached() {
     let (h1, m1, _) = plan::cache_stats();
     assert_eq!((h1 - h0, m1 - m0), (1, 2));
 }
+
+/// `KILN_CONV_AUTOTUNE`'s measurement: each pass gets one of the Hopper tiles, noted in the disk
+/// cache so that a second call reads it instead of measuring, and that tile's result matches the
+/// reference. Skipped on GPUs other than sm_90.
+#[test]
+fn autotune_measures_once_and_keeps_its_choice() {
+    let Some(gpus) = common::gpus_or_skip("autotune_measures_once_and_keeps_its_choice") else {
+        return;
+    };
+    if gpus[0].compute_capability != (9, 0) {
+        eprintln!("autotune_measures_once_and_keeps_its_choice: skipped (needs sm_90)");
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = Device::get(0).unwrap();
+    let mut enc = encoder(&dev, true);
+    let writable = kiln::jit::Jit::global().unwrap().disk_cache().is_writable();
+    let c = case(
+        "2d 3x3 stride 2, 72 -> 136",
+        &[3, 19, 17, 72],
+        &[136, 3, 3, 72],
+        ConvParams::default().padding(&[1]).strides(&[2]),
+    );
+    let g = Geometry::new(&c.x, &c.w, &c.p).unwrap();
+    let dtype = DType::BF16;
+    let mut rng = TestRng::new(17);
+    let mut up = |enc: &mut CommandEncoder, s: &[usize]| {
+        let v = random(&mut rng, dtype, s.iter().product());
+        Array::from_f64(enc, dtype, &v, s).unwrap()
+    };
+    let (x, w, dy) = (
+        up(&mut enc, &c.x),
+        up(&mut enc, &c.w),
+        up(&mut enc, &g.output_shape()),
+    );
+    for pass in Pass::ALL {
+        let (first, second) = match pass {
+            Pass::Forward => (&x, &w),
+            Pass::BackwardData => (&dy, &w),
+            Pass::BackwardWeight => (&x, &dy),
+        };
+        let once = tuning::autotune_hopper(&mut enc, pass, &g, first, second).unwrap();
+        let again = tuning::autotune_hopper(&mut enc, pass, &g, first, second).unwrap();
+        assert!(hopper::TILES.contains(&once.tile), "{once:?}");
+        assert_eq!((once.tile, once.splits), (again.tile, again.splits));
+        if writable {
+            assert!(!again.measured, "{}: measured twice", pass.name());
+        }
+        let got =
+            tuning::run_hopper_with(&mut enc, pass, &g, first, second, once.tile, once.splits)
+                .unwrap()
+                .to_f64(&mut enc)
+                .unwrap();
+        let (xs, ws, dys) = (
+            x.to_f64(&mut enc).unwrap(),
+            w.to_f64(&mut enc).unwrap(),
+            dy.to_f64(&mut enc).unwrap(),
+        );
+        let want = match pass {
+            Pass::Forward => reference::forward(&g, &xs, &ws),
+            Pass::BackwardData => reference::backward_data(&g, &dys, &ws),
+            Pass::BackwardWeight => reference::backward_weight(&g, &xs, &dys),
+        };
+        let (ratio, at) = worst(dtype, &got, &want);
+        assert!(
+            ratio <= 1.0,
+            "{} {once:?}: {ratio:.2}x tolerance at {at}",
+            pass.name()
+        );
+    }
+}

@@ -8,6 +8,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, SystemTime};
 
+use sha2::Digest;
+
 use super::entry::{Corruption, Entry};
 use super::key::{CacheKey, FORMAT_VERSION};
 use crate::env::CacheMode;
@@ -15,6 +17,9 @@ use crate::error::{Error, Result};
 
 const ENTRY_EXT: &str = "kiln";
 const TEMP_EXT: &str = "tmp";
+/// Notes: small text records beside the kernels (measured tuning choices), in their own folder.
+const NOTE_DIR: &str = "tune";
+const NOTE_EXT: &str = "txt";
 /// A temp file this old is a crashed writer's even if its PID has been reused.
 const STALE_TEMP_AGE: Duration = Duration::from_secs(3600);
 /// Eviction goes down to this fraction of the cap, so that it does not run on every publish.
@@ -297,8 +302,45 @@ impl DiskCache {
         for path in self.files_with_ext(TEMP_EXT) {
             let _ = fs::remove_file(&path);
         }
+        if let Ok(notes) = fs::read_dir(self.root.join(NOTE_DIR)) {
+            for note in notes.flatten() {
+                let _ = fs::remove_file(note.path());
+            }
+        }
         self.size_estimate.store(0, Ordering::Relaxed);
         Ok(removed)
+    }
+
+    fn note_path(&self, name: &str) -> PathBuf {
+        let hex: String = sha2::Sha256::digest(name.as_bytes())
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        self.root.join(NOTE_DIR).join(format!("{hex}.{NOTE_EXT}"))
+    }
+
+    /// The note stored under `name`, if there is a readable one. A note is a text file whose
+    /// first line is its name and whose rest is its value; one whose name does not match (a
+    /// hash collision, or a damaged file) is ignored.
+    pub fn load_note(&self, name: &str) -> Option<String> {
+        if !self.readable() || name.contains('\n') {
+            return None;
+        }
+        let text = fs::read_to_string(self.note_path(name)).ok()?;
+        let (first, value) = text.split_once('\n')?;
+        (first == name).then(|| value.to_string())
+    }
+
+    /// Publishes `value` under `name` (atomically, like an entry), replacing an older note.
+    /// Failures disable writes with one warning, as for entries.
+    pub fn store_note(&self, name: &str, value: &str) {
+        if !self.is_writable() || name.contains('\n') {
+            return;
+        }
+        let path = self.note_path(name);
+        if let Err(e) = publish(&path, format!("{name}\n{value}").as_bytes()) {
+            self.disable_writes(&path, &e);
+        }
     }
 
     /// Where the rendered source of a failed compile is kept for the user to read.

@@ -440,13 +440,22 @@ fn gemms(pass: Pass, g: &Geometry) -> Vec<(Gemm, [Axis; 3])> {
 /// times the time of one tile (its k steps plus about two for filling and storing), plus for a
 /// split the f32 partials written and read back.
 fn choose(sms: usize, pass: Pass, g: &Geometry) -> (Tile, usize) {
+    candidates(sms, pass, g, 1)
+        .first()
+        .copied()
+        .unwrap_or((TILES[1], 1))
+}
+
+/// The `n` tiles of least modelled time, each with its best split, best first.
+pub fn candidates(sms: usize, pass: Pass, g: &Geometry, n: usize) -> Vec<(Tile, usize)> {
     let gemms = gemms(pass, g);
     let most = match pass {
         Pass::BackwardWeight => (gemms[0].0.k_iters / MIN_K_PER_SPLIT).clamp(1, 64),
         _ => 1,
     };
-    let mut best: Option<(f64, Tile, usize)> = None;
+    let mut per_tile: Vec<(f64, Tile, usize)> = Vec::new();
     for t in TILES {
+        let mut best: Option<(f64, Tile, usize)> = None;
         for splits in 1..=most {
             let mut cost = 0.0;
             for (gm, _) in &gemms {
@@ -463,9 +472,15 @@ fn choose(sms: usize, pass: Pass, g: &Geometry) -> (Tile, usize) {
                 best = Some((cost, t, splits));
             }
         }
+        per_tile.extend(best);
     }
-    let (_, t, splits) = best.unwrap_or((0.0, TILES[1], 1));
-    (t, splits)
+    // A stable sort: ties keep the order of TILES.
+    per_tile.sort_by(|a, b| a.0.total_cmp(&b.0));
+    per_tile
+        .into_iter()
+        .take(n)
+        .map(|(_, t, s)| (t, s))
+        .collect()
 }
 
 /// The launch for `key` on `device`, or None when the Hopper path does not take it (or

@@ -5,6 +5,7 @@
 //! (N, spatial..., C_out). f16 and bf16 multiply on tensor cores with f32 accumulation, f32 on
 //! the FMA units; the weight gradient of a long reduction is split over blocks and summed in f32.
 
+pub mod autotune;
 pub mod geometry;
 pub mod hopper;
 pub mod plan;
@@ -205,6 +206,31 @@ pub mod tuning {
         }
         run(enc, pass, g, dtype, a, b, Some(Chosen::Wgmma(tile, splits)))
     }
+
+    /// The Hopper tile `KILN_CONV_AUTOTUNE` would choose for `pass` on these operands (whatever
+    /// that variable says): read from the disk cache's note of an earlier measurement, or
+    /// measured now and noted. An error where the Hopper family cannot run the pass.
+    pub fn autotune_hopper(
+        enc: &mut CommandEncoder,
+        pass: Pass,
+        g: &Geometry,
+        first: &Array,
+        second: &Array,
+    ) -> Result<autotune::Choice> {
+        let (dtype, a, b) = gemm_operands(pass, first, second)?;
+        let (out, prepared) = prepare(enc, pass, g, dtype, a, b)?;
+        let cc = enc.device().info().compute_capability;
+        let Some(Prepared { a, b, key }) = prepared else {
+            return Err(bad("pass", "the output is empty: nothing to tune"));
+        };
+        if let Some(why) = hopper::unsupported(cc, &key) {
+            return Err(bad(
+                "pass",
+                format!("the Hopper kernels cannot run it: {why}"),
+            ));
+        }
+        autotune::choose(enc, &key, &a, &b, &out)
+    }
 }
 
 /// The dtype and the GEMM operands (see [`run`]) of operands as the public op takes them.
@@ -254,17 +280,23 @@ fn plan_key(enc: &CommandEncoder, pass: Pass, g: &Geometry, a: &Array, b: &Array
     }
 }
 
-/// Runs one pass. `a` and `b` are the GEMM's operand tensors: forward (input, weight),
-/// backward-data (cotangent, weight), backward-weight (cotangent, input).
-fn run(
+/// A pass's checked operands (row-major) and plan key.
+struct Prepared {
+    a: Array,
+    b: Array,
+    key: PlanKey,
+}
+
+/// Checks a pass's operands and allocates its output; the operands and key come with it unless
+/// the output is empty (nothing to launch).
+fn prepare(
     enc: &mut CommandEncoder,
     pass: Pass,
     g: &Geometry,
     dtype: DType,
     a: &Array,
     b: &Array,
-    chosen: Option<Chosen>,
-) -> Result<Array> {
+) -> Result<(Array, Option<Prepared>)> {
     let (a_shape, b_shape, out_shape) = match pass {
         Pass::Forward => (g.input_shape(), g.weight_shape(), g.output_shape()),
         Pass::BackwardData => (g.output_shape(), g.weight_shape(), g.input_shape()),
@@ -280,12 +312,30 @@ fn run(
     let out = Array::empty_on(enc, dtype, &out_shape)?;
     let (m, n, _) = pass.gemm(g);
     if m == 0 || n == 0 {
-        return Ok(out);
+        return Ok((out, None));
     }
     // The kernels read row-major tensors; anything else is copied once.
     let a = a.contiguous(enc)?;
     let b = b.contiguous(enc)?;
     let key = plan_key(enc, pass, g, &a, &b);
+    Ok((out, Some(Prepared { a, b, key })))
+}
+
+/// Runs one pass. `a` and `b` are the GEMM's operand tensors: forward (input, weight),
+/// backward-data (cotangent, weight), backward-weight (cotangent, input).
+fn run(
+    enc: &mut CommandEncoder,
+    pass: Pass,
+    g: &Geometry,
+    dtype: DType,
+    a: &Array,
+    b: &Array,
+    chosen: Option<Chosen>,
+) -> Result<Array> {
+    let (out, prepared) = prepare(enc, pass, g, dtype, a, b)?;
+    let Some(Prepared { a, b, key }) = prepared else {
+        return Ok(out);
+    };
     let plan = match chosen {
         Some(Chosen::Igemm(t, splits)) => Arc::new(plan::plan_with(enc.device(), key, t, splits)?),
         Some(Chosen::Wgmma(tile, splits)) => {
@@ -298,6 +348,7 @@ fn run(
             }
             Arc::new(plan::plan_wgmma(enc.device(), key, tile, splits)?)
         }
+        None if autotune::wanted(enc, &key) => autotune::plan(enc, key, &a, &b, &out)?,
         None => plan::plan(enc.device(), key)?,
     };
     launch(enc, &plan, &a, &b, &out)?;

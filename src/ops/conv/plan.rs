@@ -271,6 +271,18 @@ pub fn plan(device: &Device, key: PlanKey) -> Result<Arc<Plan>> {
     Ok(plan)
 }
 
+/// Whether the plan cache holds a plan for `key` (counts neither a hit nor a miss).
+pub fn is_cached(key: &PlanKey) -> bool {
+    let c = cache().lock().unwrap_or_else(|e| e.into_inner());
+    c.plans.contains(key)
+}
+
+/// Keeps `plan` as the plan for `key` (a measured choice; see `autotune`).
+pub fn remember(key: PlanKey, plan: Arc<Plan>) {
+    let mut c = cache().lock().unwrap_or_else(|e| e.into_inner());
+    c.plans.put(key, plan);
+}
+
 /// A Hopper plan with `tile` and `splits` (benchmark sweeps); not cached.
 pub fn plan_wgmma(
     device: &Device,

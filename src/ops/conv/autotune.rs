@@ -1,0 +1,155 @@
+//! Measured tile choice for the Hopper family (`KILN_CONV_AUTOTUNE=1`). On a plan's first use in
+//! a process, the few tiles the model ranks best are each timed on the call's own operands, and
+//! the fastest becomes the plan. It is also kept in the disk cache as a note named by the kiln
+//! version, the GPU and the plan key, so later processes read it instead of measuring again.
+//!
+//! Measuring synchronises the encoder, once per candidate: a cost paid on first use only, and
+//! the reason the default is off (the model's tile is within 5% of the best measured one on most
+//! layers; see the README).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::hopper::{self, Tile};
+use super::plan::{self, Plan, PlanKey};
+use crate::env::{Config, ConvPath};
+use crate::error::Result;
+use crate::jit::Jit;
+use crate::runtime::{Array, CommandEncoder};
+
+/// Tiles timed for a plan: the model's best few.
+const CANDIDATES: usize = 3;
+/// Timed launches per candidate, after one untimed launch.
+const RUNS: usize = 3;
+
+/// A tile and split for the Hopper family, and whether this process measured it (rather than
+/// reading an earlier measurement from the disk cache).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Choice {
+    pub tile: Tile,
+    pub splits: usize,
+    pub measured: bool,
+}
+
+/// Whether a call with `key` should be autotuned: `KILN_CONV_AUTOTUNE` is on, the Hopper path
+/// takes the key, and no plan for it exists yet.
+pub(super) fn wanted(enc: &CommandEncoder, key: &PlanKey) -> bool {
+    if plan::is_cached(key) {
+        return false;
+    }
+    let Ok(config) = Config::from_env() else {
+        // The plan path reports the bad variable.
+        return false;
+    };
+    config.conv_autotune
+        && config.conv_path == ConvPath::Auto
+        && hopper::unsupported(enc.device().info().compute_capability, key).is_none()
+}
+
+/// The measured plan for `key`, kept in the plan cache. `a` and `b` are the GEMM operands and
+/// `out` the output the call writes (the candidates write it too).
+pub(super) fn plan(
+    enc: &mut CommandEncoder,
+    key: PlanKey,
+    a: &Array,
+    b: &Array,
+    out: &Array,
+) -> Result<Arc<Plan>> {
+    let choice = choose(enc, &key, a, b, out)?;
+    let plan = Arc::new(plan::plan_wgmma(
+        enc.device(),
+        key,
+        choice.tile,
+        choice.splits,
+    )?);
+    plan::remember(key, plan.clone());
+    Ok(plan)
+}
+
+/// The name of `key`'s note in the disk cache.
+fn note_name(enc: &CommandEncoder, key: &PlanKey) -> String {
+    let info = enc.device().info();
+    let (major, minor) = info.compute_capability;
+    // The ordinal is this process's numbering; the GPU's name and architecture identify it.
+    let key = PlanKey { device: 0, ..*key };
+    format!(
+        "conv-hopper kiln {} {} sm_{major}{minor} {key:?}",
+        env!("CARGO_PKG_VERSION"),
+        info.name
+    )
+}
+
+fn encode(tile: Tile, splits: usize) -> String {
+    format!("{} {} {splits}\n", tile.bm, tile.bn)
+}
+
+fn decode(value: &str) -> Option<(Tile, usize)> {
+    let v: Vec<usize> = value
+        .split_whitespace()
+        .map(|x| x.parse().ok())
+        .collect::<Option<_>>()?;
+    let [bm, bn, splits] = v[..] else {
+        return None;
+    };
+    let tile = Tile { bm, bn };
+    (hopper::TILES.contains(&tile) && splits >= 1).then_some((tile, splits))
+}
+
+/// The tile for `key`: from the disk cache's note, or measured now (and then noted).
+pub fn choose(
+    enc: &mut CommandEncoder,
+    key: &PlanKey,
+    a: &Array,
+    b: &Array,
+    out: &Array,
+) -> Result<Choice> {
+    let disk = Jit::global()?.disk_cache();
+    let name = note_name(enc, key);
+    if let Some((tile, splits)) = disk.load_note(&name).as_deref().and_then(decode) {
+        return Ok(Choice {
+            tile,
+            splits,
+            measured: false,
+        });
+    }
+    let sms = enc.device().info().multiprocessors as usize;
+    let mut best: Option<(f64, Tile, usize)> = None;
+    for (tile, splits) in hopper::candidates(sms, key.pass, &key.geometry, CANDIDATES) {
+        let candidate = plan::plan_wgmma(enc.device(), *key, tile, splits)?;
+        super::launch(enc, &candidate, a, b, out)?;
+        enc.synchronize()?;
+        let start = Instant::now();
+        for _ in 0..RUNS {
+            super::launch(enc, &candidate, a, b, out)?;
+        }
+        enc.synchronize()?;
+        let seconds = start.elapsed().as_secs_f64();
+        if best.map_or(true, |(s, _, _)| seconds < s) {
+            best = Some((seconds, tile, splits));
+        }
+    }
+    let (_, tile, splits) = best.unwrap_or((0.0, hopper::TILES[1], 1));
+    disk.store_note(&name, &encode(tile, splits));
+    Ok(Choice {
+        tile,
+        splits,
+        measured: true,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn notes_round_trip_and_reject_what_kiln_cannot_run() {
+        for t in hopper::TILES {
+            assert_eq!(decode(&encode(t, 3)), Some((t, 3)));
+        }
+        assert_eq!(decode("128 96 1"), None, "not a Hopper tile");
+        assert_eq!(decode("128 128 0"), None);
+        assert_eq!(decode("128 128"), None);
+        assert_eq!(decode("128 128 1 9"), None);
+        assert_eq!(decode("x 128 1"), None);
+    }
+}
