@@ -161,12 +161,17 @@ impl Config {
     }
 }
 
-/// True when `KILN_REQUIRE_GPU` asks for a GPU (GPU tests then fail instead of skipping).
-pub fn require_gpu() -> bool {
-    std::env::var("KILN_REQUIRE_GPU")
-        .ok()
-        .and_then(|v| parse_bool("KILN_REQUIRE_GPU", &v).ok())
-        .unwrap_or(false)
+/// Whether `KILN_REQUIRE_GPU` asks for a GPU (`kiln check` and the GPU tests then fail instead
+/// of skipping where there is none); unset means no. A value that is not a boolean is an error.
+pub fn require_gpu() -> Result<bool> {
+    require_gpu_from(std::env::var("KILN_REQUIRE_GPU").ok())
+}
+
+fn require_gpu_from(value: Option<String>) -> Result<bool> {
+    match value.filter(|v| !v.trim().is_empty()) {
+        None => Ok(false),
+        Some(v) => parse_bool("KILN_REQUIRE_GPU", &v),
+    }
 }
 
 fn parse_cache_mode(v: &str) -> Result<CacheMode> {
@@ -298,6 +303,16 @@ mod tests {
         assert!(!config(&[]).unwrap().conv_autotune);
         assert!(config(&[("KILN_CONV_PATH", "wgmma")]).is_err());
         assert!(config(&[("KILN_CONV_AUTOTUNE", "maybe")]).is_err());
+    }
+
+    #[test]
+    fn require_gpu_is_a_boolean_or_an_error() {
+        assert!(!require_gpu_from(None).unwrap());
+        assert!(!require_gpu_from(Some(" ".into())).unwrap());
+        assert!(require_gpu_from(Some("1".into())).unwrap());
+        assert!(!require_gpu_from(Some("false".into())).unwrap());
+        let e = require_gpu_from(Some("yes please".into())).unwrap_err();
+        assert!(e.to_string().contains("KILN_REQUIRE_GPU"), "{e}");
     }
 
     #[test]

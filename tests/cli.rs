@@ -259,4 +259,8 @@ fn check_without_a_gpu_skips_unless_one_is_required() {
     assert!(String::from_utf8_lossy(&out.stdout).contains("skipped"));
     let out = run(kiln(dir.path(), &["check"]).env("KILN_REQUIRE_GPU", "1"));
     assert!(!out.status.success());
+    // A value that is not a boolean is an error naming the variable, not a silent "no".
+    let out = run(kiln(dir.path(), &["check"]).env("KILN_REQUIRE_GPU", "perhaps"));
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("KILN_REQUIRE_GPU"));
 }

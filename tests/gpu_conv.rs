@@ -821,3 +821,39 @@ fn autotune_measures_once_and_keeps_its_choice() {
         );
     }
 }
+
+/// An invalid `KILN_CONV_PATH` is an error naming the variable when a plan must be made (it used
+/// to fall back to `auto` silently). Every test of this file holds SERIAL, so the variable is
+/// seen by this one only.
+#[test]
+fn an_invalid_conv_path_is_an_error() {
+    let Some(_) = common::gpus_or_skip("an_invalid_conv_path_is_an_error") else {
+        return;
+    };
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = Device::get(0).unwrap();
+    let mut enc = encoder(&dev, false);
+    // A geometry no other test plans, so that the plan cache cannot answer.
+    let x = Array::from_f64(
+        &mut enc,
+        DType::F16,
+        &vec![0.5; 11 * 13 * 24],
+        &[1, 11, 13, 24],
+    );
+    let w = Array::from_f64(
+        &mut enc,
+        DType::F16,
+        &vec![0.25; 16 * 2 * 2 * 24],
+        &[16, 2, 2, 24],
+    );
+    let (x, w) = (x.unwrap(), w.unwrap());
+    std::env::set_var("KILN_CONV_PATH", "fastest");
+    let result = conv::conv_forward(&mut enc, &x, &w, &ConvParams::default());
+    std::env::remove_var("KILN_CONV_PATH");
+    match result {
+        Err(e) => assert!(e.to_string().contains("KILN_CONV_PATH"), "{e}"),
+        Ok(_) => panic!("an invalid KILN_CONV_PATH was accepted"),
+    }
+    // With the variable gone the same call plans and runs.
+    conv::conv_forward(&mut enc, &x, &w, &ConvParams::default()).unwrap();
+}

@@ -493,6 +493,29 @@ fn the_column_reduce_sums_any_number_of_rows() {
             assert!(err <= tolerance(dtype), "{rows}x{d} -> {dtype}: {err}");
         }
     }
+    // A transposed view is summed as the matrix it shows; zero columns give an empty sum.
+    let p = q(DType::F32, rng.values(6 * 10, 1.0, 0.0));
+    let pa = Array::from_f64(&mut enc, DType::F32, &p, &[6, 10]).unwrap();
+    let got = norm::reduce_cols(&mut enc, &pa.transpose(&[1, 0]).unwrap(), DType::F32)
+        .unwrap()
+        .to_f64(&mut enc)
+        .unwrap();
+    let want: Vec<f64> = (0..6)
+        .map(|r| p[r * 10..r * 10 + 10].iter().sum())
+        .collect();
+    assert!(max_error(&got, &want) <= tolerance(DType::F32), "{got:?}");
+    let none = Array::from_f64(&mut enc, DType::F32, &[], &[4, 0]).unwrap();
+    let got = norm::reduce_cols(&mut enc, &none, DType::F32).unwrap();
+    assert_eq!(got.shape(), &[0]);
+    // Other ranks and dtypes are errors naming the argument (they used to panic or be misread).
+    let flat = Array::from_f64(&mut enc, DType::F32, &[1.0, 2.0], &[2]).unwrap();
+    let half = Array::from_f64(&mut enc, DType::F16, &[1.0, 2.0], &[1, 2]).unwrap();
+    for bad in [&flat, &half] {
+        match norm::reduce_cols(&mut enc, bad, DType::F32) {
+            Err(kiln::Error::InvalidArgument { arg, .. }) => assert_eq!(arg, "partial"),
+            other => panic!("expected an error naming partial, got {other:?}"),
+        }
+    }
 }
 
 #[test]

@@ -344,7 +344,7 @@ fn patches_after_a_whole_graph_update_are_accepted() {
     let mut direct = encoder(&dev, false, 1000, 16);
     let (views, dviews) = (make_views(&mut enc, 5), make_views(&mut direct, 5));
     let spin = dev
-        .kernel(&KernelSpec::new(&SPIN_COPY, DType::F32, 256, 1, &[]))
+        .kernel(&KernelSpec::try_new(&SPIN_COPY, DType::F32, 256, 1, &[]).unwrap())
         .unwrap();
     // One node: axpby, then the copy kernel (a function change: a whole update), the copy with
     // other arguments (a patch), axpby (a whole update), axpby with other arguments (a patch).
@@ -424,7 +424,7 @@ fn buffers_are_not_reused_while_the_gpu_may_read_them() {
         let src = Array::from_f64(&mut enc, DType::F32, &values, &[N]).unwrap();
         let dst = Array::empty(&dev, DType::F32, &[N]).unwrap();
         let kernel = dev
-            .kernel(&KernelSpec::new(&SPIN_COPY, DType::F32, 256, 1, &[]))
+            .kernel(&KernelSpec::try_new(&SPIN_COPY, DType::F32, 256, 1, &[]).unwrap())
             .unwrap();
         let mut args = KernelArgs::new();
         // About 50 ms of spinning before the kernel reads src.
@@ -617,7 +617,7 @@ fn the_host_waits_when_too_much_work_is_in_flight() {
     config.max_commits_in_flight = 2;
     let mut enc = CommandEncoder::with_config(&dev, &config).unwrap();
     let kernel = dev
-        .kernel(&KernelSpec::new(&SPIN_COPY, DType::F32, 256, 1, &[]))
+        .kernel(&KernelSpec::try_new(&SPIN_COPY, DType::F32, 256, 1, &[]).unwrap())
         .unwrap();
     let src = Array::from_f64(&mut enc, DType::F32, &[1.0; N], &[N]).unwrap();
     let dst = Array::empty(&dev, DType::F32, &[N]).unwrap();
@@ -665,7 +665,7 @@ fn a_tensor_map_sized_argument_passes_by_value() {
     #[derive(Clone, Copy)]
     struct Map([u64; 16]);
     let kernel = dev
-        .kernel(&KernelSpec::new(&READ_MAP, DType::F32, 32, 1, &[]))
+        .kernel(&KernelSpec::try_new(&READ_MAP, DType::F32, 32, 1, &[]).unwrap())
         .unwrap();
     for graphs in [false, true] {
         let mut enc = encoder(&dev, graphs, 1000, 4);
@@ -726,7 +726,7 @@ fn a_tensor_map_box_loads_through_the_copy_engine() {
     let (rows, cols) = (100usize, 72usize);
     for dtype in [DType::F32, DType::BF16] {
         let kernel = dev
-            .kernel(&KernelSpec::new(&TMA_TILE, dtype, 128, 1, &[]))
+            .kernel(&KernelSpec::try_new(&TMA_TILE, dtype, 128, 1, &[]).unwrap())
             .unwrap();
         for graphs in [false, true] {
             let mut enc = encoder(&dev, graphs, 1000, 4);

@@ -161,7 +161,7 @@ static ARCH_SPECIFIC: TemplateDef = TemplateDef {
 fn arch_specific_families_compile_for_the_a_target() {
     let dir = tempfile::tempdir().unwrap();
     let jit = common::jit_in(dir.path());
-    let spec = KernelSpec::new(&ARCH_SPECIFIC, DType::F32, 128, 1, &[]);
+    let spec = KernelSpec::try_new(&ARCH_SPECIFIC, DType::F32, 128, 1, &[]).unwrap();
     let c = jit.compile(&spec, Target::sass(90)).unwrap();
     assert_eq!(c.entry.parts.target, "sm_90a");
     assert_eq!(c.entry.image_kind, ImageKind::Cubin);
@@ -176,11 +176,26 @@ static BROKEN: TemplateDef = TemplateDef {
     only_arch: None,
 };
 
+/// A spec with the wrong number of constants is an error naming the family's constants, not a
+/// panic.
+#[test]
+fn a_spec_with_the_wrong_constants_is_an_error() {
+    match KernelSpec::try_new(&BROKEN, DType::F16, 64, 1, &[1, 2]) {
+        Err(Error::InvalidArgument { arg, reason }) => {
+            assert_eq!(arg, "consts");
+            assert!(reason.contains("test_broken takes 0 constants"), "{reason}");
+        }
+        other => panic!("expected InvalidArgument, got {other:?}"),
+    }
+    let many = [0; 12];
+    assert!(KernelSpec::try_new(&BROKEN, DType::F16, 64, 1, &many).is_err());
+}
+
 #[test]
 fn a_compile_error_returns_the_log_the_spec_and_the_source() {
     let dir = tempfile::tempdir().unwrap();
     let jit = common::jit_in(dir.path());
-    let spec = KernelSpec::new(&BROKEN, DType::F16, 64, 1, &[]);
+    let spec = KernelSpec::try_new(&BROKEN, DType::F16, 64, 1, &[]).unwrap();
     match jit.compile(&spec, Target::sass(90)) {
         Err(Error::Compile {
             spec: s,
@@ -211,7 +226,7 @@ static BAD_TEMPLATE: TemplateDef = TemplateDef {
 
 #[test]
 fn a_misspelt_template_variable_is_an_error() {
-    let spec = KernelSpec::new(&BAD_TEMPLATE, DType::F32, 32, 1, &[]);
+    let spec = KernelSpec::try_new(&BAD_TEMPLATE, DType::F32, 32, 1, &[]).unwrap();
     let err = template::render(&spec).unwrap_err();
     assert!(matches!(err, Error::Template { .. }), "{err}");
 }

@@ -420,7 +420,7 @@ fn info(jit: &Jit, json: bool) -> kiln::Result<ExitCode> {
 
 fn check(json: bool) -> kiln::Result<ExitCode> {
     let Some(results) = kiln::selfcheck::run()? else {
-        let required = kiln::env::require_gpu();
+        let required = kiln::env::require_gpu()?;
         if json {
             out!("{}", json!({"skipped": "no GPU", "passed": !required}));
         } else {

@@ -633,9 +633,26 @@ fn vjp(
     Ok((dx, dw, db))
 }
 
-/// Column sums of an f32 [rows, d] array, as `dtype`.
+/// Column sums of an f32 [rows, d] array, as `dtype`. Another rank or dtype is an error.
 pub fn reduce_cols(enc: &mut CommandEncoder, partial: &Array, dtype: DType) -> Result<Array> {
-    let (rows, d) = (partial.shape()[0], partial.shape()[1]);
+    let &[rows, d] = partial.shape() else {
+        return Err(bad(
+            "partial",
+            format!("must be 2-D [rows, d], got shape {:?}", partial.shape()),
+        ));
+    };
+    if partial.dtype() != DType::F32 {
+        return Err(bad(
+            "partial",
+            format!("must be f32, got {}", partial.dtype()),
+        ));
+    }
+    if d == 0 {
+        return Array::empty_on(enc, dtype, &[0]);
+    }
+    // The kernel reads rows `d` apart: a view is copied once.
+    let partial = partial.contiguous(enc)?;
+    let partial = &partial;
     let out = Array::empty_on(enc, dtype, &[d])?;
     reduce_col_sets(enc, partial, rows, d, &[&out])?;
     Ok(out)

@@ -46,7 +46,7 @@ pub fn gpus_or_skip(test: &str) -> Option<Vec<kiln::runtime::GpuInfo>> {
                 Ok(_) => "no GPU".to_string(),
                 Err(e) => e.to_string(),
             };
-            if kiln::env::require_gpu() {
+            if kiln::env::require_gpu().unwrap_or_else(|e| panic!("{test}: {e}")) {
                 panic!("{test}: KILN_REQUIRE_GPU=1 but {why}");
             }
             eprintln!("{test}: skipped ({why})");

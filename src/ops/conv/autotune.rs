@@ -32,18 +32,15 @@ pub struct Choice {
 }
 
 /// Whether a call with `key` should be autotuned: `KILN_CONV_AUTOTUNE` is on, the Hopper path
-/// takes the key, and no plan for it exists yet.
-pub(super) fn wanted(enc: &CommandEncoder, key: &PlanKey) -> bool {
+/// takes the key, and no plan for it exists yet. An invalid environment variable is an error.
+pub(super) fn wanted(enc: &CommandEncoder, key: &PlanKey) -> Result<bool> {
     if plan::is_cached(key) {
-        return false;
+        return Ok(false);
     }
-    let Ok(config) = Config::from_env() else {
-        // The plan path reports the bad variable.
-        return false;
-    };
-    config.conv_autotune
+    let config = Config::from_env()?;
+    Ok(config.conv_autotune
         && config.conv_path == ConvPath::Auto
-        && hopper::unsupported(enc.device().info().compute_capability, key).is_none()
+        && hopper::unsupported(enc.device().info().compute_capability, key).is_none())
 }
 
 /// The measured plan for `key`, kept in the plan cache. `a` and `b` are the GEMM operands and

@@ -348,7 +348,7 @@ fn run(
             }
             Arc::new(plan::plan_wgmma(enc.device(), key, tile, splits)?)
         }
-        None if autotune::wanted(enc, &key) => autotune::plan(enc, key, &a, &b, &out)?,
+        None if autotune::wanted(enc, &key)? => autotune::plan(enc, key, &a, &b, &out)?,
         None => plan::plan(enc.device(), key)?,
     };
     launch(enc, &plan, &a, &b, &out)?;

@@ -10,7 +10,7 @@ use lru::LruCache;
 use super::geometry::{Geometry, Pass, Problem};
 use super::hopper;
 use crate::dtype::DType;
-use crate::env::{Config, ConvPath};
+use crate::env::{Config, DEFAULT_CONV_CACHE_SIZE};
 use crate::error::{Error, Result};
 use crate::jit::{KernelSpec, LoadedKernel, TemplateDef};
 use crate::runtime::Device;
@@ -233,9 +233,11 @@ struct PlanCache {
 fn cache() -> &'static Mutex<PlanCache> {
     static CACHE: OnceLock<Mutex<PlanCache>> = OnceLock::new();
     CACHE.get_or_init(|| {
-        let size = Config::from_env().map_or(128, |c| c.conv_cache_size).max(1);
+        // An invalid MLX_CUDA_CONV_CACHE_SIZE is reported by `plan`, which reads the
+        // configuration before it makes any plan; until then the default size holds.
+        let size = Config::from_env().map_or(DEFAULT_CONV_CACHE_SIZE, |c| c.conv_cache_size);
         Mutex::new(PlanCache {
-            plans: LruCache::new(NonZeroUsize::new(size).expect("size >= 1")),
+            plans: LruCache::new(NonZeroUsize::new(size.max(1)).unwrap_or(NonZeroUsize::MIN)),
             hits: 0,
             misses: 0,
         })
@@ -248,7 +250,8 @@ pub fn cache_stats() -> (u64, u64, usize) {
     (c.hits, c.misses, c.plans.len())
 }
 
-/// The cached plan for `key`, or a new one.
+/// The cached plan for `key`, or a new one. An invalid environment variable (`KILN_CONV_PATH`,
+/// `MLX_CUDA_CONV_CACHE_SIZE`, ...) is an error when a plan must be made.
 pub fn plan(device: &Device, key: PlanKey) -> Result<Arc<Plan>> {
     {
         let mut c = cache().lock().unwrap_or_else(|e| e.into_inner());
@@ -258,7 +261,7 @@ pub fn plan(device: &Device, key: PlanKey) -> Result<Arc<Plan>> {
         }
         c.misses += 1;
     }
-    let path = Config::from_env().map_or(ConvPath::Auto, |c| c.conv_path);
+    let path = Config::from_env()?.conv_path;
     let plan = match hopper::plan(device, path, &key) {
         Some((spec, launch)) => Arc::new(build_wgmma(device, &key, spec, launch)?),
         None => {
