@@ -3,8 +3,10 @@
 use std::fmt;
 
 /// The floating-point element types. f16 and bf16 are stored as `half::f16` / `half::bf16` on the
-/// host and as 16-bit words on the device; kernels accumulate in f32.
+/// host and as 16-bit words on the device; kernels accumulate in f32. More types may be added in
+/// any release, so matches need a wildcard arm.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[non_exhaustive]
 pub enum DType {
     F32,
     F16,

@@ -4,7 +4,10 @@ use std::path::PathBuf;
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// Everything kiln reports. New variants may be added in any release, so matches need a
+/// wildcard arm.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     #[error(
         "NVRTC was not found. kiln looked in:\n  {}\nInstall it with `pip install nvidia-cuda-nvrtc` \

@@ -198,6 +198,12 @@ pub fn default_limits(major: u32) -> (usize, usize) {
     }
 }
 
+/// Records kernel launches on one stream of one device (see the module docs for direct and graph
+/// mode).
+///
+/// A `CommandEncoder` is neither `Send` nor `Sync`: it holds the stream's and the graph
+/// executables' raw driver handles and is used from the thread that created it. A program that
+/// encodes from several threads creates one encoder per thread.
 pub struct CommandEncoder {
     device: Arc<Device>,
     stream: sys::CUstream,
