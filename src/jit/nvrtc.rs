@@ -213,7 +213,8 @@ fn check(call: &'static str, status: sys::nvrtcResult) -> Result<()> {
 }
 
 /// The places kiln looks for libnvrtc before any Python environment, in order. Directory
-/// entries are searched for [`SONAMES`]; the linker entry hands bare sonames to the dynamic linker.
+/// entries are searched for the known library names (`SONAMES`); the linker entry hands bare
+/// sonames to the dynamic linker.
 pub fn search_locations(explicit: Option<&Path>) -> Vec<Location> {
     let mut out = Vec::new();
     if let Some(p) = explicit {
