@@ -31,12 +31,9 @@ pub struct Choice {
     pub measured: bool,
 }
 
-/// Whether a call with `key` should be autotuned: `KILN_CONV_AUTOTUNE` is on, the Hopper path
-/// takes the key, and no plan for it exists yet. An invalid environment variable is an error.
+/// Whether a call with `key`, which has no plan yet, should be autotuned: `KILN_CONV_AUTOTUNE`
+/// is on and the Hopper path takes the key. An invalid environment variable is an error.
 pub(super) fn wanted(enc: &CommandEncoder, key: &PlanKey) -> Result<bool> {
-    if plan::is_cached(key) {
-        return Ok(false);
-    }
     let config = Config::from_env()?;
     Ok(config.conv_autotune
         && config.conv_path == ConvPath::Auto

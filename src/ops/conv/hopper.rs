@@ -577,10 +577,11 @@ impl Launch {
         phase.tiles().clamp(1, self.max_blocks) as u32
     }
 
-    /// The tensor maps of `phase` over GEMM operands `a` and `b` (see `ops::conv::run`):
-    /// forward (input, weight), backward-data (cotangent, weight), backward-weight (cotangent,
-    /// input).
-    pub fn maps(&self, phase: &Phase, a: &Array, b: &Array) -> Result<(TensorMap, TensorMap)> {
+    /// The tensor maps of each phase, in order, over GEMM operands `a` and `b` (see
+    /// `ops::conv::run`): forward (input, weight), backward-data (cotangent, weight),
+    /// backward-weight (cotangent, input). Only the im2col map of the activations depends on the
+    /// phase; the other map is built once and shared.
+    pub fn maps(&self, a: &Array, b: &Array) -> Result<Vec<(TensorMap, TensorMap)>> {
         let Tile { bm, bn } = self.tile;
         let w = Swizzle::B128;
         let weight_3d = |wt: &Array| {
@@ -588,25 +589,24 @@ impl Launch {
             let taps: usize = s[1..s.len() - 1].iter().product();
             wt.reshape(&[s[0], taps, s[s.len() - 1]])
         };
-        Ok(match self.pass {
-            Pass::Forward => (
-                im2col(a, &phase.window, BK, bm, w)?,
-                tiled(&weight_3d(b)?, &[bn, 1, BK], w)?,
-            ),
-            Pass::BackwardData => (
-                im2col(a, &phase.window, BK, bm, w)?,
-                tiled(&weight_3d(b)?, &[64, 1, BK], w)?,
-            ),
+        let shared = match self.pass {
+            Pass::Forward => tiled(&weight_3d(b)?, &[bn, 1, BK], w)?,
+            Pass::BackwardData => tiled(&weight_3d(b)?, &[64, 1, BK], w)?,
             Pass::BackwardWeight => {
                 let s = a.shape();
                 let cout = s[s.len() - 1];
-                let dy = a.reshape(&[a.size() / cout, cout])?;
-                (
-                    tiled(&dy, &[BK, 64], w)?,
-                    im2col(b, &phase.window, 64, BK, w)?,
-                )
+                tiled(&a.reshape(&[a.size() / cout, cout])?, &[BK, 64], w)?
             }
-        })
+        };
+        self.phases
+            .iter()
+            .map(|phase| {
+                Ok(match self.pass {
+                    Pass::BackwardWeight => (shared, im2col(b, &phase.window, 64, BK, w)?),
+                    _ => (im2col(a, &phase.window, BK, bm, w)?, shared),
+                })
+            })
+            .collect()
     }
 }
 

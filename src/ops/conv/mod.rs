@@ -219,16 +219,10 @@ pub mod tuning {
     ) -> Result<autotune::Choice> {
         let (dtype, a, b) = gemm_operands(pass, first, second)?;
         let (out, prepared) = prepare(enc, pass, g, dtype, a, b)?;
-        let cc = enc.device().info().compute_capability;
         let Some(Prepared { a, b, key }) = prepared else {
             return Err(bad("pass", "the output is empty: nothing to tune"));
         };
-        if let Some(why) = hopper::unsupported(cc, &key) {
-            return Err(bad(
-                "pass",
-                format!("the Hopper kernels cannot run it: {why}"),
-            ));
-        }
+        hopper_can_run(enc, &key)?;
         autotune::choose(enc, &key, &a, &b, &out)
     }
 }
@@ -277,6 +271,18 @@ fn plan_key(enc: &CommandEncoder, pass: Pass, g: &Geometry, a: &Array, b: &Array
         geometry: *g,
         vec_a: run_a % w == 0 && aligned(a),
         vec_b: run_b % w == 0 && aligned(b),
+    }
+}
+
+/// An error naming why, where the Hopper family cannot run `key` on the encoder's GPU.
+fn hopper_can_run(enc: &CommandEncoder, key: &PlanKey) -> Result<()> {
+    let cc = enc.device().info().compute_capability;
+    match hopper::unsupported(cc, key) {
+        Some(why) => Err(bad(
+            "pass",
+            format!("the Hopper kernels cannot run it: {why}"),
+        )),
+        None => Ok(()),
     }
 }
 
@@ -339,17 +345,14 @@ fn run(
     let plan = match chosen {
         Some(Chosen::Igemm(t, splits)) => Arc::new(plan::plan_with(enc.device(), key, t, splits)?),
         Some(Chosen::Wgmma(tile, splits)) => {
-            let cc = enc.device().info().compute_capability;
-            if let Some(why) = hopper::unsupported(cc, &key) {
-                return Err(bad(
-                    "pass",
-                    format!("the Hopper kernels cannot run it: {why}"),
-                ));
-            }
+            hopper_can_run(enc, &key)?;
             Arc::new(plan::plan_wgmma(enc.device(), key, tile, splits)?)
         }
-        None if autotune::wanted(enc, &key)? => autotune::plan(enc, key, &a, &b, &out)?,
-        None => plan::plan(enc.device(), key)?,
+        None => match plan::cached(&key) {
+            Some(p) => p,
+            None if autotune::wanted(enc, &key)? => autotune::plan(enc, key, &a, &b, &out)?,
+            None => plan::create(enc.device(), key)?,
+        },
     };
     launch(enc, &plan, &a, &b, &out)?;
     Ok(out)
@@ -387,10 +390,9 @@ fn launch(enc: &mut CommandEncoder, plan: &Plan, a: &Array, b: &Array, out: &Arr
             )?;
         }
         Kind::Wgmma(launch) => {
-            // Backward-data's stride phases write disjoint pixels of `out`, one launch each.
-            for phase in &launch.phases {
-                // The maps hold the operands' addresses: built per launch, checked by the driver.
-                let (amap, bmap) = launch.maps(phase, a, b)?;
+            // Backward-data's stride phases write disjoint pixels of `out`, one launch each. The
+            // maps hold the operands' addresses: built per call, checked by the driver.
+            for (phase, (amap, bmap)) in launch.phases.iter().zip(launch.maps(a, b)?) {
                 let mut args = KernelArgs::new();
                 args.push(amap)
                     .push(bmap)

@@ -253,14 +253,25 @@ pub fn cache_stats() -> (u64, u64, usize) {
 /// The cached plan for `key`, or a new one. An invalid environment variable (`KILN_CONV_PATH`,
 /// `MLX_CUDA_CONV_CACHE_SIZE`, ...) is an error when a plan must be made.
 pub fn plan(device: &Device, key: PlanKey) -> Result<Arc<Plan>> {
-    {
-        let mut c = cache().lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(p) = c.plans.get(&key).cloned() {
-            c.hits += 1;
-            return Ok(p);
-        }
-        c.misses += 1;
+    match cached(&key) {
+        Some(p) => Ok(p),
+        None => create(device, key),
     }
+}
+
+/// The plan cache's plan for `key`, counted as a hit or a miss.
+pub fn cached(key: &PlanKey) -> Option<Arc<Plan>> {
+    let mut c = cache().lock().unwrap_or_else(|e| e.into_inner());
+    let found = c.plans.get(key).cloned();
+    match found {
+        Some(_) => c.hits += 1,
+        None => c.misses += 1,
+    }
+    found
+}
+
+/// A new plan for `key` from the model, kept in the plan cache.
+pub fn create(device: &Device, key: PlanKey) -> Result<Arc<Plan>> {
     let path = Config::from_env()?.conv_path;
     let plan = match hopper::plan(device, path, &key) {
         Some((spec, launch)) => Arc::new(build_wgmma(device, &key, spec, launch)?),
@@ -269,15 +280,8 @@ pub fn plan(device: &Device, key: PlanKey) -> Result<Arc<Plan>> {
             Arc::new(build(device, &key, t, splits)?)
         }
     };
-    let mut c = cache().lock().unwrap_or_else(|e| e.into_inner());
-    c.plans.put(key, plan.clone());
+    remember(key, plan.clone());
     Ok(plan)
-}
-
-/// Whether the plan cache holds a plan for `key` (counts neither a hit nor a miss).
-pub fn is_cached(key: &PlanKey) -> bool {
-    let c = cache().lock().unwrap_or_else(|e| e.into_inner());
-    c.plans.contains(key)
 }
 
 /// Keeps `plan` as the plan for `key` (a measured choice; see `autotune`).
