@@ -202,7 +202,8 @@ fn sweep(enc: &mut CommandEncoder) {
                 } else {
                     &[1]
                 };
-                for &t in plan::tiles(dtype) {
+                let tensor = plan::tensor_cores(dtype, enc.device().arch());
+                for &t in plan::tiles(tensor) {
                     for &sp in splits {
                         let secs = seconds_per_call(enc, |e| {
                             tuning::run_with(e, pass, &o.g, first, second, t, sp).unwrap();

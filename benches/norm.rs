@@ -138,7 +138,14 @@ fn sweep(enc: &mut CommandEncoder, only: &str) {
         let g = Array::from_f64(enc, dtype, &rng.values(n, 1.0, 0.0), &[rows, d]).unwrap();
         let w = Array::from_f64(enc, dtype, &rng.values(d, 1.0, 1.0), &[d]).unwrap();
         let bytes = (n * dtype.size()) as f64;
-        let chosen = norm::choose_spec(pass, Kind::LayerNorm, dtype, d, true);
+        let chosen = norm::choose_spec(
+            pass,
+            Kind::LayerNorm,
+            dtype,
+            d,
+            true,
+            enc.device().shared_limit(),
+        );
         let run = |e: &mut CommandEncoder, i: usize, spec| match pass {
             Pass::Forward => tuning::forward_with(
                 e,

@@ -83,6 +83,10 @@ pub struct Config {
     /// `KILN_CONV_AUTOTUNE` (default false): time a few Hopper tiles on a plan's first use and
     /// keep the fastest in the disk cache.
     pub conv_autotune: bool,
+    /// `KILN_EMULATE_ARCH` = sm_XY: run the code paths kiln takes on that older architecture
+    /// (and its shared-memory limit) on a newer GPU, to test them where no such GPU is at hand.
+    /// Holds the architecture as compute capability x 10 (75 for sm_75).
+    pub emulate_arch: Option<u32>,
 }
 
 /// Every variable kiln reads, for `kiln info`.
@@ -102,6 +106,7 @@ pub const VARIABLES: &[&str] = &[
     "KILN_MAX_MB_IN_FLIGHT",
     "KILN_CONV_PATH",
     "KILN_CONV_AUTOTUNE",
+    "KILN_EMULATE_ARCH",
 ];
 
 impl Config {
@@ -157,6 +162,9 @@ impl Config {
                 None => false,
                 Some(v) => parse_bool("KILN_CONV_AUTOTUNE", &v)?,
             },
+            emulate_arch: set("KILN_EMULATE_ARCH")
+                .map(|v| parse_arch("KILN_EMULATE_ARCH", &v))
+                .transpose()?,
         })
     }
 }
@@ -195,6 +203,18 @@ fn parse_conv_path(v: &str) -> Result<ConvPath> {
             var: "KILN_CONV_PATH",
             value: v.to_string(),
             expected: "auto or igemm",
+        }),
+    }
+}
+
+/// An architecture as `sm_XY` (kiln's minimum or newer), as compute capability x 10.
+fn parse_arch(var: &'static str, v: &str) -> Result<u32> {
+    match v.parse::<crate::jit::Target>() {
+        Ok(t) if t.kind == crate::jit::TargetKind::Sass => Ok(t.arch),
+        _ => Err(Error::Env {
+            var,
+            value: v.to_string(),
+            expected: "an architecture kiln supports, written sm_XY (sm_70, sm_75, sm_80, ...)",
         }),
     }
 }
@@ -286,6 +306,7 @@ mod tests {
             ("KILN_MAX_MB_IN_FLIGHT", "64"),
             ("KILN_CONV_PATH", "IGEMM"),
             ("KILN_CONV_AUTOTUNE", "1"),
+            ("KILN_EMULATE_ARCH", "sm_75"),
         ])
         .unwrap();
         assert_eq!(c.cache_dir, Some(PathBuf::from("/tmp/k")));
@@ -300,6 +321,8 @@ mod tests {
         assert_eq!(c.max_mb_in_flight, Some(64));
         assert_eq!(c.conv_path, ConvPath::Igemm);
         assert!(c.conv_autotune);
+        assert_eq!(c.emulate_arch, Some(75));
+        assert_eq!(config(&[]).unwrap().emulate_arch, None);
         assert!(!config(&[]).unwrap().conv_autotune);
         assert!(config(&[("KILN_CONV_PATH", "wgmma")]).is_err());
         assert!(config(&[("KILN_CONV_AUTOTUNE", "maybe")]).is_err());
@@ -335,6 +358,9 @@ mod tests {
             ("KILN_CACHE_MAX_BYTES", "1Q"),
             ("KILN_MAX_COMMITS_IN_FLIGHT", "0"),
             ("KILN_MAX_MB_IN_FLIGHT", "many"),
+            ("KILN_EMULATE_ARCH", "75"),
+            ("KILN_EMULATE_ARCH", "sm_61"),
+            ("KILN_EMULATE_ARCH", "sm_90a"),
         ] {
             let err = config(&[(var, value)]).unwrap_err().to_string();
             assert!(err.contains(var), "{err}");

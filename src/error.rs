@@ -42,6 +42,14 @@ pub enum Error {
     #[error("invalid target {0:?}: expected sm_XY, sm_XYa or compute_XY, for example sm_90")]
     InvalidTarget(String),
 
+    /// The NVRTC in use cannot emit code for the target (too old or too new for it).
+    #[error("NVRTC {nvrtc} cannot compile for {target}: {reason}")]
+    TargetUnsupported {
+        target: String,
+        nvrtc: String,
+        reason: String,
+    },
+
     #[error("environment variable {var}={value:?} is invalid: expected {expected}")]
     Env {
         var: &'static str,

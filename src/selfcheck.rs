@@ -124,7 +124,9 @@ fn check_norms(gpu: &GpuInfo) -> Result<Vec<CheckResult>> {
             let ba = Array::from_f64(&mut enc, dtype, &b, &[d])?;
             // Fresh allocations are 256-byte aligned, so rows vectorise whenever d allows.
             let vectorized = d % dtype.vec_width() == 0;
-            let spec = norm::choose_spec(Pass::Forward, Kind::LayerNorm, dtype, d, vectorized);
+            let limit = dev.shared_limit();
+            let spec =
+                norm::choose_spec(Pass::Forward, Kind::LayerNorm, dtype, d, vectorized, limit);
             let started = Instant::now();
             let origin = dev.kernel(&spec)?.origin;
             let load_ms = started.elapsed().as_secs_f64() * 1e3;
@@ -145,7 +147,8 @@ fn check_norms(gpu: &GpuInfo) -> Result<Vec<CheckResult>> {
             if d == 1000 || d == 65536 {
                 let g = q(rng.values(rows * d, 1.0, 0.0));
                 let ga = Array::from_f64(&mut enc, dtype, &g, &[rows, d])?;
-                let vspec = norm::choose_spec(Pass::Vjp, Kind::LayerNorm, dtype, d, vectorized);
+                let vspec =
+                    norm::choose_spec(Pass::Vjp, Kind::LayerNorm, dtype, d, vectorized, limit);
                 let started = Instant::now();
                 let origin = dev.kernel(&vspec)?.origin;
                 let load_ms = started.elapsed().as_secs_f64() * 1e3;

@@ -6,8 +6,11 @@
 //   PASS 1 backward-data:   m = (batch, in pos),  n = in channel,  k = (kernel pos, out channel)
 //   PASS 2 backward-weight: m = out channel, n = (kernel pos, in channel), k = (batch, out pos)
 // A block computes BM x BN of C, stepping BK along k through STAGES shared-memory buffers.
-// 16-bit types multiply on tensor cores (mma.sync m16n8k16, f32 accumulators), WM x WN warps;
-// f32 runs on the FMA units, each thread a square tile. Backward-weight may split k over blocks
+// TENSOR: 16-bit types multiply on tensor cores (mma.sync m16n8k16, or on Turing two m16n8k8;
+// f32 accumulators), WM x WN warps. Otherwise the FMA units run, each thread a square tile: f32,
+// and 16-bit types where the GPU has no tensor cores for them (bf16 before sm_80, everything
+// before sm_75), widened to f32 as they leave shared memory. Before sm_80 there is no cp.async:
+// operands go through registers (fetched a tile ahead, stored after the tile's math). Backward-weight may split k over blocks
 // (blockIdx.z), writing f32 partial sums that conv_split_sum adds up. Strided backward-data
 // without dilation runs one GEMM per stride phase (blockIdx.z too): input pixels whose position
 // plus padding is congruent to the phase modulo the stride are reached only by the kernel taps
@@ -27,8 +30,13 @@ constexpr int BM = {{BM}}, BN = {{BN}}, WM = {{WM}}, WN = {{WN}}, STAGES = {{STA
 constexpr int VEC_A = {{VEC_A}}, VEC_B = {{VEC_B}};
 constexpr bool TAP_TILES = {{TAP_TILES}} != 0;
 constexpr int THREADS = {{block_dim}};
-constexpr bool TENSOR = sizeof(T) == 2;
-// f32 backward-weight steps 16: with 16-byte loads both operands go by cp.async, so the longer
+constexpr bool TENSOR = {{TENSOR}} != 0;
+static_assert(!TENSOR || sizeof(T) == 2, "tensor cores take the 16-bit types");
+template <typename U> struct kiln_is_f16 { static constexpr bool value = false; };
+template <> struct kiln_is_f16<kiln_f16> { static constexpr bool value = true; };
+static_assert(!TENSOR || KILN_ARCH >= 800 || (KILN_ARCH >= 750 && kiln_is_f16<T>::value),
+              "tensor cores: f16 from sm_75, bf16 from sm_80");
+// FMA backward-weight steps 16: with vector loads both operands go by cp.async, so the longer
 // step holds no tile in registers.
 constexpr int BK = TENSOR ? 32 : (PASS == 2 ? 16 : 8);
 
@@ -340,7 +348,7 @@ template <bool IS_A> struct kiln_operand {
   // of k row after k row, for the same reason.
   static constexpr int LINES = GLOBAL_K ? (CHUNKS > PER_LINE ? CHUNKS / PER_LINE : 1)
                                         : (LINES_TOTAL > THREADS ? LINES_TOTAL / THREADS : 1);
-  static constexpr bool ASYNC = (SHARED_K == GLOBAL_K) && VEC * sizeof(T) >= 4;
+  static constexpr bool ASYNC = KILN_HAS_CP_ASYNC && (SHARED_K == GLOBAL_K) && VEC * sizeof(T) >= 4;
   static_assert(CHUNKS >= 1 && CHUNKS * THREADS == LINES_TOTAL * PER_LINE,
                 "the block's threads share the tile evenly");
   static_assert(GLOBAL_K ? (PER_LINE % CHUNKS == 0 || CHUNKS % PER_LINE == 0)
@@ -514,25 +522,43 @@ template <bool IS_A> struct kiln_loader {
 
 // ---- Tensor-core tiles ---------------------------------------------------------------------
 
+// C[16x8] += A[16x16] B[16x8]. Turing has only k = 8 for f16: the m16n8k16 fragments split
+// into two m16n8k8 ones, A's registers {0, 1} and B's 0 holding k 0-7, A's {2, 3} and B's 1
+// k 8-15, with the accumulators laid out alike.
 template <typename U> struct kiln_mma;
 template <> struct kiln_mma<kiln_f16> {
   static __device__ __forceinline__ void run(float (&c)[4], const unsigned (&a)[4],
                                              unsigned b0, unsigned b1) {
+#if KILN_ARCH >= 800
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
         "{%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#elif KILN_ARCH >= 750
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(b0));
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[2]), "r"(a[3]), "r"(b1));
+#endif
   }
 };
 template <> struct kiln_mma<kiln_bf16> {
   static __device__ __forceinline__ void run(float (&c)[4], const unsigned (&a)[4],
                                              unsigned b0, unsigned b1) {
+#if KILN_ARCH >= 800
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
         "{%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
   }
 };
 template <> struct kiln_mma<float> {
@@ -540,8 +566,10 @@ template <> struct kiln_mma<float> {
                                              unsigned) {}
 };
 
+// ldmatrix exists from sm_75 on, as tensor cores kiln uses do.
 template <bool TRANS>
 __device__ __forceinline__ void kiln_ldmatrix_x4(unsigned (&r)[4], const void* smem) {
+#if KILN_ARCH >= 750
   const unsigned a = (unsigned)__cvta_generic_to_shared(smem);
   if (TRANS)
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -551,6 +579,7 @@ __device__ __forceinline__ void kiln_ldmatrix_x4(unsigned (&r)[4], const void* s
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(a));
+#endif
 }
 
 constexpr int WTM = TENSOR ? BM / WM : 1, WTN = TENSOR ? BN / WN : 1;
@@ -616,7 +645,7 @@ struct kiln_tensor_tile {
   }
 };
 
-// ---- FMA tiles (f32) -----------------------------------------------------------------------
+// ---- FMA tiles -------------------------------------------------------------------------------
 
 __host__ __device__ constexpr int isqrt_exact(int v) {
   int r = 1;
@@ -633,7 +662,9 @@ static_assert(!TENSOR || (WM * WN * 32 == THREADS && WTM % 16 == 0 && WTN % 16 =
 struct kiln_fma_tile {
   float acc[TT][TT];
 
-  __device__ __forceinline__ void compute(const float* sa, const float* sb) {
+  // Shared memory holds T, [k][m] and [k][n]; four consecutive elements are one aligned
+  // vector (rows are padded to a multiple of 4), widened to f32 here.
+  __device__ __forceinline__ void compute(const T* sa, const T* sb) {
     typedef kiln_operand<true> OA;
     typedef kiln_operand<false> OB;
     const int ty = threadIdx.x / TX, tx = threadIdx.x % TX;
@@ -642,10 +673,15 @@ struct kiln_fma_tile {
       float a[TT], b[TT];
 #pragma unroll
       for (int i = 0; i < TT / 4; ++i) {
-        const float4 va = *reinterpret_cast<const float4*>(sa + k * OA::PITCH + i * TY * 4 + ty * 4);
-        const float4 vb = *reinterpret_cast<const float4*>(sb + k * OB::PITCH + i * TX * 4 + tx * 4);
-        a[4 * i] = va.x, a[4 * i + 1] = va.y, a[4 * i + 2] = va.z, a[4 * i + 3] = va.w;
-        b[4 * i] = vb.x, b[4 * i + 1] = vb.y, b[4 * i + 2] = vb.z, b[4 * i + 3] = vb.w;
+        const kiln_vec<T, 4> va =
+            *reinterpret_cast<const kiln_vec<T, 4>*>(sa + k * OA::PITCH + i * TY * 4 + ty * 4);
+        const kiln_vec<T, 4> vb =
+            *reinterpret_cast<const kiln_vec<T, 4>*>(sb + k * OB::PITCH + i * TX * 4 + tx * 4);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          a[4 * i + j] = kiln_to_float(va.v[j]);
+          b[4 * i + j] = kiln_to_float(vb.v[j]);
+        }
       }
 #pragma unroll
       for (int i = 0; i < TT; ++i)
@@ -793,8 +829,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{kernel}}(
     if constexpr (TENSOR)
       tc.compute(sa + (t % STAGES) * OA::STAGE_ELEMS, sb + (t % STAGES) * OB::STAGE_ELEMS);
     else
-      fm.compute(reinterpret_cast<const float*>(sa + (t % STAGES) * OA::STAGE_ELEMS),
-                 reinterpret_cast<const float*>(sb + (t % STAGES) * OB::STAGE_ELEMS));
+      fm.compute(sa + (t % STAGES) * OA::STAGE_ELEMS, sb + (t % STAGES) * OB::STAGE_ELEMS);
     if (next < tiles) stash(next);
   }
   kiln_cp_async_wait<0>();

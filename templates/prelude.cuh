@@ -1,7 +1,15 @@
 // kiln prelude: shared by every template. Self-contained on purpose: including cuda_fp16.h or
 // cuda_bf16.h costs tens of milliseconds per NVRTC compile, and these few lines do the same job.
 
-// 16-bit floats as bit patterns; conversions go through inline PTX (sm_80 and newer).
+// The architecture whose code paths a kernel takes, as __CUDA_ARCH__ counts (750 for sm_75):
+// the target's own, or an older one that KILN_EMULATE_ARCH passes as -DKILN_ARCH to test the
+// portable paths on a newer GPU.
+#ifndef KILN_ARCH
+#define KILN_ARCH __CUDA_ARCH__
+#endif
+
+// 16-bit floats as bit patterns; conversions go through inline PTX, or integer arithmetic where
+// the target has no instruction for them (bf16 before sm_80).
 struct kiln_f16 { unsigned short bits; };
 struct kiln_bf16 { unsigned short bits; };
 
@@ -25,7 +33,18 @@ template <> __device__ __forceinline__ kiln_f16 kiln_from_float<kiln_f16>(float 
 }
 template <> __device__ __forceinline__ kiln_bf16 kiln_from_float<kiln_bf16>(float f) {
   kiln_bf16 r;
+#if KILN_ARCH >= 800
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r.bits) : "f"(f));
+#else
+  // Round to nearest even on the bits: add half a unit of the kept part (less one when the
+  // kept part is even), then truncate; a carry into the exponent rounds up to infinity as it
+  // should. NaN keeps its sign and becomes bf16's canonical quiet NaN.
+  const unsigned int u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u)
+    r.bits = (unsigned short)(((u >> 16) & 0x8000u) | 0x7fc0u);
+  else
+    r.bits = (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+#endif
   return r;
 }
 
@@ -170,11 +189,24 @@ __device__ __forceinline__ void kiln_group_sum2(float& a, float& b, float* scrat
   }
 }
 
+// Whether the target copies global to shared memory asynchronously (cp.async, sm_80+). Before
+// sm_80 the three calls below still work, as a plain load and store: the copy is complete when
+// kiln_cp_async returns, so every wait is already satisfied.
+#define KILN_HAS_CP_ASYNC (KILN_ARCH >= 800)
+
+// An unsigned type of exactly BYTES bytes (2, 4, 8 or 16), for the plain copy.
+template <int BYTES> struct kiln_word;
+template <> struct kiln_word<2> { typedef unsigned short type; };
+template <> struct kiln_word<4> { typedef unsigned int type; };
+template <> struct kiln_word<8> { typedef uint2 type; };
+template <> struct kiln_word<16> { typedef uint4 type; };
+
 // 16 bytes (or BYTES) copied from global to shared memory without passing through registers;
 // complete once kiln_cp_async_wait lets the group it was committed in through (sm_80+).
 // L1: keep the line in L1 (.ca), for data the block reads again soon; else L2 only (.cg).
 template <int BYTES, bool L1>
 __device__ __forceinline__ void kiln_cp_async(void* smem, const void* gmem, bool valid) {
+#if KILN_HAS_CP_ASYNC
   const unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
   const int src_bytes = valid ? BYTES : 0;  // 0: fill with zeros, read nothing
   if constexpr (BYTES == 16 && !L1)
@@ -183,14 +215,26 @@ __device__ __forceinline__ void kiln_cp_async(void* smem, const void* gmem, bool
   else
     asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(gmem),
                  "n"(BYTES), "r"(src_bytes));
+#else
+  typedef typename kiln_word<BYTES>::type W;
+  W v{};  // zeros where the copy reads nothing
+  if (valid) v = *reinterpret_cast<const W*>(gmem);
+  *reinterpret_cast<W*>(smem) = v;
+#endif
 }
 __device__ __forceinline__ void kiln_cp_async_commit() {
+#if KILN_HAS_CP_ASYNC
   asm volatile("cp.async.commit_group;\n" ::);
+#endif
 }
 // Waits until at most N of this thread's committed groups are still in flight.
 template <int N> __device__ __forceinline__ void kiln_cp_async_wait() {
   // "memory": shared loads of the landed data must not move above the wait.
+#if KILN_HAS_CP_ASYNC
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#else
+  asm volatile("" ::: "memory");
+#endif
 }
 
 // N parameter values (weight or bias) at p[i * stride ..] as floats: one vector load when

@@ -240,9 +240,15 @@ fn a_missing_nvrtc_is_a_clear_error_not_a_panic() {
 #[test]
 fn bad_arguments_and_environment_are_errors() {
     let dir = tempfile::tempdir().unwrap();
-    let out = run(&mut kiln(dir.path(), &["warm", "--arch", "sm_75"]));
+    // Older than Volta, and not a target at all.
+    for arch in ["sm_61", "gfx90a"] {
+        let out = run(&mut kiln(dir.path(), &["warm", "--arch", arch]));
+        assert_eq!(out.status.code(), Some(2));
+        assert!(String::from_utf8_lossy(&out.stderr).contains(arch));
+    }
+    let out = run(kiln(dir.path(), &["warm", "--only", "copy "]).env("KILN_EMULATE_ARCH", "75"));
     assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("sm_75"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("KILN_EMULATE_ARCH"));
     let out = run(kiln(dir.path(), &["cache", "stats"]).env("KILN_CACHE", "sometimes"));
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("KILN_CACHE"));
@@ -263,4 +269,73 @@ fn check_without_a_gpu_skips_unless_one_is_required() {
     let out = run(kiln(dir.path(), &["check"]).env("KILN_REQUIRE_GPU", "perhaps"));
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("KILN_REQUIRE_GPU"));
+}
+
+/// The NVRTC 12 library `scripts/setup.sh` installs in the project's Python environment (the
+/// `nvidia-cuda-nvrtc-cu12` wheel), or `KILN_NVRTC12_LIB`.
+fn nvrtc_12() -> std::path::PathBuf {
+    if let Some(p) = std::env::var_os("KILN_NVRTC12_LIB") {
+        return p.into();
+    }
+    let lib = Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/lib");
+    std::fs::read_dir(&lib)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| {
+            e.path()
+                .join("site-packages/nvidia/cuda_nvrtc/lib/libnvrtc.so.12")
+        })
+        .find(|p| p.exists())
+        .unwrap_or_else(|| {
+            panic!(
+                "no libnvrtc.so.12 under {}: run scripts/setup.sh (it installs \
+                 nvidia-cuda-nvrtc-cu12) or set KILN_NVRTC12_LIB",
+                lib.display()
+            )
+        })
+}
+
+/// Volta (sm_70, Jetson Xavier's sm_72) needs NVRTC 12: CUDA 13's NVRTC refuses the targets and
+/// names the wheel that has it; with that wheel every spec kiln registers for Volta compiles.
+#[test]
+fn volta_warms_with_nvrtc_12_which_nvrtc_13_names() {
+    let dir = tempfile::tempdir().unwrap();
+    let refused = run(kiln(dir.path(), &["warm", "--arch", "sm_70"]).env_remove("KILN_NVRTC_LIB"));
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    if refused.status.success() {
+        // An NVRTC 12 found first (a CUDA 12 toolkit) compiles for Volta itself.
+        assert!(
+            stderr.is_empty() || !stderr.contains("cannot compile"),
+            "{stderr}"
+        );
+    } else {
+        assert_eq!(refused.status.code(), Some(2));
+        assert!(
+            stderr.contains("sm_70") && stderr.contains("nvidia-cuda-nvrtc-cu12"),
+            "{stderr}"
+        );
+    }
+
+    let out = run(kiln(
+        dir.path(),
+        &[
+            "warm", "--arch", "sm_70", "--arch", "sm_72", "--jobs", "2", "--json",
+        ],
+    )
+    .env("KILN_NVRTC_LIB", nvrtc_12()));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report = last_json(&out);
+    assert!(
+        report["nvrtc"].as_str().unwrap().starts_with("12."),
+        "{report}"
+    );
+    let volta = kiln::ops::registered_specs_for(70);
+    assert_eq!(kiln::ops::registered_specs_for(72), volta);
+    assert_eq!(report["specs"], 2 * volta.len() as u64, "{report}");
+    assert_eq!(report["failed"], 0, "{report}");
 }

@@ -364,7 +364,6 @@ fn matrix(graphs: bool) {
     let mut enc = encoder(&dev, graphs);
     let mut failures = Vec::new();
     let (mut checked, mut on_hopper) = (0, 0);
-    let cc = dev.info().compute_capability;
     let path = Config::from_env().unwrap().conv_path;
     for (ci, c) in cases().iter().enumerate() {
         for dtype in DType::ALL {
@@ -375,13 +374,14 @@ fn matrix(graphs: bool) {
                 checked += 1;
                 let key = plan::PlanKey {
                     device: 0,
+                    arch: dev.arch(),
                     dtype,
                     pass,
                     geometry: g,
                     vec_a: true,
                     vec_b: true,
                 };
-                let hopper = hopper::unsupported(cc, &key).is_none() && path == ConvPath::Auto;
+                let hopper = hopper::unsupported(&key).is_none() && path == ConvPath::Auto;
                 if hopper {
                     on_hopper += 1;
                 }
@@ -463,6 +463,7 @@ fn every_tile_and_vector_width() {
         for pass in [Pass::Forward, Pass::BackwardData] {
             let key = plan::PlanKey {
                 device: 0,
+                arch: dev.arch(),
                 dtype,
                 pass,
                 geometry: Geometry::new(&tap.x, &tap.w, &tap.p).unwrap(),
@@ -476,8 +477,23 @@ fn every_tile_and_vector_width() {
     let mut checked = 0;
     for c in &shapes {
         for dtype in DType::ALL {
-            for &t in plan::tiles(dtype) {
+            let tensor = plan::tensor_cores(dtype, dev.arch());
+            for &t in plan::tiles(tensor) {
                 for pass in Pass::ALL {
+                    // A tile larger than the GPU's shared memory is never chosen (Turing).
+                    let g = Geometry::new(&c.x, &c.w, &c.p).unwrap();
+                    let tap = plan::tap_tiles(&plan::PlanKey {
+                        device: 0,
+                        arch: dev.arch(),
+                        dtype,
+                        pass,
+                        geometry: g,
+                        vec_a: true,
+                        vec_b: true,
+                    });
+                    if plan::shared_bytes(dtype, pass, tensor, t, tap) > dev.shared_limit() {
+                        continue;
+                    }
                     let splits: &[usize] = if pass == Pass::BackwardWeight {
                         &[1, 3]
                     } else {
@@ -512,8 +528,8 @@ fn every_hopper_tile() {
     let Some(gpus) = common::gpus_or_skip("every_hopper_tile") else {
         return;
     };
-    if gpus[0].compute_capability != (9, 0) {
-        eprintln!("every_hopper_tile: skipped (needs sm_90)");
+    if Device::get(gpus[0].ordinal).unwrap().arch() != hopper::ARCH {
+        eprintln!("every_hopper_tile: skipped (needs sm_90 code paths: an H100 without KILN_EMULATE_ARCH)");
         return;
     }
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -759,8 +775,8 @@ fn autotune_measures_once_and_keeps_its_choice() {
     let Some(gpus) = common::gpus_or_skip("autotune_measures_once_and_keeps_its_choice") else {
         return;
     };
-    if gpus[0].compute_capability != (9, 0) {
-        eprintln!("autotune_measures_once_and_keeps_its_choice: skipped (needs sm_90)");
+    if Device::get(gpus[0].ordinal).unwrap().arch() != hopper::ARCH {
+        eprintln!("autotune_measures_once_and_keeps_its_choice: skipped (needs sm_90 code paths: an H100 without KILN_EMULATE_ARCH)");
         return;
     }
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());

@@ -36,6 +36,7 @@ fn the_self_check_passes_on_every_gpu() {
             kiln::DType::BF16,
             4096,
             true,
+            dev.shared_limit(),
         );
         let a = dev.kernel(&spec).unwrap();
         let b = dev.kernel(&spec).unwrap();

@@ -240,6 +240,7 @@ fn every_chosen_kernel_matches_the_reference() {
         return;
     };
     let mut enc = encoder(&dev, true);
+    let limit = dev.shared_limit();
     let mut failures = Vec::new();
     let mut seed = 5000;
     for dtype in DType::ALL {
@@ -248,8 +249,8 @@ fn every_chosen_kernel_matches_the_reference() {
         let mut spans: Vec<((KernelSpec, KernelSpec), usize, usize)> = Vec::new();
         for d in (v..=16384).step_by(v) {
             let pair = (
-                norm::choose_spec(Pass::Forward, Kind::LayerNorm, dtype, d, true),
-                norm::choose_spec(Pass::Vjp, Kind::LayerNorm, dtype, d, true),
+                norm::choose_spec(Pass::Forward, Kind::LayerNorm, dtype, d, true, limit),
+                norm::choose_spec(Pass::Vjp, Kind::LayerNorm, dtype, d, true, limit),
             );
             match spans.iter_mut().find(|s| s.0 == pair) {
                 Some(s) => s.2 = d,

@@ -11,17 +11,24 @@ use kiln::jit::{template, KernelSpec, Origin, Target, TemplateDef};
 use kiln::ops::norm::{self, Kind, Pass};
 use kiln::{DType, Error};
 
-/// Compiles `specs` for `targets` on two threads; returns how many came from each origin.
-fn compile_all(jit: &kiln::jit::Jit, specs: &[KernelSpec], targets: &[Target]) -> [usize; 3] {
-    let work: Vec<_> = targets
+/// An H100's shared memory per block: the norms' choice for it.
+const H100_SHARED: usize = 227 * 1024;
+
+/// Every registered spec for each target: what the ops choose on its architecture.
+fn work_for(targets: &[Target]) -> Vec<(KernelSpec, Target)> {
+    targets
         .iter()
-        .flat_map(|t| {
-            specs
-                .iter()
-                .filter(|s| s.builds_for(t.arch))
-                .map(move |s| (*s, *t))
+        .flat_map(|&t| {
+            kiln::ops::registered_specs_for(t.arch)
+                .into_iter()
+                .filter(move |s| s.builds_for(t.arch))
+                .map(move |s| (s, t))
         })
-        .collect();
+        .collect()
+}
+
+/// Compiles each (spec, target) on two threads; returns how many came from each origin.
+fn compile_all(jit: &kiln::jit::Jit, work: &[(KernelSpec, Target)]) -> [usize; 3] {
     let next = AtomicUsize::new(0);
     let counts = [0, 1, 2].map(|_| AtomicUsize::new(0));
     std::thread::scope(|scope| {
@@ -54,24 +61,34 @@ fn compile_all(jit: &kiln::jit::Jit, specs: &[KernelSpec], targets: &[Target]) -
     counts.map(|c| c.into_inner())
 }
 
+/// Turing (sm_75, the portable paths with f16 tensor cores), Ampere (sm_80) and Hopper (sm_90,
+/// with the arch-specific family); Volta's targets need NVRTC 12 (tests/cli.rs).
 #[test]
-fn every_registered_spec_compiles_for_sm80_and_sm90_then_hits_the_disk() {
+fn every_registered_spec_compiles_for_sm75_sm80_and_sm90_then_hits_the_disk() {
     let dir = tempfile::tempdir().unwrap();
-    let specs = kiln::ops::registered_specs();
-    let targets = [Target::sass(80), Target::sass(90)];
-    let n: usize = targets
+    let targets = [Target::sass(75), Target::sass(80), Target::sass(90)];
+    let work = work_for(&targets);
+    let n = work.len();
+    // The Hopper family is registered for sm_90 only (built as sm_90a), and says so elsewhere.
+    let hopper: Vec<_> = work
         .iter()
-        .map(|t| specs.iter().filter(|s| s.builds_for(t.arch)).count())
-        .sum();
-    // The Hopper family builds for sm_90 only (as sm_90a), and says so for anything else.
-    let hopper: Vec<_> = specs.iter().filter(|s| !s.builds_for(80)).collect();
-    assert!(!hopper.is_empty() && hopper.iter().all(|s| s.builds_for(90)));
+        .filter(|(s, _)| s.template.only_arch.is_some())
+        .collect();
+    assert!(!hopper.is_empty() && hopper.iter().all(|(_, t)| t.arch == 90));
     let err = common::jit_in(dir.path())
-        .compile(hopper[0], Target::sass(80))
+        .compile(&hopper[0].0, Target::sass(80))
         .unwrap_err();
     assert!(err.to_string().contains("sm_90 only"), "{err}");
+    // Turing registers f16 tensor-core and bf16 FMA convolutions; Ampere both on tensor cores.
+    let tensor = |arch: u32, dtype: DType| {
+        kiln::ops::registered_specs_for(arch)
+            .iter()
+            .any(|s| s.template.name == "conv_igemm" && s.dtype == dtype && s.consts[1] == 1)
+    };
+    assert!(tensor(75, DType::F16) && !tensor(75, DType::BF16));
+    assert!(tensor(80, DType::BF16) && !tensor(70, DType::F16));
 
-    let cold = compile_all(&common::jit_in(dir.path()), &specs, &targets);
+    let cold = compile_all(&common::jit_in(dir.path()), &work);
     assert_eq!(
         cold,
         [0, 0, n],
@@ -79,8 +96,67 @@ fn every_registered_spec_compiles_for_sm80_and_sm90_then_hits_the_disk() {
     );
 
     // A new JIT (as a new process would have) finds every entry on disk.
-    let warm = compile_all(&common::jit_in(dir.path()), &specs, &targets);
+    let warm = compile_all(&common::jit_in(dir.path()), &work);
     assert_eq!(warm, [0, n, 0], "[memory, disk, compiled] on a warm cache");
+}
+
+/// `KILN_EMULATE_ARCH` compiles the older architecture's code paths for the real target: the
+/// PTX of an f16 convolution for compute_90 then has Turing's m16n8k8 and no cp.async.
+#[test]
+fn emulating_an_older_architecture_compiles_its_code_paths() {
+    let dir = tempfile::tempdir().unwrap();
+    let jit = |emulate: Option<u32>| {
+        let mut config = kiln::env::Config::from_env().unwrap();
+        config.cache_dir = Some(dir.path().to_path_buf());
+        config.emulate_arch = emulate;
+        kiln::jit::Jit::new(config)
+    };
+    let spec = kiln::ops::registered_specs_for(75)
+        .into_iter()
+        .find(|s| s.template.name == "conv_igemm" && s.dtype == DType::F16 && s.consts[1] == 1)
+        .unwrap();
+    let ptx = |jit: &kiln::jit::Jit| {
+        let c = jit.compile(&spec, Target::ptx(90)).unwrap();
+        String::from_utf8_lossy(&c.entry.image).into_owned()
+    };
+    let native = ptx(&jit(None));
+    assert!(native.contains("m16n8k16") && native.contains("cp.async"));
+    let turing_jit = jit(Some(75));
+    let parts = turing_jit.key_parts(&spec, Target::ptx(90)).unwrap();
+    assert!(parts.options.contains(&"-DKILN_ARCH=750".to_string()));
+    let turing = ptx(&turing_jit);
+    assert!(turing.contains("m16n8k8") && !turing.contains("m16n8k16"));
+    assert!(!turing.contains("cp.async"));
+    // Emulating the target's own architecture (or a newer one) changes nothing.
+    let same = jit(Some(90));
+    assert_eq!(
+        same.key_parts(&spec, Target::ptx(90)).unwrap().key(),
+        jit(None).key_parts(&spec, Target::ptx(90)).unwrap().key()
+    );
+}
+
+/// An NVRTC too new for a target says so, naming the NVRTC that can.
+#[test]
+fn a_target_older_than_nvrtc_knows_is_an_error_naming_the_nvrtc_that_can() {
+    let dir = tempfile::tempdir().unwrap();
+    let jit = common::jit_in(dir.path());
+    let nvrtc = jit.nvrtc().unwrap();
+    let spec = kiln::ops::copy::specs()[0];
+    let oldest = *nvrtc.supported_archs.iter().min().unwrap();
+    if oldest <= 70 {
+        eprintln!(
+            "NVRTC {} still compiles for sm_70: nothing to check",
+            nvrtc.version_string()
+        );
+        return;
+    }
+    let err = jit.compile(&spec, Target::sass(70)).unwrap_err();
+    assert!(matches!(err, Error::TargetUnsupported { .. }), "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains("nvidia-cuda-nvrtc-cu12") && text.contains("sm_70"),
+        "{text}"
+    );
 }
 
 #[test]
@@ -119,7 +195,14 @@ fn different_specs_have_different_keys() {
 fn concurrent_requests_for_one_spec_compile_once() {
     let dir = tempfile::tempdir().unwrap();
     let jit = common::jit_with(dir.path(), CacheMode::Off, 1 << 30);
-    let spec = norm::choose_spec(Pass::Forward, Kind::LayerNorm, DType::BF16, 768, true);
+    let spec = norm::choose_spec(
+        Pass::Forward,
+        Kind::LayerNorm,
+        DType::BF16,
+        768,
+        true,
+        H100_SHARED,
+    );
     let origins: Vec<Origin> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..8)
             .map(|_| scope.spawn(|| jit.compile(&spec, Target::sass(90)).unwrap().origin))
@@ -135,7 +218,14 @@ fn concurrent_requests_for_one_spec_compile_once() {
 fn an_architecture_nvrtc_cannot_emit_sass_for_falls_back_to_ptx() {
     let dir = tempfile::tempdir().unwrap();
     let jit = common::jit_in(dir.path());
-    let spec = norm::choose_spec(Pass::Forward, Kind::LayerNorm, DType::F32, 1000, false);
+    let spec = norm::choose_spec(
+        Pass::Forward,
+        Kind::LayerNorm,
+        DType::F32,
+        1000,
+        false,
+        H100_SHARED,
+    );
     // No NVRTC knows sm_990; the newest architecture it knows gets PTX.
     let c = jit.compile(&spec, Target::sass(990)).unwrap();
     assert_eq!(c.entry.image_kind, ImageKind::Ptx);

@@ -161,20 +161,24 @@ fn warm(
     }
     targets.sort();
     targets.dedup();
-    // Fail early, with the full explanation, when NVRTC is missing.
+    // Fail early, with the full explanation, when NVRTC is missing or cannot serve a target.
     let nvrtc = jit.nvrtc()?;
-
-    let mut specs = kiln::ops::registered_specs();
-    if let Some(text) = only {
-        specs.retain(|s| s.to_string().contains(text));
+    for &t in &targets {
+        jit.check_target(t)?;
     }
+
+    // Each target gets what the ops choose on it: under KILN_EMULATE_ARCH, on the older
+    // architecture whose code paths the process will run.
+    let emulate = jit.config().emulate_arch;
     let work: Vec<_> = targets
         .iter()
-        .flat_map(|t| {
-            specs
-                .iter()
-                .filter(|s| s.builds_for(t.arch))
-                .map(move |s| (*s, *t))
+        .flat_map(|&t| {
+            let arch = emulate.map_or(t.arch, |e| e.min(t.arch));
+            kiln::ops::registered_specs_for(arch)
+                .into_iter()
+                .filter(|s| only.map_or(true, |text| s.to_string().contains(text)))
+                .filter(move |s| s.builds_for(t.arch))
+                .map(move |s| (s, t))
         })
         .collect();
     let jobs = jobs

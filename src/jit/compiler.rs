@@ -87,8 +87,10 @@ impl Jit {
 
     /// The target actually compiled for when `requested` is asked for `spec`: the arch-specific
     /// variant where the family needs it, and PTX for the newest architecture this NVRTC knows
-    /// when it cannot emit SASS for the requested one.
+    /// when it cannot emit SASS for the requested one. A target older than every architecture
+    /// this NVRTC knows (sm_70 with NVRTC 13) is an error that names the NVRTC that can.
     pub fn resolve_target(&self, spec: &KernelSpec, requested: Target) -> Result<Target> {
+        self.check_target(requested)?;
         let nvrtc = self.nvrtc()?;
         let mut target = requested;
         if target.kind != TargetKind::Ptx && !nvrtc.supports_sass(target.arch) {
@@ -98,13 +100,7 @@ impl Jit {
                 .copied()
                 .filter(|&a| a <= target.arch)
                 .max()
-                .ok_or_else(|| Error::InvalidArgument {
-                    arg: "target",
-                    reason: format!(
-                        "NVRTC {} supports none of the architectures up to {requested}",
-                        nvrtc.version_string()
-                    ),
-                })?;
+                .unwrap_or(target.arch);
             target = Target::ptx(best);
         }
         if !spec.builds_for(requested.arch) {
@@ -123,6 +119,32 @@ impl Jit {
         Ok(target)
     }
 
+    /// An error when the NVRTC in use cannot compile for `target` at all: it is older than
+    /// every architecture this NVRTC knows (sm_70 with NVRTC 13). The error names the NVRTC
+    /// that can. (A target newer than it knows is compiled as PTX instead.)
+    pub fn check_target(&self, target: Target) -> Result<()> {
+        let nvrtc = self.nvrtc()?;
+        let oldest = nvrtc.supported_archs.iter().copied().min();
+        if oldest.map_or(true, |o| target.arch < o) {
+            return Err(Error::TargetUnsupported {
+                target: target.to_string(),
+                nvrtc: format!("{} ({})", nvrtc.version_string(), nvrtc.path),
+                reason: too_old_reason(nvrtc.version.0, oldest),
+            });
+        }
+        Ok(())
+    }
+
+    /// NVRTC options for `target`: the base options and, under `KILN_EMULATE_ARCH` for a newer
+    /// target, `-DKILN_ARCH` so that the kernels take the older architecture's code paths.
+    pub fn options(&self, target: Target) -> Vec<String> {
+        let mut options: Vec<String> = BASE_OPTIONS.iter().map(|s| s.to_string()).collect();
+        if let Some(arch) = self.config.emulate_arch.filter(|&a| a < target.arch) {
+            options.push(format!("-DKILN_ARCH={}", arch * 10));
+        }
+        options
+    }
+
     /// The key parts for `spec` on exactly `target` (no target resolution).
     pub fn key_parts(&self, spec: &KernelSpec, target: Target) -> Result<KeyParts> {
         let rendered = template::render(spec)?;
@@ -130,7 +152,7 @@ impl Jit {
             source: rendered.source,
             headers: Vec::new(),
             name_expressions: rendered.name_expressions,
-            options: BASE_OPTIONS.iter().map(|s| s.to_string()).collect(),
+            options: self.options(target),
             target: target.to_string(),
             nvrtc_version: self.nvrtc()?.version_string(),
         })
@@ -218,6 +240,21 @@ impl Jit {
             entry: Arc::new(entry),
             origin: Origin::Compiled,
         })
+    }
+}
+
+/// Why an NVRTC of major version `major`, whose oldest target is `oldest`, cannot serve an
+/// older one, and which NVRTC can.
+fn too_old_reason(major: i32, oldest: Option<u32>) -> String {
+    let oldest = oldest.map_or("none".to_string(), |o| format!("sm_{o}"));
+    if major >= 13 {
+        format!(
+            "its oldest target is {oldest}. NVRTC 12 still compiles for Volta (sm_70, sm_72): \
+             install it with `pip install nvidia-cuda-nvrtc-cu12` and point KILN_NVRTC_LIB at \
+             the libnvrtc.so.12 that wheel puts in site-packages/nvidia/cuda_nvrtc/lib"
+        )
+    } else {
+        format!("its oldest target is {oldest}")
     }
 }
 

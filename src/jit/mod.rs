@@ -14,4 +14,4 @@ pub use compiler::{Compiled, Jit, Origin};
 pub use kernels::{KernelTable, LoadedKernel};
 pub use key::CacheKey;
 pub use spec::{KernelSpec, TemplateDef};
-pub use target::Target;
+pub use target::{Target, TargetKind};

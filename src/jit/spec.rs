@@ -7,7 +7,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 
 /// The most named constants one template family may take.
-pub const MAX_CONSTS: usize = 9;
+pub const MAX_CONSTS: usize = 12;
 
 /// A kernel family: one handlebars CUDA source in `templates/`, embedded at compile time.
 ///
@@ -70,7 +70,17 @@ impl KernelSpec {
         n_reads: u8,
         consts: &[i32],
     ) -> Result<KernelSpec> {
-        if consts.len() != template.const_names.len() || consts.len() > MAX_CONSTS {
+        if template.const_names.len() > MAX_CONSTS {
+            return Err(Error::InvalidArgument {
+                arg: "template",
+                reason: format!(
+                    "{} names {} constants; a spec holds at most {MAX_CONSTS}",
+                    template.name,
+                    template.const_names.len()
+                ),
+            });
+        }
+        if consts.len() != template.const_names.len() {
             return Err(Error::InvalidArgument {
                 arg: "consts",
                 reason: format!(

@@ -6,8 +6,27 @@ use std::str::FromStr;
 
 use crate::error::{Error, Result};
 
-/// The oldest architecture kiln's templates support (bf16 conversions and mma.sync need sm_80).
-pub const MIN_ARCH: u32 = 80;
+/// The oldest architecture kiln's templates support: Volta (sm_70). Before sm_80 the kernels
+/// take portable paths (plain loads for `cp.async`, bf16 on FMA units; f16 tensor cores from
+/// sm_75, FMA units on sm_70 and sm_72).
+pub const MIN_ARCH: u32 = 70;
+
+/// The most shared memory one block may opt in to on a GPU of architecture `arch` (compute
+/// capability x 10), as the CUDA programming guide lists it; 48 KiB, which every GPU kiln
+/// supports allows without opting in, for an architecture not listed. kiln asks the driver for
+/// a real GPU's limit; this table serves where there is none (`kiln warm`) and for
+/// `KILN_EMULATE_ARCH`.
+pub fn shared_memory_per_block(arch: u32) -> usize {
+    const KIB: usize = 1024;
+    match arch {
+        70 | 72 => 96 * KIB,
+        75 => 64 * KIB,
+        80 | 87 => 163 * KIB,
+        86 | 89 | 120 | 121 => 99 * KIB,
+        90 | 100 | 101 | 103 | 110 => 227 * KIB,
+        _ => 48 * KIB,
+    }
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum TargetKind {
@@ -114,6 +133,10 @@ mod tests {
     #[test]
     fn round_trips() {
         for s in [
+            "sm_70",
+            "sm_72",
+            "sm_75",
+            "compute_75",
             "sm_80",
             "sm_90",
             "sm_90a",
@@ -133,8 +156,8 @@ mod tests {
             "sm_",
             "sm_9x",
             "gfx90a",
-            "sm_75",
-            "compute_70",
+            "sm_61",
+            "compute_60",
             "sm_9",
         ] {
             assert!(s.parse::<Target>().is_err(), "{s} parsed");

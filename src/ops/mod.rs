@@ -6,16 +6,36 @@ pub mod conv;
 pub mod copy;
 pub mod norm;
 
+use crate::jit::target::shared_memory_per_block;
 use crate::jit::KernelSpec;
 use crate::runtime::CommandEncoder;
 
-/// Every spec any op can choose.
-pub fn registered_specs() -> Vec<KernelSpec> {
+/// Architectures whose choices differ (tensor cores, shared memory, the Hopper family), oldest
+/// first; every other architecture chooses as one of these does.
+pub const DISTINCT_ARCHS: [u32; 6] = [70, 75, 80, 86, 90, 100];
+
+/// Every spec an op can choose on architecture `arch` (compute capability x 10), for GPUs with
+/// that architecture's shared memory: what `kiln warm` compiles for it.
+pub fn registered_specs_for(arch: u32) -> Vec<KernelSpec> {
     let mut out = Vec::new();
-    out.extend(norm::specs());
-    out.extend(conv::specs());
+    out.extend(norm::specs(shared_memory_per_block(arch)));
+    out.extend(conv::specs(arch));
     out.extend(copy::specs());
     out.extend(axpby::specs());
+    out
+}
+
+/// Every spec any op can choose on any architecture, each once.
+pub fn registered_specs() -> Vec<KernelSpec> {
+    let mut out = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    for arch in DISTINCT_ARCHS {
+        for spec in registered_specs_for(arch) {
+            if seen.insert(spec) {
+                out.push(spec);
+            }
+        }
+    }
     out
 }
 

@@ -244,9 +244,25 @@ fn balanced_grid(blocks: usize, slots: usize) -> usize {
     blocks.div_ceil(turns).max(1)
 }
 
-/// The spec for rows of `d` elements. `vectorized`: 16-byte loads are legal (rows aligned, `d`
-/// a multiple of the vector width).
-pub fn choose_spec(pass: Pass, kind: Kind, dtype: DType, d: usize, vectorized: bool) -> KernelSpec {
+/// Whether a block of `spec` fits in `shared_limit` bytes of shared memory: its ring (or
+/// shared sums) and 1 KiB for the kernel's static scratch.
+fn fits(spec: &KernelSpec, shared_limit: usize) -> bool {
+    ring_bytes(spec) + 1024 <= shared_limit
+}
+
+/// The spec for rows of `d` elements on a GPU whose blocks may use `shared_limit` bytes of
+/// shared memory ([`Device::shared_limit`](crate::runtime::Device::shared_limit)).
+/// `vectorized`: 16-byte loads are legal (rows aligned, `d` a multiple of the vector width).
+/// Where a ring of stages or resident rows would not fit, rows are held in registers without a
+/// ring, or take the looped path (GPUs with 64-99 KiB: Turing, consumer Ampere and Ada).
+pub fn choose_spec(
+    pass: Pass,
+    kind: Kind,
+    dtype: DType,
+    d: usize,
+    vectorized: bool,
+    shared_limit: usize,
+) -> KernelSpec {
     let n_reads = if vectorized { dtype.vec_width() } else { 1 };
     let vectors = d.div_ceil(n_reads).max(1);
     let max = max_items(pass, n_reads);
@@ -254,32 +270,45 @@ pub fn choose_spec(pass: Pass, kind: Kind, dtype: DType, d: usize, vectorized: b
         if vectors <= RESIDENT_GROUP * RESIDENT_ITEMS
             && resident(pass, dtype, n_reads, RESIDENT_GROUP, RESIDENT_ITEMS)
         {
-            return spec_of(pass, kind, dtype, n_reads, RESIDENT_GROUP, RESIDENT_ITEMS);
+            let spec = spec_of(pass, kind, dtype, n_reads, RESIDENT_GROUP, RESIDENT_ITEMS);
+            if fits(&spec, shared_limit) {
+                return spec;
+            }
         }
         if pass == Pass::Vjp && vectors <= SHARED_SUMS_GROUP * max {
             let items = vectors.div_ceil(SHARED_SUMS_GROUP).next_power_of_two();
-            return spec_of(pass, kind, dtype, n_reads, SHARED_SUMS_GROUP, items);
+            let spec = spec_of(pass, kind, dtype, n_reads, SHARED_SUMS_GROUP, items);
+            if fits(&spec, shared_limit) {
+                return spec;
+            }
         }
         return spec_of(pass, kind, dtype, n_reads, 1024, 0);
     }
-    if one_warp_rows(pass, dtype, n_reads, vectors) {
-        return spec_of(pass, kind, dtype, n_reads, 32, vectors.div_ceil(32));
+    let (group, items) = if one_warp_rows(pass, dtype, n_reads, vectors) {
+        (32, vectors.div_ceil(32))
+    } else if one_vector_rows(pass, dtype, n_reads, vectors) {
+        (vectors.next_multiple_of(32), 1)
+    } else {
+        let group = vectors
+            .div_ceil(preferred_items(pass, dtype, n_reads, vectors))
+            .next_power_of_two()
+            .clamp(32, max_group(pass));
+        (group, vectors.div_ceil(group).next_power_of_two())
+    };
+    let spec = spec_of(pass, kind, dtype, n_reads, group, items);
+    if fits(&spec, shared_limit) {
+        spec
+    } else {
+        // The same rows in registers, without the ring.
+        spec_with(pass, kind, dtype, n_reads, group, items, 0, false)
     }
-    if one_vector_rows(pass, dtype, n_reads, vectors) {
-        return spec_of(pass, kind, dtype, n_reads, vectors.next_multiple_of(32), 1);
-    }
-    let group = vectors
-        .div_ceil(preferred_items(pass, dtype, n_reads, vectors))
-        .next_power_of_two()
-        .clamp(32, max_group(pass));
-    let items = vectors.div_ceil(group).next_power_of_two();
-    spec_of(pass, kind, dtype, n_reads, group, items)
 }
 
-/// Every spec the norm ops can choose, and the column reductions: `choose_spec` depends on d
-/// only through its count of vectors and is the same past the longest rows held in registers,
-/// so every count up to one past those gives every choice.
-pub fn specs() -> Vec<KernelSpec> {
+/// Every spec the norm ops can choose where blocks may use `shared_limit` bytes of shared
+/// memory, and the column reductions: `choose_spec` depends on d only through its count of
+/// vectors and is the same past the longest rows held in registers, so every count up to one
+/// past those gives every choice.
+pub fn specs(shared_limit: usize) -> Vec<KernelSpec> {
     let mut out = Vec::new();
     for pass in [Pass::Forward, Pass::Vjp] {
         for kind in [Kind::LayerNorm, Kind::RmsNorm] {
@@ -290,7 +319,8 @@ pub fn specs() -> Vec<KernelSpec> {
                         .max(RESIDENT_GROUP * RESIDENT_ITEMS)
                         .max(SHARED_SUMS_GROUP * max_items(pass, n_reads));
                     for vectors in 1..=longest + 1 {
-                        let spec = choose_spec(pass, kind, dtype, vectors * n_reads, n_reads > 1);
+                        let d = vectors * n_reads;
+                        let spec = choose_spec(pass, kind, dtype, d, n_reads > 1, shared_limit);
                         if !out.contains(&spec) {
                             out.push(spec);
                         }
@@ -447,7 +477,10 @@ fn forward(
     let vectorized = can_vectorize(x.dtype(), d, &[(&xr, x_stride)]);
     let spec = match chosen {
         Some(spec) => check_chosen(spec, Pass::Forward, kind, x.dtype(), d, vectorized)?,
-        None => choose_spec(Pass::Forward, kind, x.dtype(), d, vectorized),
+        None => {
+            let limit = enc.device().shared_limit();
+            choose_spec(Pass::Forward, kind, x.dtype(), d, vectorized, limit)
+        }
     };
     let kernel = enc.device().kernel(&spec)?;
     let (wp, ws, wv) = param_args(w, vectorized);
@@ -557,16 +590,22 @@ fn vjp(
     let vectorized = can_vectorize(dtype, d, &[(&xr, xs), (&gr, gs)]);
     let spec = match chosen {
         Some(spec) => check_chosen(spec, Pass::Vjp, kind, dtype, d, vectorized)?,
-        None => choose_spec(Pass::Vjp, kind, dtype, d, vectorized),
+        None => choose_spec(
+            Pass::Vjp,
+            kind,
+            dtype,
+            d,
+            vectorized,
+            enc.device().shared_limit(),
+        ),
     };
     let kernel = enc.device().kernel(&spec)?;
     let (block, groups) = geometry(&spec);
     // The looped path keeps its partial sums in shared memory when two rows of d floats fit.
     let looped = spec.consts[2] == 0;
     let smem_bytes = 2 * d * 4;
-    let smem_partials = looped
-        && (w.is_some() || want_db)
-        && smem_bytes + 1024 <= enc.device().info().max_shared_per_block as usize;
+    let smem_partials =
+        looped && (w.is_some() || want_db) && smem_bytes + 1024 <= enc.device().shared_limit();
     let shared = if smem_partials {
         smem_bytes
     } else {
@@ -937,8 +976,15 @@ mod tests {
     }
 
     #[test]
-    fn every_chosen_spec_is_registered() {
-        let registered = specs();
+    fn every_chosen_spec_is_registered_and_fits() {
+        // Turing, Volta, consumer Ampere and Ada, A100, H100.
+        for limit in [64, 96, 99, 163, 227].map(|k| k * 1024) {
+            every_chosen_spec_is_registered_for(limit);
+        }
+    }
+
+    fn every_chosen_spec_is_registered_for(limit: usize) {
+        let registered = specs(limit);
         for pass in [Pass::Forward, Pass::Vjp] {
             for kind in [Kind::LayerNorm, Kind::RmsNorm] {
                 for dtype in DType::ALL {
@@ -960,11 +1006,12 @@ mod tests {
                             if vectorized && d % dtype.vec_width() != 0 {
                                 continue;
                             }
-                            let s = choose_spec(pass, kind, dtype, d, vectorized);
+                            let s = choose_spec(pass, kind, dtype, d, vectorized, limit);
                             assert!(
                                 registered.contains(&s),
                                 "{s} chosen for d={d} but not registered"
                             );
+                            assert!(fits(&s, limit), "{s}: {} bytes", ring_bytes(&s));
                             let (group, items) = (s.consts[1] as usize, s.consts[2] as usize);
                             if items > 0 {
                                 assert!(

@@ -9,10 +9,17 @@ use cudarc::driver::CudaContext;
 use super::allocator::Allocator;
 use super::GpuInfo;
 use crate::error::{Error, Result};
+use crate::jit::target::shared_memory_per_block;
 use crate::jit::{Jit, KernelSpec, KernelTable, LoadedKernel, Target};
 
 pub struct Device {
     info: GpuInfo,
+    /// The architecture whose code paths kiln runs here (compute capability x 10): the GPU's
+    /// own, or an older one named by `KILN_EMULATE_ARCH`.
+    arch: u32,
+    /// The most shared memory a kernel's block may use: the GPU's limit, or under
+    /// `KILN_EMULATE_ARCH` the smaller of it and the emulated architecture's.
+    shared_limit: usize,
     ctx: Arc<CudaContext>,
     allocator: Allocator,
     kernels: KernelTable,
@@ -43,13 +50,34 @@ impl Device {
                 arg: "ordinal",
                 reason: format!("no GPU with ordinal {ordinal}"),
             })?;
+        let jit = Jit::global()?;
+        let own = info.target().arch;
+        let (arch, shared_limit) = match jit.config().emulate_arch {
+            Some(a) if a > own => {
+                return Err(Error::InvalidArgument {
+                    arg: "KILN_EMULATE_ARCH",
+                    reason: format!(
+                        "sm_{a} is newer than GPU {ordinal} ({}, sm_{own}): only an older \
+                         architecture's code paths can run on it",
+                        info.name
+                    ),
+                })
+            }
+            Some(a) => (
+                a,
+                (info.max_shared_per_block as usize).min(shared_memory_per_block(a)),
+            ),
+            None => (own, info.max_shared_per_block as usize),
+        };
         let ctx = CudaContext::new(ordinal)?;
         let device = Arc::new(Device {
+            arch,
+            shared_limit,
             allocator: Allocator::new(ctx.clone(), info.memory_bytes as usize),
             info,
             ctx,
             kernels: KernelTable::new(),
-            jit: Jit::global()?,
+            jit,
         });
         devices.insert(ordinal, device.clone());
         Ok(device)
@@ -71,6 +99,18 @@ impl Device {
         &self.allocator
     }
 
+    /// The architecture whose code paths kiln runs on this device, as compute capability x 10:
+    /// the GPU's own, or the older one `KILN_EMULATE_ARCH` names. Ops choose their kernels by it.
+    pub fn arch(&self) -> u32 {
+        self.arch
+    }
+
+    /// The most dynamic shared memory one block may use here, in bytes (see [`Device::arch`]).
+    pub fn shared_limit(&self) -> usize {
+        self.shared_limit
+    }
+
+    /// The exact target kernels are compiled for: always the GPU's own.
     pub fn target(&self) -> Target {
         self.info.target()
     }

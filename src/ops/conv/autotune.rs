@@ -33,11 +33,11 @@ pub struct Choice {
 
 /// Whether a call with `key`, which has no plan yet, should be autotuned: `KILN_CONV_AUTOTUNE`
 /// is on and the Hopper path takes the key. An invalid environment variable is an error.
-pub(super) fn wanted(enc: &CommandEncoder, key: &PlanKey) -> Result<bool> {
+pub(super) fn wanted(key: &PlanKey) -> Result<bool> {
     let config = Config::from_env()?;
     Ok(config.conv_autotune
         && config.conv_path == ConvPath::Auto
-        && hopper::unsupported(enc.device().info().compute_capability, key).is_none())
+        && hopper::unsupported(key).is_none())
 }
 
 /// The measured plan for `key`, kept in the plan cache. `a` and `b` are the GEMM operands and

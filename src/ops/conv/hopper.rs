@@ -18,13 +18,16 @@ use crate::runtime::{Array, Device};
 use super::geometry::{Geometry, Pass};
 use super::plan::PlanKey;
 
+/// The one architecture the family runs on (its instructions exist only on sm_90a).
+pub const ARCH: u32 = 90;
+
 pub static WGMMA: TemplateDef = TemplateDef {
     name: "conv_wgmma",
     source: include_str!("../../../templates/conv_wgmma.cu"),
     kernel: "kiln_conv_wgmma",
     const_names: &["PASS", "BM", "BN", "STAGES", "SPATIAL"],
     arch_specific: true,
-    only_arch: Some(90),
+    only_arch: Some(ARCH),
 };
 
 /// Three warpgroups: one issues the copies, two multiply.
@@ -158,11 +161,11 @@ fn i3(v: [usize; 3]) -> [i32; 3] {
 /// `mma.sync` path, which runs phases as one grid.
 const MAX_PHASES: usize = 16;
 
-/// Why the Hopper path cannot take `key` on a GPU of compute capability `cc`, or None.
-pub fn unsupported(cc: (u32, u32), key: &PlanKey) -> Option<&'static str> {
+/// Why the Hopper path cannot take `key`, or None.
+pub fn unsupported(key: &PlanKey) -> Option<&'static str> {
     let g = &key.geometry;
-    if cc != (9, 0) {
-        return Some("not an sm_90 GPU");
+    if key.arch != ARCH {
+        return Some("not an sm_90 GPU (or KILN_EMULATE_ARCH names an older one)");
     }
     if key.dtype == DType::F32 {
         return Some("f32 runs on the FMA path");
@@ -489,11 +492,10 @@ pub fn plan(device: &Device, path: ConvPath, key: &PlanKey) -> Option<(KernelSpe
     if path == ConvPath::Igemm {
         return None;
     }
-    let info = device.info();
-    if unsupported(info.compute_capability, key).is_some() {
+    if unsupported(key).is_some() {
         return None;
     }
-    let sms = info.multiprocessors as usize;
+    let sms = device.info().multiprocessors as usize;
     let (tile, splits) = choose(sms, key.pass, &key.geometry);
     Some(launch_for(key, tile, splits, sms))
 }
@@ -618,6 +620,7 @@ mod tests {
     fn key(pass: Pass, input: &[usize], weight: &[usize], p: &ConvParams) -> PlanKey {
         PlanKey {
             device: 0,
+            arch: ARCH,
             dtype: DType::BF16,
             pass,
             geometry: Geometry::new(input, weight, p).unwrap(),
@@ -673,22 +676,20 @@ mod tests {
         let d = ConvParams::default;
         let x = [2, 8, 8, 64];
         let wt = [64, 3, 3, 64];
-        let hopper = (9, 0);
-        assert_eq!(
-            unsupported(hopper, &key(Pass::Forward, &x, &wt, &d())),
-            None
-        );
-        assert!(unsupported((8, 0), &key(Pass::Forward, &x, &wt, &d())).is_some());
-        assert!(unsupported((10, 0), &key(Pass::Forward, &x, &wt, &d())).is_some());
+        assert_eq!(unsupported(&key(Pass::Forward, &x, &wt, &d())), None);
+        for arch in [75, 80, 100] {
+            let older = PlanKey {
+                arch,
+                ..key(Pass::Forward, &x, &wt, &d())
+            };
+            assert!(unsupported(&older).is_some(), "sm_{arch}");
+        }
         let grouped = key(Pass::Forward, &x, &[64, 3, 3, 32], &d().groups(2));
-        assert!(unsupported(hopper, &grouped).is_some());
+        assert!(unsupported(&grouped).is_some());
         let strided = d().strides(&[2]);
+        assert_eq!(unsupported(&key(Pass::Forward, &x, &wt, &strided)), None);
         assert_eq!(
-            unsupported(hopper, &key(Pass::Forward, &x, &wt, &strided)),
-            None
-        );
-        assert_eq!(
-            unsupported(hopper, &key(Pass::BackwardData, &x, &wt, &strided)),
+            unsupported(&key(Pass::BackwardData, &x, &wt, &strided)),
             None
         );
         // Stride 3 in 3-D: 27 phases.
@@ -698,9 +699,9 @@ mod tests {
             &[8, 3, 3, 3, 8],
             &d().strides(&[3]),
         );
-        assert!(unsupported(hopper, &many).is_some());
+        assert!(unsupported(&many).is_some());
         let odd = key(Pass::Forward, &[2, 8, 8, 12], &[64, 3, 3, 12], &d());
-        assert!(unsupported(hopper, &odd).is_some());
+        assert!(unsupported(&odd).is_some());
         // A 3-D map's corners take 5 bits: a pad of 20 does not fit.
         let big_pad = key(
             Pass::Forward,
@@ -708,12 +709,12 @@ mod tests {
             &[8, 1, 1, 1, 8],
             &d().padding(&[20]),
         );
-        assert!(unsupported(hopper, &big_pad).is_some());
+        assert!(unsupported(&big_pad).is_some());
         let empty = key(Pass::BackwardWeight, &[0, 8, 8, 64], &wt, &d());
-        assert!(unsupported(hopper, &empty).is_some());
+        assert!(unsupported(&empty).is_some());
         let mut f32 = key(Pass::Forward, &x, &wt, &d());
         f32.dtype = DType::F32;
-        assert!(unsupported(hopper, &f32).is_some());
+        assert!(unsupported(&f32).is_some());
     }
 
     #[test]
@@ -724,6 +725,7 @@ mod tests {
         let (_, l) = launch_for(
             &PlanKey {
                 device: 0,
+                arch: ARCH,
                 dtype: DType::BF16,
                 pass: Pass::BackwardWeight,
                 geometry: g,

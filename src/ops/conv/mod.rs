@@ -21,9 +21,9 @@ use crate::jit::KernelSpec;
 use crate::runtime::{Array, CommandEncoder, KernelArgs};
 use plan::{Kind, Plan, PlanKey, Tile};
 
-/// Every spec the convolutions can choose.
-pub fn specs() -> Vec<KernelSpec> {
-    plan::specs()
+/// Every spec the convolutions can choose on architecture `arch`.
+pub fn specs(arch: u32) -> Vec<KernelSpec> {
+    plan::specs(arch)
 }
 
 fn bad(arg: &'static str, reason: impl Into<String>) -> Error {
@@ -222,7 +222,7 @@ pub mod tuning {
         let Some(Prepared { a, b, key }) = prepared else {
             return Err(bad("pass", "the output is empty: nothing to tune"));
         };
-        hopper_can_run(enc, &key)?;
+        hopper_can_run(&key)?;
         autotune::choose(enc, &key, &a, &b, &out)
     }
 }
@@ -266,6 +266,7 @@ fn plan_key(enc: &CommandEncoder, pass: Pass, g: &Geometry, a: &Array, b: &Array
     };
     PlanKey {
         device: enc.device().ordinal(),
+        arch: enc.device().arch(),
         dtype,
         pass,
         geometry: *g,
@@ -275,9 +276,8 @@ fn plan_key(enc: &CommandEncoder, pass: Pass, g: &Geometry, a: &Array, b: &Array
 }
 
 /// An error naming why, where the Hopper family cannot run `key` on the encoder's GPU.
-fn hopper_can_run(enc: &CommandEncoder, key: &PlanKey) -> Result<()> {
-    let cc = enc.device().info().compute_capability;
-    match hopper::unsupported(cc, key) {
+fn hopper_can_run(key: &PlanKey) -> Result<()> {
+    match hopper::unsupported(key) {
         Some(why) => Err(bad(
             "pass",
             format!("the Hopper kernels cannot run it: {why}"),
@@ -345,12 +345,12 @@ fn run(
     let plan = match chosen {
         Some(Chosen::Igemm(t, splits)) => Arc::new(plan::plan_with(enc.device(), key, t, splits)?),
         Some(Chosen::Wgmma(tile, splits)) => {
-            hopper_can_run(enc, &key)?;
+            hopper_can_run(&key)?;
             Arc::new(plan::plan_wgmma(enc.device(), key, tile, splits)?)
         }
         None => match plan::cached(&key) {
             Some(p) => p,
-            None if autotune::wanted(enc, &key)? => autotune::plan(enc, key, &a, &b, &out)?,
+            None if autotune::wanted(&key)? => autotune::plan(enc, key, &a, &b, &out)?,
             None => plan::create(enc.device(), key)?,
         },
     };

@@ -21,6 +21,7 @@ pub static IGEMM: TemplateDef = TemplateDef {
     kernel: "kiln_conv_igemm",
     const_names: &[
         "PASS",
+        "TENSOR",
         "BM",
         "BN",
         "WM",
@@ -45,7 +46,7 @@ pub static SPLIT_SUM: TemplateDef = TemplateDef {
 
 pub const SPLIT_SUM_BLOCK: u16 = 256;
 
-/// A block's tile of C: `bm x bn`, with `wm x wn` warps on tensor cores (unused by the f32 FMA
+/// A block's tile of C: `bm x bn`, with `wm x wn` warps on tensor cores (unused by the FMA
 /// path, whose threads each take a square sub-tile).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Tile {
@@ -72,7 +73,19 @@ const fn tile(bm: u16, bn: u16, wm: u16, wn: u16, stages: u16, threads: u16, eff
     }
 }
 
-/// Tensor-core tiles (f16, bf16): k steps of 32.
+/// Whether `dtype` multiplies on tensor cores (`mma.sync`) on architecture `arch`: f16 from
+/// Turing (sm_75, as pairs of m16n8k8), bf16 from Ampere (sm_80, which brought bf16 tensor
+/// cores). f32, and the 16-bit types on older GPUs, take the FMA path: 16-bit operands are
+/// widened to f32 as they are read from shared memory.
+pub fn tensor_cores(dtype: DType, arch: u32) -> bool {
+    match dtype {
+        DType::F16 => arch >= 75,
+        DType::BF16 => arch >= 80,
+        _ => false,
+    }
+}
+
+/// Tensor-core tiles: k steps of 32.
 pub const TENSOR_TILES: [Tile; 5] = [
     tile(128, 128, 2, 4, 4, 256, 100),
     tile(128, 64, 2, 2, 4, 128, 75),
@@ -81,7 +94,7 @@ pub const TENSOR_TILES: [Tile; 5] = [
     // For few output columns (backward-data of 3 input channels, say).
     tile(128, 32, 4, 1, 4, 128, 55),
 ];
-/// FMA tiles (f32): k steps of 8, square per-thread tiles of 8 x 8.
+/// FMA tiles: k steps of 8, square per-thread tiles of 8 x 8.
 pub const FMA_TILES: [Tile; 4] = [
     tile(128, 128, 0, 0, 3, 256, 85),
     tile(128, 64, 0, 0, 3, 128, 100),
@@ -90,34 +103,49 @@ pub const FMA_TILES: [Tile; 4] = [
     tile(128, 32, 0, 0, 3, 64, 90),
 ];
 
-pub fn tiles(dtype: DType) -> &'static [Tile] {
-    match dtype {
-        DType::F32 => &FMA_TILES,
-        _ => &TENSOR_TILES,
+/// The tiles of the tensor-core path or the FMA path.
+pub fn tiles(tensor: bool) -> &'static [Tile] {
+    if tensor {
+        &TENSOR_TILES
+    } else {
+        &FMA_TILES
     }
 }
 
-/// The k step of a tile (the template's BK). f32 backward-weight takes 16: with 16-byte loads
+/// The k step of a tile (the template's BK). FMA backward-weight takes 16: with vector loads
 /// both of its operands go straight to shared memory, so the longer step costs no registers and
 /// halves the per-step overhead (table, gathers, barrier) against the FMAs.
-fn block_k(dtype: DType, pass: Pass) -> usize {
-    match (dtype, pass) {
-        (DType::F32, Pass::BackwardWeight) => 16,
-        (DType::F32, _) => 8,
-        _ => 32,
+fn block_k(tensor: bool, pass: Pass) -> usize {
+    match (tensor, pass) {
+        (true, _) => 32,
+        (false, Pass::BackwardWeight) => 16,
+        (false, _) => 8,
     }
 }
 
-/// Vector widths kiln compiles: 16 bytes, or one element when a channel count (or an array's
-/// alignment) does not allow 16-byte loads.
-fn vec_widths(dtype: DType) -> [u8; 2] {
-    [dtype.vec_width() as u8, 1]
+/// Elements one vector load moves: 16 bytes on tensor cores; 4 elements on the FMA path, whose
+/// per-thread tiles and loaders are laid out in vectors of four (16 bytes of f32, 8 of a 16-bit
+/// type).
+fn vec_elems(dtype: DType, tensor: bool) -> u8 {
+    if tensor {
+        dtype.vec_width() as u8
+    } else {
+        4
+    }
 }
 
-/// `tap_tiles`: every k tile lies within one kernel tap (see [`tap_tiles`]).
+/// Vector widths kiln compiles: a full vector, or one element when a channel count (or an
+/// array's alignment) does not allow vector loads.
+fn vec_widths(dtype: DType, tensor: bool) -> [u8; 2] {
+    [vec_elems(dtype, tensor), 1]
+}
+
+/// `tensor`: the tensor-core path (else FMA); `tap_tiles`: every k tile lies within one kernel
+/// tap (see [`tap_tiles`]).
 pub fn igemm_spec(
     dtype: DType,
     pass: Pass,
+    tensor: bool,
     t: Tile,
     vec_a: u8,
     vec_b: u8,
@@ -130,6 +158,7 @@ pub fn igemm_spec(
         1,
         &[
             pass as i32,
+            tensor as i32,
             t.bm as i32,
             t.bn as i32,
             t.wm as i32,
@@ -146,35 +175,37 @@ pub fn split_sum_spec(dtype: DType) -> KernelSpec {
     KernelSpec::new(&SPLIT_SUM, dtype, SPLIT_SUM_BLOCK, 1, &[])
 }
 
-/// Every spec a plan can choose.
-pub fn specs() -> Vec<KernelSpec> {
+/// Every spec a plan can choose on architecture `arch`.
+pub fn specs(arch: u32) -> Vec<KernelSpec> {
     let mut out = Vec::new();
     for dtype in DType::ALL {
+        let tensor = tensor_cores(dtype, arch);
         for pass in Pass::ALL {
-            for &t in tiles(dtype) {
-                for va in vec_widths(dtype) {
-                    for vb in vec_widths(dtype) {
-                        out.push(igemm_spec(dtype, pass, t, va, vb, false));
+            for &t in tiles(tensor) {
+                for va in vec_widths(dtype, tensor) {
+                    for vb in vec_widths(dtype, tensor) {
+                        out.push(igemm_spec(dtype, pass, tensor, t, va, vb, false));
                     }
                 }
                 if pass != Pass::BackwardWeight {
-                    let v = dtype.vec_width() as u8;
-                    out.push(igemm_spec(dtype, pass, t, v, v, true));
+                    let v = vec_elems(dtype, tensor);
+                    out.push(igemm_spec(dtype, pass, tensor, t, v, v, true));
                 }
             }
         }
         out.push(split_sum_spec(dtype));
     }
-    out.extend(hopper::specs());
+    if arch == hopper::ARCH {
+        out.extend(hopper::specs());
+    }
     out
 }
 
 /// Shared memory a block of `t` needs: STAGES buffers of both operand tiles (rows padded as the
 /// template pads them) and, unless tap tiles or backward-weight's cursors replace them, two
 /// k-index tables.
-pub fn shared_bytes(dtype: DType, pass: Pass, t: Tile, tap_tiles: bool) -> usize {
-    let bk = block_k(dtype, pass);
-    let tensor = dtype != DType::F32;
+pub fn shared_bytes(dtype: DType, pass: Pass, tensor: bool, t: Tile, tap_tiles: bool) -> usize {
+    let bk = block_k(tensor, pass);
     let a_k = pass != Pass::BackwardWeight;
     let b_k = pass == Pass::Forward;
     let stage = |rows: usize, global_k: bool| {
@@ -216,12 +247,21 @@ pub enum Kind {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct PlanKey {
     pub device: usize,
+    /// The architecture whose code paths the device runs ([`Device::arch`]).
+    pub arch: u32,
     pub dtype: DType,
     pub pass: Pass,
     pub geometry: Geometry,
     /// Whether each operand may use 16-byte loads (channels and base addresses allow it).
     pub vec_a: bool,
     pub vec_b: bool,
+}
+
+impl PlanKey {
+    /// Whether the `mma.sync` family runs this key on tensor cores (else on FMA units).
+    pub fn tensor(&self) -> bool {
+        tensor_cores(self.dtype, self.arch)
+    }
 }
 
 struct PlanCache {
@@ -307,9 +347,9 @@ pub fn plan_with(device: &Device, key: PlanKey, t: Tile, splits: usize) -> Resul
     build(device, &key, t, splits)
 }
 
-fn vec_for(dtype: DType, allowed: bool) -> u8 {
+fn vec_for(dtype: DType, tensor: bool, allowed: bool) -> u8 {
     if allowed {
-        dtype.vec_width() as u8
+        vec_elems(dtype, tensor)
     } else {
         1
     }
@@ -322,7 +362,7 @@ fn vec_for(dtype: DType, allowed: bool) -> u8 {
 /// unphased tap may land between cotangent pixels).
 pub fn tap_tiles(key: &PlanKey) -> bool {
     let g = &key.geometry;
-    let bk = block_k(key.dtype, key.pass);
+    let bk = block_k(key.tensor(), key.pass);
     let ones = |v: &[usize; 3]| v.iter().all(|&x| x == 1);
     key.vec_a
         && key.vec_b
@@ -336,20 +376,35 @@ pub fn tap_tiles(key: &PlanKey) -> bool {
 }
 
 fn build(device: &Device, key: &PlanKey, t: Tile, splits: usize) -> Result<Plan> {
+    let tensor = key.tensor();
     let spec = igemm_spec(
         key.dtype,
         key.pass,
+        tensor,
         t,
-        vec_for(key.dtype, key.vec_a),
-        vec_for(key.dtype, key.vec_b),
+        vec_for(key.dtype, tensor, key.vec_a),
+        vec_for(key.dtype, tensor, key.vec_b),
         tap_tiles(key),
     );
+    let shared = shared_bytes(key.dtype, key.pass, tensor, t, tap_tiles(key));
+    if shared > device.shared_limit() {
+        return Err(Error::InvalidArgument {
+            arg: "tile",
+            reason: format!(
+                "{}x{} with {} stages needs {shared} bytes of shared memory; this GPU's blocks \
+                 may use {}",
+                t.bm,
+                t.bn,
+                t.stages,
+                device.shared_limit()
+            ),
+        });
+    }
     let kernel = device.kernel(&spec)?;
-    let shared = shared_bytes(key.dtype, key.pass, t, tap_tiles(key));
     kernel.allow_shared(shared)?;
     let g = &key.geometry;
     let (m, n, k) = key.pass.block_gemm(g);
-    let k_tiles = k.div_ceil(block_k(key.dtype, key.pass));
+    let k_tiles = k.div_ceil(block_k(tensor, key.pass));
     let per_split = k_tiles.div_ceil(splits.max(1)).max(1);
     let splits = k_tiles.div_ceil(per_split).max(1);
     let z = g.groups * key.pass.phases(g) * splits;
@@ -420,13 +475,13 @@ fn build_wgmma(
 const MAX_GRID_YZ: usize = 65535;
 
 /// Registers a thread of the kernel uses, roughly as ptxas reports them for sm_90: the
-/// 256-thread f32 tile is capped at 128, the tap-tile kernels need fewer than the table ones.
-fn registers(dtype: DType, t: Tile, tap_tiles: bool) -> usize {
-    match (dtype, t.threads, tap_tiles) {
-        (DType::F32, 256, _) => 128,
-        (DType::F32, _, _) => 192,
-        (_, _, true) => 168,
-        (_, _, false) => 248,
+/// 256-thread FMA tile is capped at 128, the tap-tile kernels need fewer than the table ones.
+fn registers(tensor: bool, t: Tile, tap_tiles: bool) -> usize {
+    match (tensor, t.threads, tap_tiles) {
+        (false, 256, _) => 128,
+        (false, _, _) => 192,
+        (true, _, true) => 168,
+        (true, _, false) => 248,
     }
 }
 
@@ -436,10 +491,9 @@ fn registers(dtype: DType, t: Tile, tap_tiles: bool) -> usize {
 /// warps to reach its tile's throughput; the time is the rounds of such SM loads times the work
 /// of one.
 fn choose(device: &Device, key: &PlanKey) -> (Tile, usize) {
-    let info = device.info();
     pick(
-        info.multiprocessors as usize,
-        info.max_shared_per_block as usize,
+        device.info().multiprocessors as usize,
+        device.shared_limit(),
         key,
     )
 }
@@ -449,11 +503,12 @@ fn pick(sms: usize, optin: usize, key: &PlanKey) -> (Tile, usize) {
     let g = &key.geometry;
     let (m, n, k) = key.pass.block_gemm(g);
     let groups = g.groups * key.pass.phases(g);
-    let bk = block_k(key.dtype, key.pass);
+    let tensor = key.tensor();
+    let bk = block_k(tensor, key.pass);
     let tap = tap_tiles(key);
     let mut best: Option<(f64, Tile, usize)> = None;
-    for &t in tiles(key.dtype) {
-        let shared = shared_bytes(key.dtype, key.pass, t, tap);
+    for &t in tiles(tensor) {
+        let shared = shared_bytes(key.dtype, key.pass, tensor, t, tap);
         if shared > optin || n.div_ceil(t.bn as usize) > MAX_GRID_YZ {
             continue;
         }
@@ -461,7 +516,7 @@ fn pick(sms: usize, optin: usize, key: &PlanKey) -> (Tile, usize) {
         let blocks = m.div_ceil(t.bm as usize) * n.div_ceil(t.bn as usize) * groups;
         let per_sm = (2048 / threads)
             .min(optin / shared.max(1))
-            .min(65536 / (registers(key.dtype, t, tap) * threads))
+            .min(65536 / (registers(tensor, t, tap) * threads))
             .max(1);
         // Backward-weight may split its reduction, each split keeping at least 8 k tiles,
         // within the grid's z limit.
@@ -482,7 +537,8 @@ fn pick(sms: usize, optin: usize, key: &PlanKey) -> (Tile, usize) {
             }
         }
     }
-    let (_, t, splits) = best.unwrap_or((0.0, tiles(key.dtype)[tiles(key.dtype).len() - 1], 1));
+    let last = tiles(tensor)[tiles(tensor).len() - 1];
+    let (_, t, splits) = best.unwrap_or((0.0, last, 1));
     (t, splits)
 }
 
@@ -492,32 +548,46 @@ mod tests {
 
     #[test]
     fn specs_are_distinct_and_cover_every_choice() {
-        let all = specs();
-        let unique: std::collections::HashSet<_> = all.iter().collect();
-        assert_eq!(unique.len(), all.len());
-        for dtype in DType::ALL {
-            for pass in Pass::ALL {
-                for &t in tiles(dtype) {
-                    for a in [true, false] {
-                        for b in [true, false] {
-                            for tap in [false, true] {
-                                let s = igemm_spec(
-                                    dtype,
-                                    pass,
-                                    t,
-                                    vec_for(dtype, a),
-                                    vec_for(dtype, b),
-                                    tap,
-                                );
-                                // tap_tiles asks for both vectors, and not backward-weight.
-                                let possible = !tap || (a && b && pass != Pass::BackwardWeight);
-                                assert_eq!(unique.contains(&s), possible, "{s}");
+        for arch in [70, 72, 75, 80, 86, 90, 100] {
+            let all = specs(arch);
+            let unique: std::collections::HashSet<_> = all.iter().collect();
+            assert_eq!(unique.len(), all.len());
+            for dtype in DType::ALL {
+                let tensor = tensor_cores(dtype, arch);
+                for pass in Pass::ALL {
+                    for &t in tiles(tensor) {
+                        for a in [true, false] {
+                            for b in [true, false] {
+                                for tap in [false, true] {
+                                    let s = igemm_spec(
+                                        dtype,
+                                        pass,
+                                        tensor,
+                                        t,
+                                        vec_for(dtype, tensor, a),
+                                        vec_for(dtype, tensor, b),
+                                        tap,
+                                    );
+                                    // tap_tiles asks for both vectors, and not backward-weight.
+                                    let possible = !tap || (a && b && pass != Pass::BackwardWeight);
+                                    assert_eq!(unique.contains(&s), possible, "{s}");
+                                }
                             }
                         }
                     }
                 }
             }
+            let hopper = all.iter().filter(|s| s.template.name == hopper::WGMMA.name);
+            assert_eq!(hopper.count() > 0, arch == 90, "sm_{arch}");
         }
+    }
+
+    #[test]
+    fn tensor_cores_where_the_architecture_has_them() {
+        assert!(!tensor_cores(DType::F16, 70) && !tensor_cores(DType::F16, 72));
+        assert!(tensor_cores(DType::F16, 75) && !tensor_cores(DType::BF16, 75));
+        assert!(tensor_cores(DType::BF16, 80) && tensor_cores(DType::F16, 90));
+        assert!(!tensor_cores(DType::F32, 90));
     }
 
     #[test]
@@ -525,6 +595,7 @@ mod tests {
         use super::super::geometry::ConvParams;
         let key = |dtype, pass, cin: usize, cout: usize, p: ConvParams| PlanKey {
             device: 0,
+            arch: 90,
             dtype,
             pass,
             geometry: Geometry::new(&[2, 9, 9, cin], &[cout, 3, 3, cin / p.groups], &p).unwrap(),
@@ -570,6 +641,7 @@ mod tests {
                 .padding(&[pad]);
             PlanKey {
                 device: 0,
+                arch: 90,
                 dtype: DType::BF16,
                 pass,
                 geometry: Geometry::new(&[n, h, w, c], &[k, r, s, c], &p).unwrap(),
@@ -593,12 +665,52 @@ mod tests {
     }
 
     #[test]
-    fn shared_memory_fits_an_h100_and_an_a100() {
-        // sm_80's opt-in limit is 163 KiB, sm_90's 227 KiB.
+    fn shared_memory_fits_an_a100_and_some_tile_fits_every_gpu() {
+        // sm_80's opt-in limit is 163 KiB: every tile fits. Turing's 64 KiB is the smallest
+        // limit kiln meets: some tile of each path fits it.
         for dtype in DType::ALL {
             for pass in Pass::ALL {
-                for &t in tiles(dtype) {
-                    assert!(shared_bytes(dtype, pass, t, false) <= 163 * 1024, "{t:?}");
+                for tensor in [true, false] {
+                    if tensor && dtype == DType::F32 {
+                        continue; // f32 never runs on tensor cores
+                    }
+                    let fit = |limit: usize| {
+                        tiles(tensor)
+                            .iter()
+                            .filter(|&&t| shared_bytes(dtype, pass, tensor, t, false) <= limit)
+                            .count()
+                    };
+                    assert_eq!(fit(163 * 1024), tiles(tensor).len());
+                    assert!(fit(64 * 1024) > 0, "{dtype} {pass:?} tensor={tensor}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn turing_and_volta_pick_tiles_that_fit_them() {
+        let g = Geometry::new(
+            &[8, 28, 28, 128],
+            &[128, 3, 3, 128],
+            &super::super::geometry::ConvParams::default().padding(&[1]),
+        )
+        .unwrap();
+        for (arch, optin) in [(75, 64 * 1024), (70, 96 * 1024)] {
+            for dtype in DType::ALL {
+                for pass in Pass::ALL {
+                    let key = PlanKey {
+                        device: 0,
+                        arch,
+                        dtype,
+                        pass,
+                        geometry: g,
+                        vec_a: true,
+                        vec_b: true,
+                    };
+                    let (t, _) = pick(40, optin, &key);
+                    assert!(tiles(key.tensor()).contains(&t));
+                    let bytes = shared_bytes(dtype, pass, key.tensor(), t, tap_tiles(&key));
+                    assert!(bytes <= optin, "sm_{arch} {dtype} {pass:?}: {bytes}");
                 }
             }
         }
