@@ -359,6 +359,20 @@ fn worst(dtype: DType, got: &[f64], want: &reference::Reference) -> (f64, usize)
     worst
 }
 
+/// The plan key a call on `dev` gets for operands of `g` whose channels and bases allow 16-byte
+/// loads.
+fn aligned_key(dev: &Device, dtype: DType, pass: Pass, g: Geometry) -> plan::PlanKey {
+    plan::PlanKey {
+        device: dev.ordinal(),
+        arch: dev.arch(),
+        dtype,
+        pass,
+        geometry: g,
+        vec_a: true,
+        vec_b: true,
+    }
+}
+
 fn matrix(graphs: bool) {
     let dev = Device::get(0).unwrap();
     let mut enc = encoder(&dev, graphs);
@@ -372,15 +386,7 @@ fn matrix(graphs: bool) {
                     run_pass(&mut enc, dtype, c, pass, None, ci as u64 * 7 + 1);
                 let (ratio, at) = worst(dtype, &got, &want);
                 checked += 1;
-                let key = plan::PlanKey {
-                    device: 0,
-                    arch: dev.arch(),
-                    dtype,
-                    pass,
-                    geometry: g,
-                    vec_a: true,
-                    vec_b: true,
-                };
+                let key = aligned_key(&dev, dtype, pass, g);
                 let hopper = hopper::unsupported(&key).is_none() && path == ConvPath::Auto;
                 if hopper {
                     on_hopper += 1;
@@ -461,15 +467,8 @@ fn every_tile_and_vector_width() {
     let tap = &shapes[2];
     for dtype in DType::ALL {
         for pass in [Pass::Forward, Pass::BackwardData] {
-            let key = plan::PlanKey {
-                device: 0,
-                arch: dev.arch(),
-                dtype,
-                pass,
-                geometry: Geometry::new(&tap.x, &tap.w, &tap.p).unwrap(),
-                vec_a: true,
-                vec_b: true,
-            };
+            let g = Geometry::new(&tap.x, &tap.w, &tap.p).unwrap();
+            let key = aligned_key(&dev, dtype, pass, g);
             assert!(plan::tap_tiles(&key), "{dtype} {}", pass.name());
         }
     }
@@ -482,15 +481,7 @@ fn every_tile_and_vector_width() {
                 for pass in Pass::ALL {
                     // A tile larger than the GPU's shared memory is never chosen (Turing).
                     let g = Geometry::new(&c.x, &c.w, &c.p).unwrap();
-                    let tap = plan::tap_tiles(&plan::PlanKey {
-                        device: 0,
-                        arch: dev.arch(),
-                        dtype,
-                        pass,
-                        geometry: g,
-                        vec_a: true,
-                        vec_b: true,
-                    });
+                    let tap = plan::tap_tiles(&aligned_key(&dev, dtype, pass, g));
                     if plan::shared_bytes(dtype, pass, tensor, t, tap) > dev.shared_limit() {
                         continue;
                     }

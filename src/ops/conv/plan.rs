@@ -376,7 +376,7 @@ pub fn tap_tiles(key: &PlanKey) -> bool {
 }
 
 fn build(device: &Device, key: &PlanKey, t: Tile, splits: usize) -> Result<Plan> {
-    let tensor = key.tensor();
+    let (tensor, tap) = (key.tensor(), tap_tiles(key));
     let spec = igemm_spec(
         key.dtype,
         key.pass,
@@ -384,9 +384,9 @@ fn build(device: &Device, key: &PlanKey, t: Tile, splits: usize) -> Result<Plan>
         t,
         vec_for(key.dtype, tensor, key.vec_a),
         vec_for(key.dtype, tensor, key.vec_b),
-        tap_tiles(key),
+        tap,
     );
-    let shared = shared_bytes(key.dtype, key.pass, tensor, t, tap_tiles(key));
+    let shared = shared_bytes(key.dtype, key.pass, tensor, t, tap);
     if shared > device.shared_limit() {
         return Err(Error::InvalidArgument {
             arg: "tile",
