@@ -50,6 +50,8 @@ pub const DEFAULT_CACHE_MAX_BYTES: u64 = 1 << 30;
 pub const DEFAULT_GRAPH_CACHE_SIZE: usize = 400;
 pub const DEFAULT_CONV_CACHE_SIZE: usize = 128;
 pub const DEFAULT_MAX_COMMITS_IN_FLIGHT: usize = 2;
+/// As PyTorch's NCCL watchdog: ten minutes.
+pub const DEFAULT_NCCL_TIMEOUT_S: f64 = 600.0;
 
 /// The settings kiln takes from the environment.
 #[derive(Clone, Debug, PartialEq)]
@@ -87,6 +89,13 @@ pub struct Config {
     /// (and its shared-memory limit) on a newer GPU, to test them where no such GPU is at hand.
     /// Holds the architecture as compute capability x 10 (75 for sm_75).
     pub emulate_arch: Option<u32>,
+    /// `KILN_NCCL_LIB`: an explicit path to libnccl.
+    pub nccl_lib: Option<PathBuf>,
+    /// `KILN_NCCL_TIMEOUT`: seconds a wait on collectives (or a communicator's set-up) may last
+    /// before the communicator is aborted and the wait returns an error.
+    pub nccl_timeout_s: f64,
+    /// `KILN_NCCL_CHECK` (default true): check that the ranks called matching collectives.
+    pub nccl_check: bool,
 }
 
 /// Every variable kiln reads, for `kiln info`.
@@ -107,6 +116,13 @@ pub const VARIABLES: &[&str] = &[
     "KILN_CONV_PATH",
     "KILN_CONV_AUTOTUNE",
     "KILN_EMULATE_ARCH",
+    "KILN_NCCL_LIB",
+    "KILN_NCCL_TIMEOUT",
+    "KILN_NCCL_CHECK",
+    "KILN_RANK",
+    "KILN_WORLD_SIZE",
+    "KILN_NCCL_ID",
+    "KILN_NCCL_ID_FILE",
 ];
 
 impl Config {
@@ -165,6 +181,15 @@ impl Config {
             emulate_arch: set("KILN_EMULATE_ARCH")
                 .map(|v| parse_arch("KILN_EMULATE_ARCH", &v))
                 .transpose()?,
+            nccl_lib: set("KILN_NCCL_LIB").map(PathBuf::from),
+            nccl_timeout_s: match set("KILN_NCCL_TIMEOUT") {
+                None => DEFAULT_NCCL_TIMEOUT_S,
+                Some(v) => parse_seconds("KILN_NCCL_TIMEOUT", &v)?,
+            },
+            nccl_check: match set("KILN_NCCL_CHECK") {
+                None => true,
+                Some(v) => parse_bool("KILN_NCCL_CHECK", &v)?,
+            },
         })
     }
 }
@@ -228,6 +253,83 @@ fn parse_bool(var: &'static str, v: &str) -> Result<bool> {
             value: v.to_string(),
             expected: "0 or 1",
         }),
+    }
+}
+
+fn parse_seconds(var: &'static str, v: &str) -> Result<f64> {
+    match v.trim().parse::<f64>() {
+        Ok(s) if s.is_finite() && s > 0.0 => Ok(s),
+        _ => Err(Error::Env {
+            var,
+            value: v.to_string(),
+            expected: "a positive number of seconds",
+        }),
+    }
+}
+
+/// Where this process stands in a job of one process per GPU, as a launcher describes it:
+/// `KILN_RANK`, `KILN_WORLD_SIZE`, and the NCCL unique id either inline (`KILN_NCCL_ID`, 256 hex
+/// digits) or in a file (`KILN_NCCL_ID_FILE`, written by rank 0).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Launch {
+    pub rank: usize,
+    pub world_size: usize,
+    pub id: LaunchId,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LaunchId {
+    /// `KILN_NCCL_ID`: the id in hex.
+    Hex(String),
+    /// `KILN_NCCL_ID_FILE`: rank 0 writes a fresh id there, the others wait for it.
+    File(PathBuf),
+}
+
+impl Launch {
+    /// Reads the process environment.
+    pub fn from_env() -> Result<Launch> {
+        Launch::from_lookup(|name| std::env::var(name).ok())
+    }
+
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Launch> {
+        let set = |name: &str| get(name).filter(|v| !v.trim().is_empty());
+        let index = |var: &'static str| -> Result<usize> {
+            let v = set(var).ok_or(Error::Env {
+                var,
+                value: String::new(),
+                expected: "a rank or world size (a launcher sets it for each process)",
+            })?;
+            v.trim().parse::<usize>().map_err(|_| Error::Env {
+                var,
+                value: v.clone(),
+                expected: "a non-negative integer",
+            })
+        };
+        let rank = index("KILN_RANK")?;
+        let world_size = index("KILN_WORLD_SIZE")?;
+        if world_size == 0 || rank >= world_size {
+            return Err(Error::Env {
+                var: "KILN_RANK",
+                value: format!("{rank} (KILN_WORLD_SIZE={world_size})"),
+                expected: "a rank below a positive KILN_WORLD_SIZE",
+            });
+        }
+        let id = match (set("KILN_NCCL_ID"), set("KILN_NCCL_ID_FILE")) {
+            (Some(hex), None) => LaunchId::Hex(hex.trim().to_string()),
+            (None, Some(path)) => LaunchId::File(PathBuf::from(path)),
+            (hex, _) => {
+                return Err(Error::Env {
+                    var: "KILN_NCCL_ID",
+                    value: hex.unwrap_or_default(),
+                    expected: "exactly one of KILN_NCCL_ID (the id in hex) and KILN_NCCL_ID_FILE",
+                })
+            }
+        };
+        Ok(Launch {
+            rank,
+            world_size,
+            id,
+        })
     }
 }
 
@@ -326,6 +428,87 @@ mod tests {
         assert!(!config(&[]).unwrap().conv_autotune);
         assert!(config(&[("KILN_CONV_PATH", "wgmma")]).is_err());
         assert!(config(&[("KILN_CONV_AUTOTUNE", "maybe")]).is_err());
+        let c = config(&[
+            ("KILN_NCCL_LIB", "/opt/nccl/libnccl.so.2"),
+            ("KILN_NCCL_TIMEOUT", "2.5"),
+            ("KILN_NCCL_CHECK", "0"),
+        ])
+        .unwrap();
+        assert_eq!(c.nccl_lib, Some(PathBuf::from("/opt/nccl/libnccl.so.2")));
+        assert_eq!(c.nccl_timeout_s, 2.5);
+        assert!(!c.nccl_check);
+        let d = config(&[]).unwrap();
+        assert!(d.nccl_check);
+        assert_eq!(d.nccl_timeout_s, DEFAULT_NCCL_TIMEOUT_S);
+    }
+
+    fn launch(vars: &[(&str, &str)]) -> Result<Launch> {
+        let map: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        Launch::from_lookup(|k| map.get(k).cloned())
+    }
+
+    #[test]
+    fn launch_variables() {
+        let l = launch(&[
+            ("KILN_RANK", "1"),
+            ("KILN_WORLD_SIZE", "2"),
+            ("KILN_NCCL_ID_FILE", "/tmp/id"),
+        ])
+        .unwrap();
+        assert_eq!((l.rank, l.world_size), (1, 2));
+        assert_eq!(l.id, LaunchId::File(PathBuf::from("/tmp/id")));
+        let l = launch(&[
+            ("KILN_RANK", "0"),
+            ("KILN_WORLD_SIZE", "1"),
+            ("KILN_NCCL_ID", "ab01"),
+        ])
+        .unwrap();
+        assert_eq!(l.id, LaunchId::Hex("ab01".into()));
+        for (vars, named) in [
+            (
+                vec![("KILN_WORLD_SIZE", "2"), ("KILN_NCCL_ID", "00")],
+                "KILN_RANK",
+            ),
+            (
+                vec![("KILN_RANK", "0"), ("KILN_NCCL_ID", "00")],
+                "KILN_WORLD_SIZE",
+            ),
+            (
+                vec![
+                    ("KILN_RANK", "2"),
+                    ("KILN_WORLD_SIZE", "2"),
+                    ("KILN_NCCL_ID", "00"),
+                ],
+                "KILN_RANK",
+            ),
+            (
+                vec![
+                    ("KILN_RANK", "x"),
+                    ("KILN_WORLD_SIZE", "2"),
+                    ("KILN_NCCL_ID", "00"),
+                ],
+                "KILN_RANK",
+            ),
+            (
+                vec![("KILN_RANK", "0"), ("KILN_WORLD_SIZE", "2")],
+                "KILN_NCCL_ID",
+            ),
+            (
+                vec![
+                    ("KILN_RANK", "0"),
+                    ("KILN_WORLD_SIZE", "2"),
+                    ("KILN_NCCL_ID", "00"),
+                    ("KILN_NCCL_ID_FILE", "/tmp/id"),
+                ],
+                "KILN_NCCL_ID",
+            ),
+        ] {
+            let err = launch(&vars).unwrap_err().to_string();
+            assert!(err.contains(named), "{vars:?}: {err}");
+        }
     }
 
     #[test]
@@ -361,6 +544,9 @@ mod tests {
             ("KILN_EMULATE_ARCH", "75"),
             ("KILN_EMULATE_ARCH", "sm_61"),
             ("KILN_EMULATE_ARCH", "sm_90a"),
+            ("KILN_NCCL_TIMEOUT", "0"),
+            ("KILN_NCCL_TIMEOUT", "soon"),
+            ("KILN_NCCL_CHECK", "sometimes"),
         ] {
             let err = config(&[(var, value)]).unwrap_err().to_string();
             assert!(err.contains(var), "{err}");

@@ -81,6 +81,63 @@ pub enum Error {
         cached_released: usize,
     },
 
+    #[error(
+        "NCCL was not found. kiln looked in:\n  {}\nInstall it with `pip install nvidia-nccl-cu13` \
+         (or `nvidia-nccl-cu12`; kiln finds it in the active Python environment), install NCCL \
+         system-wide, or point KILN_NCCL_LIB at libnccl.so.2",
+        searched.join("\n  ")
+    )]
+    NcclNotFound { searched: Vec<String> },
+
+    /// NCCL failed to load earlier in this process; the message says why.
+    #[error("{0}")]
+    NcclUnavailable(String),
+
+    #[error("could not load NCCL from {path}: {reason}")]
+    NcclLoad { path: PathBuf, reason: String },
+
+    /// An NCCL call returned an error (`detail` is NCCL's last error message, when it has one).
+    #[error("NCCL call {call} failed: {message}{}", if detail.is_empty() { String::new() } else { format!(" ({detail})") })]
+    Nccl {
+        call: &'static str,
+        message: String,
+        detail: String,
+    },
+
+    /// A collective did not finish in time; the communicator was aborted.
+    #[error(
+        "{what} on rank {rank} of {nranks} did not finish within {seconds} s (KILN_NCCL_TIMEOUT): \
+         a peer may have died, or the ranks called different collectives; the communicator was \
+         aborted"
+    )]
+    CollectiveTimeout {
+        what: String,
+        rank: usize,
+        nranks: usize,
+        seconds: f64,
+    },
+
+    /// The ranks called collectives that do not match (another op, dtype, size or root).
+    #[error(
+        "collective mismatch on rank {rank} of {nranks}: this rank called {ours}, rank {peer} \
+         called something else (another op, dtype, element count or root); the communicator \
+         was aborted"
+    )]
+    CollectiveMismatch {
+        rank: usize,
+        nranks: usize,
+        peer: usize,
+        ours: String,
+    },
+
+    /// The communicator failed or was aborted earlier and can no longer be used.
+    #[error("communicator of rank {rank} of {nranks} is unusable: {reason}")]
+    CommunicatorFailed {
+        rank: usize,
+        nranks: usize,
+        reason: String,
+    },
+
     #[error("invalid argument `{arg}`: {reason}")]
     InvalidArgument { arg: &'static str, reason: String },
 }

@@ -2,6 +2,7 @@
 //! block dim and N_READS, compiled at run time with NVRTC into a content-addressed disk cache and
 //! loaded once per device.
 
+pub mod dist;
 pub mod dtype;
 pub mod env;
 pub mod error;

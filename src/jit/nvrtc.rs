@@ -236,7 +236,12 @@ pub fn search_locations(explicit: Option<&Path>) -> Vec<Location> {
 /// The last resort, asked only when [`search_locations`] found nothing: library folders of the
 /// `nvidia-cuda-nvrtc` wheel in the Python environments kiln can see.
 fn python_locations() -> Vec<Location> {
-    let dirs = python_library_dirs();
+    // cu13 wheels put the library in nvidia/cu13/lib, cu12 wheels in nvidia/cuda_nvrtc/lib.
+    let dirs = python_library_dirs(&[
+        "nvidia/cu13/lib",
+        "nvidia/cuda_nvrtc/lib",
+        "nvidia/cu12/lib",
+    ]);
     if dirs.is_empty() {
         return vec![Location::NoWheel];
     }
@@ -267,9 +272,10 @@ impl std::fmt::Display for Location {
     }
 }
 
-/// Library folders of the `nvidia-cuda-nvrtc` wheel in the Python environments kiln can see: the
-/// active virtual or conda environment, then the site-packages of `python3` on the PATH.
-fn python_library_dirs() -> Vec<PathBuf> {
+/// The folders `subdirs` (relative to site-packages, where NVIDIA's wheels put their libraries)
+/// that exist in the Python environments kiln can see: the active virtual or conda environment,
+/// then the site-packages of `python3` on the PATH.
+pub(crate) fn python_library_dirs(subdirs: &[&str]) -> Vec<PathBuf> {
     let mut prefixes: Vec<PathBuf> = ["VIRTUAL_ENV", "CONDA_PREFIX"]
         .iter()
         .filter_map(|v| std::env::var_os(v).filter(|v| !v.is_empty()))
@@ -290,12 +296,7 @@ fn python_library_dirs() -> Vec<PathBuf> {
     site_dirs.extend(python_sys_path());
     let mut out = Vec::new();
     for site in site_dirs {
-        // cu13 wheels put the library in nvidia/cu13/lib, cu12 wheels in nvidia/cuda_nvrtc/lib.
-        for sub in [
-            "nvidia/cu13/lib",
-            "nvidia/cuda_nvrtc/lib",
-            "nvidia/cu12/lib",
-        ] {
+        for sub in subdirs {
             let dir = site.join(sub);
             if dir.is_dir() && !out.contains(&dir) {
                 out.push(dir);

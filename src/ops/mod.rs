@@ -22,6 +22,7 @@ pub fn registered_specs_for(arch: u32) -> Vec<KernelSpec> {
     out.extend(conv::specs(arch));
     out.extend(copy::specs());
     out.extend(axpby::specs());
+    out.extend(crate::dist::specs());
     out
 }
 

@@ -29,7 +29,7 @@ use super::args::KernelArgs;
 use super::array::Array;
 use super::deps::{BufferId, DependencyTracker, NodeKind};
 use super::device::Device;
-use super::timeline::{Reuser, Timeline};
+use super::timeline::{Reuser, Timeline, Watch};
 use crate::env::Config;
 use crate::error::{Error, Result};
 use crate::jit::LoadedKernel;
@@ -219,6 +219,8 @@ pub struct CommandEncoder {
     bytes_in_batch: usize,
     /// Modules the current batch launches, held until it has run.
     kernels: Vec<Arc<LoadedKernel>>,
+    /// Work in the current batch whose waits must poll (collectives).
+    watches: Vec<Arc<dyn Watch>>,
     timeline: Arc<Timeline>,
     exec_cache: LruCache<String, CachedExec>,
     stats: EncoderStats,
@@ -258,6 +260,7 @@ impl CommandEncoder {
             ops_in_batch: 0,
             bytes_in_batch: 0,
             kernels: Vec::new(),
+            watches: Vec::new(),
             timeline: Timeline::new(),
             exec_cache: LruCache::new(
                 NonZeroUsize::new(config.graph_cache_size).unwrap_or(NonZeroUsize::MIN),
@@ -443,6 +446,22 @@ impl CommandEncoder {
         self.maybe_commit()
     }
 
+    /// Captured work with a known signature whose completion `watch` oversees (see
+    /// [`Watch`]): the collectives.
+    pub(crate) fn add_watched(
+        &mut self,
+        reads: &[&Array],
+        writes: &[&Array],
+        signature: CaptureSignature,
+        watch: &Arc<dyn Watch>,
+        work: impl FnOnce(sys::CUstream) -> Result<()>,
+    ) -> Result<()> {
+        if !self.watches.iter().any(|w| Arc::ptr_eq(w, watch)) {
+            self.watches.push(watch.clone());
+        }
+        self.add_captured_with(reads, writes, Some(signature), work)
+    }
+
     /// Copies `src` into `dst` (contiguous, same dtype and size) as a captured memcpy.
     pub fn copy_into(&mut self, src: &Array, dst: &Array) -> Result<()> {
         if !src.is_contiguous()
@@ -500,6 +519,7 @@ impl CommandEncoder {
         if data.is_empty() {
             return Ok(());
         }
+        self.drain_watched()?;
         self.device.bind()?;
         // SAFETY: dst's range is live and `data.len()` bytes long; for pageable host memory the
         // driver stages the data before returning, so `data` may be dropped afterwards.
@@ -521,6 +541,7 @@ impl CommandEncoder {
     pub(crate) fn download(&mut self, src: &Array) -> Result<Vec<u8>> {
         let mut out = vec![0u8; src.nbytes()];
         self.commit()?;
+        self.drain_watched()?;
         if !out.is_empty() {
             self.device.bind()?;
             // SAFETY: src's range is live; `out` has room for it and outlives the synchronise.
@@ -535,6 +556,18 @@ impl CommandEncoder {
         }
         self.synchronize()?;
         Ok(out)
+    }
+
+    /// Waits (polling, with the watches' deadlines) for work that waits on other processes or
+    /// GPUs before a copy with pageable host memory: the driver makes such a copy wait for the
+    /// stream inside the call, where a collective whose peer is stuck would hold it forever, and
+    /// with several GPUs in one process the blocked call can keep the peer's own work from
+    /// being launched at all.
+    fn drain_watched(&mut self) -> Result<()> {
+        if !self.watches.is_empty() || self.timeline.watched_in_flight() {
+            self.synchronize()?;
+        }
+        Ok(())
     }
 
     /// Launches everything encoded so far (graph mode: as one graph).
@@ -558,10 +591,11 @@ impl CommandEncoder {
         self.ops_in_batch = 0;
         let bytes = std::mem::take(&mut self.bytes_in_batch);
         let kernels = std::mem::take(&mut self.kernels);
+        let watches = std::mem::take(&mut self.watches);
         result?;
-        if !kernels.is_empty() || bytes > 0 {
+        if !kernels.is_empty() || bytes > 0 || !watches.is_empty() {
             self.device.bind()?;
-            self.timeline.record(self.stream, bytes, kernels)?;
+            self.timeline.record(self.stream, bytes, kernels, watches)?;
         }
         self.throttle()
     }
@@ -596,6 +630,9 @@ impl CommandEncoder {
     pub fn synchronize(&mut self) -> Result<()> {
         self.commit()?;
         self.device.bind()?;
+        // Commit by commit first: a commit with collectives is waited for by polling, so that
+        // a peer that never comes is an error, not a hang.
+        while self.timeline.wait_oldest()? {}
         // SAFETY: the stream is live.
         check(unsafe { sys::cuStreamSynchronize(self.stream) })?;
         self.timeline.poll()

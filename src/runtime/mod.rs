@@ -14,6 +14,7 @@ pub use args::KernelArgs;
 pub use array::{Array, MAX_RANK};
 pub use device::Device;
 pub use encoder::{CommandEncoder, EncoderStats};
+pub(crate) use timeline::Watch;
 
 use cudarc::driver::{result, sys};
 

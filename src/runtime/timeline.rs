@@ -11,6 +11,7 @@ use std::collections::VecDeque;
 use std::ptr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use cudarc::driver::{sys, DriverError};
 
@@ -25,7 +26,23 @@ struct Pending {
     bytes: usize,
     /// Modules stay loaded until the work that runs their kernels is done.
     _kernels: Vec<Arc<LoadedKernel>>,
+    /// Work in the commit that may never finish by itself (a collective waiting for a peer).
+    watches: Vec<Arc<dyn Watch>>,
 }
+
+/// Work that may wait on something outside this process's control (a collective waits for its
+/// peers): a wait for a commit holding such work polls instead of blocking, so that a peer that
+/// died becomes an error instead of a hang.
+pub(crate) trait Watch: Send + Sync {
+    /// Called while a wait for the commit has lasted `waited`. An error ends the wait; before
+    /// returning it, the watch must make its work finish (a communicator is aborted).
+    fn waiting(&self, waited: Duration) -> Result<()>;
+    /// Called once the commit has finished: an error reports what the work found wrong.
+    fn finished(&self) -> Result<()>;
+}
+
+/// How long a wait that was ended by an error keeps waiting for the aborted work to drain.
+const DRAIN: Duration = Duration::from_secs(10);
 
 #[derive(Default)]
 struct State {
@@ -91,6 +108,7 @@ impl Timeline {
         stream: sys::CUstream,
         bytes: usize,
         kernels: Vec<Arc<LoadedKernel>>,
+        watches: Vec<Arc<dyn Watch>>,
     ) -> Result<()> {
         let mut state = self.lock();
         let event = match state.spare_events.pop() {
@@ -115,6 +133,7 @@ impl Timeline {
             event,
             bytes,
             _kernels: kernels,
+            watches,
         });
         state.bytes_in_flight += bytes;
         self.committed.store(seq, Ordering::Release);
@@ -127,6 +146,11 @@ impl Timeline {
         (state.pending.len(), state.bytes_in_flight)
     }
 
+    /// Whether a commit in flight holds watched work (a collective).
+    pub(crate) fn watched_in_flight(&self) -> bool {
+        self.lock().pending.iter().any(|p| !p.watches.is_empty())
+    }
+
     /// Retires every commit that has finished, oldest first.
     pub(crate) fn poll(&self) -> Result<()> {
         let mut state = self.lock();
@@ -137,17 +161,20 @@ impl Timeline {
                 break;
             }
             check(status)?;
-            self.retire_front(&mut state);
+            self.retire_front(&mut state)?;
         }
         Ok(())
     }
 
-    fn retire_front(&self, state: &mut State) {
-        if let Some(done) = state.pending.pop_front() {
-            state.bytes_in_flight -= done.bytes;
-            state.spare_events.push(done.event);
-            self.completed.fetch_max(done.seq, Ordering::AcqRel);
-        }
+    /// Retires the oldest commit, which has finished; its watches then report what they found.
+    fn retire_front(&self, state: &mut State) -> Result<()> {
+        let Some(done) = state.pending.pop_front() else {
+            return Ok(());
+        };
+        state.bytes_in_flight -= done.bytes;
+        state.spare_events.push(done.event);
+        self.completed.fetch_max(done.seq, Ordering::AcqRel);
+        done.watches.iter().try_for_each(|w| w.finished())
     }
 
     /// Waits for the oldest commit in flight; false if there was none.
@@ -156,9 +183,19 @@ impl Timeline {
         let Some(front) = state.pending.front() else {
             return Ok(false);
         };
-        // SAFETY: the event is live; holding the lock keeps it from being recycled meanwhile.
-        check(unsafe { sys::cuEventSynchronize(front.event) })?;
-        self.retire_front(&mut state);
+        if front.watches.is_empty() {
+            // SAFETY: the event is live; holding the lock keeps it from being recycled meanwhile.
+            check(unsafe { sys::cuEventSynchronize(front.event) })?;
+        } else if let Err(e) = wait_watched(front.event, &front.watches) {
+            tracing::debug!("watched wait ended: {e}");
+            // The watch made its work finish (or tried to): retire the commit if it drained,
+            // and report the finished work's own finding first (it names the cause).
+            if wait_polling(front.event, DRAIN).unwrap_or(false) {
+                self.retire_front(&mut state)?;
+            }
+            return Err(e);
+        }
+        self.retire_front(&mut state)?;
         Ok(true)
     }
 
@@ -198,6 +235,52 @@ impl Drop for Timeline {
             // SAFETY: nothing else refers to the timeline's events any more.
             unsafe { sys::cuEventDestroy_v2(e) };
         }
+    }
+}
+
+/// Polls `event` until it completes, asking the watches at each poll whether to go on waiting.
+fn wait_watched(event: sys::CUevent, watches: &[Arc<dyn Watch>]) -> Result<()> {
+    let start = Instant::now();
+    loop {
+        if query(event)? {
+            return Ok(());
+        }
+        let waited = start.elapsed();
+        for w in watches {
+            w.waiting(waited)?;
+        }
+        pause(waited);
+    }
+}
+
+/// Polls `event` for up to `limit`; whether it completed.
+fn wait_polling(event: sys::CUevent, limit: Duration) -> Result<bool> {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if query(event)? {
+            return Ok(true);
+        }
+        pause(start.elapsed());
+    }
+    Ok(false)
+}
+
+fn query(event: sys::CUevent) -> Result<bool> {
+    // SAFETY: the caller holds the timeline's lock, so the event is live.
+    let status = unsafe { sys::cuEventQuery(event) };
+    if status == sys::cudaError_enum::CUDA_ERROR_NOT_READY {
+        return Ok(false);
+    }
+    check(status).map(|()| true)
+}
+
+/// Spins briefly (a collective usually finishes within microseconds of the wait starting), then
+/// sleeps in short steps.
+fn pause(waited: Duration) {
+    if waited < Duration::from_micros(200) {
+        std::thread::yield_now();
+    } else {
+        std::thread::sleep(Duration::from_micros(100));
     }
 }
 
