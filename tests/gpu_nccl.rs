@@ -344,6 +344,12 @@ fn rank_child() {
     }
 }
 
+/// The last 20 lines of a child's output, on one line.
+fn tail(text: &str) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(20)..].join(" | ")
+}
+
 /// Starts two ranks of `scenario` and returns what each printed as its result, and how long
 /// the slower took. A rank that outlives `limit` is killed and reported as hung.
 fn two_processes(scenario: &str, timeout_s: u32, limit: Duration) -> (Vec<String>, Duration) {
@@ -393,10 +399,9 @@ fn two_processes_with(
                             .lines()
                             .find_map(|l| l.split_once("KILN_RESULT ").map(|(_, r)| r.to_string()))
                             .unwrap_or_else(|| {
-                                let tail: Vec<&str> = text.lines().rev().take(20).collect();
                                 format!(
                                     "exited ({status}) without a result; its output ends: {}",
-                                    tail.into_iter().rev().collect::<Vec<_>>().join(" | ")
+                                    tail(&text)
                                 )
                             });
                     }
@@ -412,11 +417,7 @@ fn two_processes_with(
                 if results[rank].is_empty() {
                     let _ = c.kill();
                     let text = std::fs::read_to_string(&logs[rank]).unwrap_or_default();
-                    let tail: Vec<&str> = text.lines().rev().take(20).collect();
-                    results[rank] = format!(
-                        "hung; its output ends: {}",
-                        tail.into_iter().rev().collect::<Vec<_>>().join(" | ")
-                    );
+                    results[rank] = format!("hung; its output ends: {}", tail(&text));
                 }
             }
             break;

@@ -15,8 +15,9 @@ use std::ptr;
 use cudarc::driver::sys;
 use cudarc::nccl::sys::{ncclDataType_t, ncclRedOp_t};
 
+use super::comm::check_driver;
 use super::comm::{Communicator, Shared};
-use super::library::IN_PROGRESS;
+use super::library::{Nccl, IN_PROGRESS};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::jit::{KernelSpec, TemplateDef};
@@ -87,6 +88,15 @@ pub fn check_spec() -> KernelSpec {
 
 pub fn specs() -> Vec<KernelSpec> {
     vec![check_spec()]
+}
+
+/// The arguments every collective with a send and a receive buffer passes to NCCL.
+struct PairArgs {
+    send: *const c_void,
+    recv: *mut c_void,
+    dtype: i32,
+    comm: cudarc::nccl::sys::ncclComm_t,
+    stream: sys::CUstream,
 }
 
 /// What one rank's call is, as every rank involved must agree on it.
@@ -216,27 +226,15 @@ impl Communicator {
         op: ReduceOp,
     ) -> Result<()> {
         self.check_pair(enc, input, output, input.size())?;
-        let (count, dt) = (input.size(), nccl_dtype(input.dtype()));
-        let (send, recv) = (input.device_ptr(), output.device_ptr());
-        let nccl = self.shared.nccl;
-        self.encode(
+        let count = input.size();
+        self.encode_pair(
             enc,
             Call::AllReduce(op),
-            input.dtype(),
+            input,
+            output,
             count,
-            &[input],
-            &[output],
-            [send, recv],
-            |comm, stream| unsafe {
-                (nccl.all_reduce)(
-                    send as *const c_void,
-                    recv as *mut c_void,
-                    count,
-                    dt,
-                    op.nccl(),
-                    comm,
-                    stream,
-                )
+            |n, a| unsafe {
+                (n.all_reduce)(a.send, a.recv, count, a.dtype, op.nccl(), a.comm, a.stream)
             },
         )
     }
@@ -248,30 +246,11 @@ impl Communicator {
         input: &Array,
         output: &Array,
     ) -> Result<()> {
-        let n = self.nranks();
-        self.check_pair(enc, input, output, input.size() * n)?;
-        let (count, dt) = (input.size(), nccl_dtype(input.dtype()));
-        let (send, recv) = (input.device_ptr(), output.device_ptr());
-        let nccl = self.shared.nccl;
-        self.encode(
-            enc,
-            Call::AllGather,
-            input.dtype(),
-            count,
-            &[input],
-            &[output],
-            [send, recv],
-            |comm, stream| unsafe {
-                (nccl.all_gather)(
-                    send as *const c_void,
-                    recv as *mut c_void,
-                    count,
-                    dt,
-                    comm,
-                    stream,
-                )
-            },
-        )
+        self.check_pair(enc, input, output, input.size() * self.nranks())?;
+        let count = input.size();
+        self.encode_pair(enc, Call::AllGather, input, output, count, |n, a| unsafe {
+            (n.all_gather)(a.send, a.recv, count, a.dtype, a.comm, a.stream)
+        })
     }
 
     /// `output` = this rank's slice (rank r gets elements r*k..(r+1)*k, k = output's size) of the
@@ -291,27 +270,15 @@ impl Communicator {
             ));
         }
         self.check_pair(enc, input, output, input.size() / n)?;
-        let (count, dt) = (output.size(), nccl_dtype(input.dtype()));
-        let (send, recv) = (input.device_ptr(), output.device_ptr());
-        let nccl = self.shared.nccl;
-        self.encode(
+        let count = output.size();
+        self.encode_pair(
             enc,
             Call::ReduceScatter(op),
-            input.dtype(),
+            input,
+            output,
             count,
-            &[input],
-            &[output],
-            [send, recv],
-            |comm, stream| unsafe {
-                (nccl.reduce_scatter)(
-                    send as *const c_void,
-                    recv as *mut c_void,
-                    count,
-                    dt,
-                    op.nccl(),
-                    comm,
-                    stream,
-                )
+            |n, a| unsafe {
+                (n.reduce_scatter)(a.send, a.recv, count, a.dtype, op.nccl(), a.comm, a.stream)
             },
         )
     }
@@ -327,27 +294,60 @@ impl Communicator {
     ) -> Result<()> {
         self.check_rank("root", root)?;
         self.check_pair(enc, input, output, input.size())?;
-        let (count, dt) = (input.size(), nccl_dtype(input.dtype()));
+        let count = input.size();
+        self.encode_pair(
+            enc,
+            Call::Broadcast { root },
+            input,
+            output,
+            count,
+            |n, a| unsafe {
+                (n.broadcast)(
+                    a.send,
+                    a.recv,
+                    count,
+                    a.dtype,
+                    root as i32,
+                    a.comm,
+                    a.stream,
+                )
+            },
+        )
+    }
+
+    /// Encodes a collective that reads `input` and writes `output`; `issue` makes the NCCL
+    /// call with the arguments every such call shares. (The callers' `unsafe`: the buffers are
+    /// the checked arrays' device addresses, `count` elements long, live until the commit that
+    /// holds the call has finished; NCCL copies the other arguments.)
+    fn encode_pair(
+        &self,
+        enc: &mut CommandEncoder,
+        call: Call,
+        input: &Array,
+        output: &Array,
+        count: usize,
+        issue: impl FnOnce(&Nccl, PairArgs) -> i32,
+    ) -> Result<()> {
         let (send, recv) = (input.device_ptr(), output.device_ptr());
+        let dtype = nccl_dtype(input.dtype());
         let nccl = self.shared.nccl;
         self.encode(
             enc,
-            Call::Broadcast { root },
+            call,
             input.dtype(),
             count,
             &[input],
             &[output],
             [send, recv],
-            |comm, stream| unsafe {
-                (nccl.broadcast)(
-                    send as *const c_void,
-                    recv as *mut c_void,
-                    count,
-                    dt,
-                    root as i32,
+            |comm, stream| {
+                let args = PairArgs {
+                    send: send as *const c_void,
+                    recv: recv as *mut c_void,
+                    dtype,
                     comm,
                     stream,
-                )
+                };
+                issue(nccl, args)
             },
         )
     }
@@ -552,7 +552,7 @@ impl Communicator {
         if let (Some(words), Some(kernel), Some(status), true) = (
             words,
             self.check_kernel.as_ref(),
-            shared.status_device_ptr()?,
+            shared.status_device_ptr(),
             compared > 0,
         ) {
             let mut args = KernelArgs::new();
@@ -581,13 +581,5 @@ impl Communicator {
             })?;
         }
         Ok(())
-    }
-}
-
-fn check_driver(status: sys::CUresult) -> Result<()> {
-    if status == sys::cudaError_enum::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(Error::Driver(cudarc::driver::DriverError(status)))
     }
 }

@@ -126,8 +126,9 @@ enum State {
     Failed(String),
 }
 
-/// Host memory the device writes when a collective check fails: [differing rank + 1, own hash].
-struct Status(*mut u64);
+/// Host memory the device writes when a collective check fails: [differing rank + 1, own hash],
+/// and the address the device writes it at.
+struct Status(*mut u64, sys::CUdeviceptr);
 
 /// One rank's communicator, shared with the commits that hold its collectives (they watch it).
 pub(crate) struct Shared {
@@ -363,7 +364,7 @@ fn non_blocking_config() -> ncclConfig_t {
     }
 }
 
-fn check_driver(status: sys::CUresult) -> Result<()> {
+pub(crate) fn check_driver(status: sys::CUresult) -> Result<()> {
     if status == sys::cudaError_enum::CUDA_SUCCESS {
         Ok(())
     } else {
@@ -407,7 +408,12 @@ impl Shared {
             })?;
             // SAFETY: the allocation is 16 bytes.
             unsafe { ptr::write_bytes(host as *mut u8, 0, 16) };
-            shared.status = Some(Status(host as *mut u64));
+            let mut device_address: sys::CUdeviceptr = 0;
+            // SAFETY: `host` was allocated with CU_MEMHOSTALLOC_DEVICEMAP.
+            check_driver(unsafe {
+                sys::cuMemHostGetDevicePointer_v2(&mut device_address, host, 0)
+            })?;
+            shared.status = Some(Status(host as *mut u64, device_address));
         }
         Ok(shared)
     }
@@ -439,16 +445,7 @@ impl Shared {
     pub(crate) fn wait_ready(&self, what: &str) -> Result<()> {
         let start = Instant::now();
         loop {
-            let status = self.with_comm(|comm| {
-                let mut status = SUCCESS;
-                // SAFETY: the handle is live (checked under the lock).
-                let call = unsafe { (self.nccl.comm_get_async_error)(comm, &mut status) };
-                self.nccl.check("ncclCommGetAsyncError", call, Some(comm))?;
-                if status != SUCCESS && status != IN_PROGRESS {
-                    return Err(self.nccl.error("ncclCommGetAsyncError", status, Some(comm)));
-                }
-                Ok(status)
-            });
+            let status = self.async_state();
             match status {
                 Ok(SUCCESS) => return Ok(()),
                 Ok(_) => {}
@@ -468,6 +465,21 @@ impl Shared {
                 std::thread::yield_now();
             }
         }
+    }
+
+    /// NCCL's state of the communicator: `SUCCESS`, `IN_PROGRESS`, or the error it reports
+    /// (the caller aborts).
+    fn async_state(&self) -> Result<i32> {
+        self.with_comm(|comm| {
+            let mut status = SUCCESS;
+            // SAFETY: the handle is live (checked under the lock).
+            let call = unsafe { (self.nccl.comm_get_async_error)(comm, &mut status) };
+            self.nccl.check("ncclCommGetAsyncError", call, Some(comm))?;
+            if status != SUCCESS && status != IN_PROGRESS {
+                return Err(self.nccl.error("ncclCommGetAsyncError", status, Some(comm)));
+            }
+            Ok(status)
+        })
     }
 
     fn timed_out(&self, what: &str) -> Error {
@@ -519,14 +531,9 @@ impl Shared {
         described.entry(hash).or_insert_with(what);
     }
 
-    pub(crate) fn status_device_ptr(&self) -> Result<Option<sys::CUdeviceptr>> {
-        let Some(Status(host)) = &self.status else {
-            return Ok(None);
-        };
-        let mut dptr: sys::CUdeviceptr = 0;
-        // SAFETY: `host` was allocated with CU_MEMHOSTALLOC_DEVICEMAP.
-        check_driver(unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dptr, *host as _, 0) })?;
-        Ok(Some(dptr))
+    /// Where the check kernel writes its finding (None with the check off).
+    pub(crate) fn status_device_ptr(&self) -> Option<sys::CUdeviceptr> {
+        self.status.as_ref().map(|s| s.1)
     }
 }
 
@@ -539,16 +546,7 @@ impl Watch for Shared {
             return Ok(());
         }
         self.last_asked_us.store(now, Ordering::Relaxed);
-        let async_error = self.with_comm(|comm| {
-            let mut status = SUCCESS;
-            // SAFETY: the handle is live (checked under the lock).
-            let call = unsafe { (self.nccl.comm_get_async_error)(comm, &mut status) };
-            self.nccl.check("ncclCommGetAsyncError", call, Some(comm))?;
-            if status != SUCCESS && status != IN_PROGRESS {
-                return Err(self.nccl.error("ncclCommGetAsyncError", status, Some(comm)));
-            }
-            Ok(())
-        });
+        let async_error = self.async_state();
         if let Err(e) = async_error {
             self.abort(e.to_string());
             return Err(e);
@@ -561,7 +559,7 @@ impl Watch for Shared {
     }
 
     fn finished(&self) -> Result<()> {
-        let Some(Status(host)) = &self.status else {
+        let Some(Status(host, _)) = &self.status else {
             return Ok(());
         };
         // SAFETY: pinned host memory of two words, written by the device before the commit's
@@ -612,7 +610,7 @@ impl Drop for Shared {
         // After an abort a check kernel may still be queued behind the stopped collective:
         // its host memory is then left allocated rather than freed under it.
         let aborted = matches!(&*self.lock(), State::Failed(r) if r != "destroyed");
-        if let Some(Status(host)) = self.status.take().filter(|_| !aborted) {
+        if let Some(Status(host, _)) = self.status.take().filter(|_| !aborted) {
             // SAFETY: allocated by cuMemHostAlloc; the device no longer writes it (every commit
             // watching this communicator has finished, or it would hold a reference).
             unsafe { sys::cuMemFreeHost(host as *mut c_void) };
