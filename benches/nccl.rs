@@ -2,8 +2,8 @@
 //! PyTorch's `torch.distributed.all_reduce` (backend "nccl", through `benches/nccl_torch.py`),
 //! measured in the same run, one process per GPU on both sides.
 //!
-//! What is timed: in-place sum of f32 buffers of 1 MiB, 4 MiB, 16 MiB, 64 MiB, 256 MiB and 1 GiB
-//! (`--quick`: up to 64 MiB, fewer batches). For each size, one batch of calls warms up, then
+//! What is timed: in-place sum of f32 buffers of every power of two from 1 MiB to 1 GiB
+//! (`--quick`: 1, 4, 16 and 64 MiB, fewer batches). For each size, one batch of calls warms up, then
 //! each timed batch starts after a 1-element all_reduce (so that both ranks start together) and
 //! is timed with CUDA events on the stream the calls run on; a rank's figure is the median
 //! batch, and the slower rank's figure is reported. Bus bandwidth = bytes / time x 2(n-1)/n,
@@ -63,10 +63,11 @@ fn quick() -> bool {
 
 /// Timed batches per size, and (bytes, calls per batch) for each size. Both sides use it.
 fn plan(quick: bool) -> (usize, Vec<(usize, usize)>) {
-    let sizes: &[usize] = if quick {
-        &[1 << 20, 4 << 20, 16 << 20, 64 << 20]
+    // Every power of two from 1 MiB to 1 GiB (`--quick`: every other one, to 64 MiB).
+    let sizes: Vec<usize> = if quick {
+        (20..=26).step_by(2).map(|p| 1 << p).collect()
     } else {
-        &[1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20, 1 << 30]
+        (20..=30).map(|p| 1 << p).collect()
     };
     let (repeats, batch_bytes, most) = if quick {
         (3, 2usize << 30, 100)

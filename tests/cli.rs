@@ -224,6 +224,13 @@ fn info_reports_nvrtc_cache_and_environment() {
     assert_eq!(info["env"]["MLX_MAX_OPS_PER_BUFFER"], "40");
     assert!(info["registered_specs"].as_u64().unwrap() > 0);
     assert!(info["gpus"].is_array() || info["gpus"]["error"].is_string());
+    // Found or not, NCCL is reported; missing, with the reason.
+    let nccl = &info["nccl"];
+    assert!(
+        nccl["found"] == true && nccl["version"].is_string()
+            || nccl["found"] == false && nccl["error"].as_str().unwrap().contains("NCCL"),
+        "{info}"
+    );
 }
 
 #[test]

@@ -124,6 +124,28 @@ fn run_matrix(comm: &Communicator, graphs: bool) -> Result<(), String> {
                 )?;
             }
 
+            // The same call again and again on one buffer: from the second call on, its kept
+            // capture is launched again (in graph mode several times within one graph).
+            let z = Array::from_f64(&mut enc, dtype, &values(n, rank), &[n]).map_err(e)?;
+            // After the first call every rank holds the sums; each further call multiplies
+            // them by the number of ranks.
+            let mut want: Vec<f64> = (0..n)
+                .map(|i| (0..n_ranks).map(|r| value(i, r)).sum())
+                .collect();
+            let mut first = true;
+            for calls in [3, 1] {
+                for _ in 0..calls {
+                    comm.all_reduce(&mut enc, &z, &z, ReduceOp::Sum)
+                        .map_err(e)?;
+                    if !first {
+                        want.iter_mut().for_each(|w| *w *= n_ranks as f64);
+                    }
+                    first = false;
+                }
+                let got = z.to_f64(&mut enc).map_err(e)?;
+                expect_equal(&at(&format!("{calls} repeated all_reduce")), &got, &want)?;
+            }
+
             if verbose {
                 eprintln!("{}", at("gather, scatter, broadcast, send"));
             }

@@ -386,6 +386,12 @@ fn info(jit: &Jit, json: bool) -> kiln::Result<ExitCode> {
                         "sass_archs": n.supported_archs}),
         Err(e) => json!({"found": false, "error": e.to_string()}),
     };
+    // NCCL is only needed for several GPUs: its absence is information, not an error.
+    let nccl_lib = kiln::env::Config::from_env()?.nccl_lib;
+    let nccl = match kiln::dist::Nccl::get(nccl_lib.as_deref()) {
+        Ok(n) => json!({"found": true, "path": n.path, "version": n.version_string()}),
+        Err(e) => json!({"found": false, "error": e.to_string()}),
+    };
     let gpus = match kiln::runtime::gpus() {
         Ok(g) => json!(g),
         Err(e) => json!({"error": e.to_string()}),
@@ -399,6 +405,7 @@ fn info(jit: &Jit, json: bool) -> kiln::Result<ExitCode> {
     let info = json!({
         "kiln": env!("CARGO_PKG_VERSION"),
         "nvrtc": nvrtc,
+        "nccl": nccl,
         "gpus": gpus,
         "cache": {
             "dir": disk.root().display().to_string(),

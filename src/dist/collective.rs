@@ -1,7 +1,12 @@
-//! The collectives on kiln arrays, encoded on a command encoder like any other op: in direct
-//! mode on its stream, in graph mode captured into a child-graph node that depends on the last
-//! writers of the arrays it reads and writes (and on the communicator's previous collective, since
-//! NCCL runs one communicator's collectives in the order they were issued).
+//! The collectives on kiln arrays, encoded on a command encoder like any other op. Each is
+//! captured into a graph the first time it is encoded, and the encoder keeps the capture by its
+//! signature (communicator, call, buffers, count): in graph mode it becomes a child-graph node
+//! that depends on the last writers of the arrays it reads and writes (and on the
+//! communicator's previous collective, since NCCL runs one communicator's collectives in the
+//! order they were issued); in direct mode its executable is launched on the stream. A
+//! repeated collective so costs a graph node or a graph launch, not a call into NCCL: on a
+//! non-blocking communicator each call starts a thread, tens of microseconds that made small
+//! collectives host-bound.
 //!
 //! With `KILN_NCCL_CHECK` on (the default), each collective also sends a 32-bit hash of what
 //! this rank called (op, reduction, dtype, element count, root) with its data, in the same NCCL
@@ -97,6 +102,13 @@ struct PairArgs {
     dtype: i32,
     comm: cudarc::nccl::sys::ncclComm_t,
     stream: sys::CUstream,
+}
+
+/// Where the collective check's hashes live: this rank's (sent) and those the ranks sent it.
+#[derive(Clone, Copy)]
+struct CheckWords {
+    own: u64,
+    received: u64,
 }
 
 /// What one rank's call is, as every rank involved must agree on it.
@@ -417,14 +429,15 @@ impl Communicator {
         all_writes.push(&self.order);
         let nccl = shared.nccl;
         let nranks = shared.nranks;
+        let words = self.check_words(hash)?;
         enc.add_watched(reads, &all_writes, signature, &self.watch, |stream| {
-            self.issue_checked(stream, hash, 0, nranks, |comm, stream, words| {
+            self.issue_checked(stream, hash, words, 0, nranks, |comm, stream| {
                 if let Some(words) = words {
-                    // SAFETY: word 0 holds this rank's hash; words 4.. receive every rank's.
+                    // SAFETY: `own` holds this rank's hash; `received` has a word per rank.
                     let status = unsafe {
                         (nccl.all_gather)(
-                            words as *const c_void,
-                            (words + 16) as *mut c_void,
+                            words.own as *const c_void,
+                            words.received as *mut c_void,
                             1,
                             ncclDataType_t::ncclUint32 as i32,
                             comm,
@@ -471,15 +484,16 @@ impl Communicator {
         let nccl = shared.nccl;
         // A receiver checks the one hash that came from its peer (in word 4).
         let (first_rank, compared) = if sending { (peer, 0) } else { (peer, 1) };
+        let words = self.check_words(hash)?;
         enc.add_watched(&reads, &writes, signature, &self.watch, |stream| {
-            self.issue_checked(stream, hash, first_rank, compared, |comm, stream, words| {
+            self.issue_checked(stream, hash, words, first_rank, compared, |comm, stream| {
                 if let Some(words) = words {
                     let u32_type = ncclDataType_t::ncclUint32 as i32;
-                    // SAFETY: word 0 holds this rank's hash; word 4 receives the peer's.
+                    // SAFETY: `own` holds this rank's hash; `received` takes the peer's.
                     let status = unsafe {
                         if sending {
                             (nccl.send)(
-                                words as *const c_void,
+                                words.own as *const c_void,
                                 1,
                                 u32_type,
                                 peer as i32,
@@ -488,7 +502,7 @@ impl Communicator {
                             )
                         } else {
                             (nccl.recv)(
-                                (words + 16) as *mut c_void,
+                                words.received as *mut c_void,
                                 1,
                                 u32_type,
                                 peer as i32,
@@ -513,30 +527,34 @@ impl Communicator {
         })
     }
 
-    /// On `stream`: this rank's hash into the check words, then `calls` (the hash exchange and
-    /// the data) in one NCCL group, waited for until NCCL has issued them, then the check kernel
-    /// over `compared` received hashes, the first from rank `first_rank`. Without the check,
-    /// just `calls`.
+    /// The check's words for a collective with `hash` (None with the check off). Called
+    /// before capture: the word holding the hash may have to be written first.
+    fn check_words(&self, hash: u32) -> Result<Option<CheckWords>> {
+        Ok(self.shared.hash_word(hash)?.map(|own| CheckWords {
+            own,
+            received: self.order.device_ptr() + 16,
+        }))
+    }
+
+    /// On `stream`: `calls` (the hash exchange and the data) in one NCCL group, waited for
+    /// until NCCL has issued them, then the check kernel over `compared` received hashes, the
+    /// first from rank `first_rank`. Without the check, just `calls`.
     fn issue_checked(
         &self,
         stream: sys::CUstream,
         hash: u32,
+        words: Option<CheckWords>,
         first_rank: usize,
         compared: usize,
-        calls: impl FnOnce(cudarc::nccl::sys::ncclComm_t, sys::CUstream, Option<u64>) -> Result<()>,
+        calls: impl FnOnce(cudarc::nccl::sys::ncclComm_t, sys::CUstream) -> Result<()>,
     ) -> Result<()> {
         let shared: &Shared = &self.shared;
         let nccl = shared.nccl;
-        let words = self.check_kernel.as_ref().map(|_| self.order.device_ptr());
-        if let Some(words) = words {
-            // SAFETY: word 0 of the communicator's check words, on the encoder's stream.
-            check_driver(unsafe { sys::cuMemsetD32Async(words, hash, 1, stream) })?;
-        }
         tracing::debug!("rank {}: issuing {hash:08x}", shared.rank);
         shared.with_comm(|comm| {
             // SAFETY: group calls have no preconditions; the end is always called.
             nccl.check("ncclGroupStart", unsafe { (nccl.group_start)() }, None)?;
-            let issued = calls(comm, stream, words);
+            let issued = calls(comm, stream);
             // SAFETY: ends the group started above.
             let ended = unsafe { (nccl.group_end)() };
             issued?;
@@ -556,7 +574,7 @@ impl Communicator {
             compared > 0,
         ) {
             let mut args = KernelArgs::new();
-            args.push(words + 16)
+            args.push(words.received)
                 .push(compared as i32)
                 .push(first_rank as i32)
                 .push(hash)

@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::sys;
 use cudarc::nccl::sys::{ncclComm_t, ncclConfig_t, ncclUniqueId};
 
+use super::hash_words::HashWords;
 use super::library::{Nccl, IN_PROGRESS, SUCCESS};
 use crate::env::{Config, Launch, LaunchId};
 use crate::error::{Error, Result};
@@ -140,6 +141,8 @@ pub(crate) struct Shared {
     state: Mutex<State>,
     /// Set by the check kernel (None when `KILN_NCCL_CHECK=0`).
     status: Option<Status>,
+    /// Where this rank's hashes are sent from (None when `KILN_NCCL_CHECK=0`).
+    hash_words: Option<Mutex<HashWords>>,
     mismatch_reported: AtomicBool,
     /// When, in the current wait, NCCL was last asked for its error state.
     last_asked_us: AtomicU64,
@@ -162,9 +165,9 @@ pub struct Communicator {
     pub(crate) shared: Arc<Shared>,
     /// The same value as a watch, to hand to commits.
     pub(crate) watch: Arc<dyn Watch>,
-    /// Device memory for the collective check: this rank's hash (word 0) and the hashes the
-    /// ranks sent (words 4..4 + nranks). Every collective writes it, which orders them in graph
-    /// mode (NCCL needs one communicator's collectives in the order they were issued).
+    /// Device memory for the collective check: the hashes the ranks sent (words 4..4 +
+    /// nranks). Every collective writes it, which orders them in graph mode (NCCL needs one
+    /// communicator's collectives in the order they were issued).
     pub(crate) order: Array,
     /// The check kernel; None when `KILN_NCCL_CHECK=0`.
     pub(crate) check_kernel: Option<Arc<crate::jit::LoadedKernel>>,
@@ -390,6 +393,7 @@ impl Shared {
             timeout: Duration::from_secs_f64(config.nccl_timeout_s),
             state: Mutex::new(State::Live(comm)),
             status: None,
+            hash_words: None,
             mismatch_reported: AtomicBool::new(false),
             last_asked_us: AtomicU64::new(0),
             described: Mutex::new(HashMap::new()),
@@ -414,6 +418,7 @@ impl Shared {
                 sys::cuMemHostGetDevicePointer_v2(&mut device_address, host, 0)
             })?;
             shared.status = Some(Status(host as *mut u64, device_address));
+            shared.hash_words = Some(Mutex::new(HashWords::new(device)?));
         }
         Ok(shared)
     }
@@ -531,6 +536,15 @@ impl Shared {
         described.entry(hash).or_insert_with(what);
     }
 
+    /// The device address of a word holding `hash`, for the hash exchange (None with the
+    /// check off). Call it outside stream capture.
+    pub(crate) fn hash_word(&self, hash: u32) -> Result<Option<sys::CUdeviceptr>> {
+        self.hash_words
+            .as_ref()
+            .map(|w| w.lock().unwrap_or_else(|e| e.into_inner()).word(hash))
+            .transpose()
+    }
+
     /// Where the check kernel writes its finding (None with the check off).
     pub(crate) fn status_device_ptr(&self) -> Option<sys::CUdeviceptr> {
         self.status.as_ref().map(|s| s.1)
@@ -538,6 +552,10 @@ impl Shared {
 }
 
 impl Watch for Shared {
+    fn usable(&self) -> Result<()> {
+        self.with_comm(|_| Ok(()))
+    }
+
     fn waiting(&self, waited: Duration) -> Result<()> {
         // NCCL's error state changes rarely: ask it every few milliseconds, not at every poll.
         let now = waited.as_micros() as u64;
@@ -610,6 +628,9 @@ impl Drop for Shared {
         // After an abort a check kernel may still be queued behind the stopped collective:
         // its host memory is then left allocated rather than freed under it.
         let aborted = matches!(&*self.lock(), State::Failed(r) if r != "destroyed");
+        if let (true, Some(words)) = (aborted, &self.hash_words) {
+            words.lock().unwrap_or_else(|e| e.into_inner()).leak();
+        }
         if let Some(Status(host, _)) = self.status.take().filter(|_| !aborted) {
             // SAFETY: allocated by cuMemHostAlloc; the device no longer writes it (every commit
             // watching this communicator has finished, or it would hold a reference).

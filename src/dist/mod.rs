@@ -15,6 +15,7 @@
 
 mod collective;
 mod comm;
+mod hash_words;
 pub mod library;
 
 pub use collective::{specs, ReduceOp};

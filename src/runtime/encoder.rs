@@ -16,9 +16,11 @@
 //! only once the commits that used it have finished. Bounds on the commits and bytes in flight
 //! make the host wait for the oldest commit when it runs too far ahead of the GPU.
 
+use std::cell::OnceCell;
 use std::ffi::c_void;
 use std::num::NonZeroUsize;
 use std::ptr;
+use std::rc::Rc;
 use std::sync::Arc;
 
 use cudarc::driver::{sys, DriverError};
@@ -108,21 +110,57 @@ impl KernelNode {
 enum NodeWork {
     Kernel(KernelNode),
     Empty,
-    /// A captured graph, owned here until the commit (the graph node holds a clone), and what
-    /// identifies its work, when known (two captures with equal signatures do the same thing).
-    Child(OwnedGraph, Option<CaptureSignature>),
+    /// Captured work; the graph node holds a clone of its graph.
+    Child(Rc<Captured>),
 }
 
 /// Identifies captured work, e.g. a copy's (source, destination, bytes).
 pub type CaptureSignature = [u64; 4];
 
+/// Work captured from a stream (a copy, a collective): a child node in graph mode; in direct
+/// mode a kept capture is launched as an executable of its own.
+struct Captured {
+    graph: OwnedGraph,
+    /// What identifies its work, when known (two captures with equal signatures do the same
+    /// thing).
+    signature: Option<CaptureSignature>,
+    /// The executable of a kept capture, instantiated on its first direct launch.
+    exec: OnceCell<sys::CUgraphExec>,
+    /// What must outlive every graph holding this work: NCCL destroys a communicator only once
+    /// the graphs that captured its collectives are gone, so they hold it (and drop it last).
+    _owner: Option<Arc<dyn Watch>>,
+}
+
+impl Captured {
+    /// The executable, instantiated on first use.
+    fn exec(&self) -> Result<sys::CUgraphExec> {
+        if let Some(exec) = self.exec.get() {
+            return Ok(*exec);
+        }
+        let mut exec = ptr::null_mut();
+        // SAFETY: the graph is complete and live.
+        check(unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, self.graph.0, 0) })?;
+        Ok(*self.exec.get_or_init(|| exec))
+    }
+}
+
+impl Drop for Captured {
+    fn drop(&mut self) {
+        if let Some(exec) = self.exec.take() {
+            // SAFETY: owned only here; an executable still running completes first.
+            unsafe { sys::cuGraphExecDestroy(exec) };
+        }
+    }
+}
+
 /// What a cached executable's node currently does, to decide whether it needs an update.
-#[derive(Clone, PartialEq)]
+#[derive(Clone)]
 #[allow(clippy::large_enum_variant)] // as NodeWork
 enum NodeState {
     Kernel(KernelNode),
     Empty,
-    Child(Option<CaptureSignature>),
+    /// Held, not just named: the executable contains a clone of its graph.
+    Child(Rc<Captured>),
 }
 
 impl NodeState {
@@ -130,7 +168,7 @@ impl NodeState {
         match work {
             NodeWork::Kernel(k) => NodeState::Kernel(k.clone()),
             NodeWork::Empty => NodeState::Empty,
-            NodeWork::Child(_, sig) => NodeState::Child(*sig),
+            NodeWork::Child(c) => NodeState::Child(c.clone()),
         }
     }
 
@@ -139,7 +177,9 @@ impl NodeState {
         match (self, work) {
             (NodeState::Kernel(a), NodeWork::Kernel(b)) => a == b,
             (NodeState::Empty, NodeWork::Empty) => true,
-            (NodeState::Child(Some(a)), NodeWork::Child(_, Some(b))) => a == b,
+            (NodeState::Child(a), NodeWork::Child(b)) => {
+                a.signature.is_some() && a.signature == b.signature
+            }
             _ => false,
         }
     }
@@ -223,6 +263,8 @@ pub struct CommandEncoder {
     watches: Vec<Arc<dyn Watch>>,
     timeline: Arc<Timeline>,
     exec_cache: LruCache<String, CachedExec>,
+    /// Captures of watched work (collectives) by signature (see `add_watched`).
+    kept: LruCache<CaptureSignature, Rc<Captured>>,
     stats: EncoderStats,
 }
 
@@ -263,6 +305,9 @@ impl CommandEncoder {
             watches: Vec::new(),
             timeline: Timeline::new(),
             exec_cache: LruCache::new(
+                NonZeroUsize::new(config.graph_cache_size).unwrap_or(NonZeroUsize::MIN),
+            ),
+            kept: LruCache::new(
                 NonZeroUsize::new(config.graph_cache_size).unwrap_or(NonZeroUsize::MIN),
             ),
             stats: EncoderStats::default(),
@@ -415,31 +460,51 @@ impl CommandEncoder {
         work: impl FnOnce(sys::CUstream) -> Result<()>,
     ) -> Result<()> {
         if self.use_graphs {
-            self.device.bind()?;
-            // SAFETY: capture_stream is ours and idle (it is only ever used for capture).
-            check(unsafe {
-                sys::cuStreamBeginCapture_v2(
-                    self.capture_stream,
-                    sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
-                )
-            })?;
-            let result = work(self.capture_stream);
-            let mut graph = ptr::null_mut();
-            // SAFETY: ends the capture begun above, whatever `work` did.
-            let ended = check(unsafe { sys::cuStreamEndCapture(self.capture_stream, &mut graph) });
-            let graph = OwnedGraph(graph);
-            result?;
-            ended?;
-            let (_, deps) =
-                self.tracker
-                    .add(NodeKind::Child, &Self::ids(reads), &Self::ids(writes));
-            self.nodes.push(Node {
-                deps,
-                work: NodeWork::Child(graph, signature),
-            });
+            let graph = self.capture(work)?;
+            let captured = Captured {
+                graph,
+                signature,
+                exec: OnceCell::new(),
+                _owner: None,
+            };
+            self.add_child(reads, writes, Rc::new(captured));
         } else {
             work(self.stream)?;
         }
+        self.finish_captured(reads, writes)
+    }
+
+    /// Runs `work` on the capture stream and returns what it enqueued as a graph.
+    fn capture(&mut self, work: impl FnOnce(sys::CUstream) -> Result<()>) -> Result<OwnedGraph> {
+        self.device.bind()?;
+        // SAFETY: capture_stream is ours and idle (it is only ever used for capture).
+        check(unsafe {
+            sys::cuStreamBeginCapture_v2(
+                self.capture_stream,
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            )
+        })?;
+        let result = work(self.capture_stream);
+        let mut graph = ptr::null_mut();
+        // SAFETY: ends the capture begun above, whatever `work` did.
+        let ended = check(unsafe { sys::cuStreamEndCapture(self.capture_stream, &mut graph) });
+        let graph = OwnedGraph(graph);
+        result?;
+        ended?;
+        Ok(graph)
+    }
+
+    fn add_child(&mut self, reads: &[&Array], writes: &[&Array], captured: Rc<Captured>) {
+        let (_, deps) = self
+            .tracker
+            .add(NodeKind::Child, &Self::ids(reads), &Self::ids(writes));
+        self.nodes.push(Node {
+            deps,
+            work: NodeWork::Child(captured),
+        });
+    }
+
+    fn finish_captured(&mut self, reads: &[&Array], writes: &[&Array]) -> Result<()> {
         self.note_use(reads);
         self.note_use(writes);
         self.ops_in_batch += 1;
@@ -448,6 +513,12 @@ impl CommandEncoder {
 
     /// Captured work with a known signature whose completion `watch` oversees (see
     /// [`Watch`]): the collectives.
+    ///
+    /// The capture is kept, by signature, so that the same work encoded again is neither
+    /// captured nor issued again: in graph mode the kept graph becomes the child node, in
+    /// direct mode its executable is launched on the stream. For a collective this takes
+    /// NCCL's host side (a thread per call on a non-blocking communicator) out of every call
+    /// but the first. `watch.usable()` is asked before kept work runs again.
     pub(crate) fn add_watched(
         &mut self,
         reads: &[&Array],
@@ -456,10 +527,37 @@ impl CommandEncoder {
         watch: &Arc<dyn Watch>,
         work: impl FnOnce(sys::CUstream) -> Result<()>,
     ) -> Result<()> {
+        let captured = match self.kept.get(&signature) {
+            Some(kept) => {
+                watch.usable()?;
+                kept.clone()
+            }
+            None => {
+                let graph = self.capture(work)?;
+                let captured = Rc::new(Captured {
+                    graph,
+                    signature: Some(signature),
+                    exec: OnceCell::new(),
+                    _owner: Some(watch.clone()),
+                });
+                self.kept.put(signature, captured.clone());
+                captured
+            }
+        };
         if !self.watches.iter().any(|w| Arc::ptr_eq(w, watch)) {
             self.watches.push(watch.clone());
         }
-        self.add_captured_with(reads, writes, Some(signature), work)
+        if self.use_graphs {
+            self.add_child(reads, writes, captured);
+        } else {
+            let exec = captured.exec()?;
+            self.device.bind()?;
+            // SAFETY: the executable and the stream are live; `captured` stays referenced by
+            // the kept cache or is dropped only after its launch has been enqueued (the driver
+            // completes a launched executable before destroying it).
+            check(unsafe { sys::cuGraphLaunch(exec, self.stream) })?;
+        }
+        self.finish_captured(reads, writes)
     }
 
     /// Copies `src` into `dst` (contiguous, same dtype and size) as a captured memcpy.
@@ -477,7 +575,8 @@ impl CommandEncoder {
             });
         }
         let (from, to, bytes) = (src.device_ptr(), dst.device_ptr(), src.nbytes());
-        let signature = [from, to, bytes as u64, 0];
+        // Word 3 tells a copy from a collective (whose word 3 is an element count).
+        let signature = [from, to, bytes as u64, u64::MAX];
         self.add_captured_with(&[src], &[dst], Some(signature), |stream| {
             // SAFETY: both ranges lie inside live allocations of `bytes` bytes.
             check(unsafe { sys::cuMemcpyDtoDAsync_v2(to, from, bytes, stream) })
@@ -881,13 +980,13 @@ fn build_graph(nodes: &mut [Node]) -> Result<(OwnedGraph, Vec<sys::CUgraphNode>)
             NodeWork::Empty => unsafe {
                 sys::cuGraphAddEmptyNode(&mut handle, graph.0, deps.as_ptr(), deps.len())
             },
-            NodeWork::Child(child, _) => unsafe {
+            NodeWork::Child(child) => unsafe {
                 sys::cuGraphAddChildGraphNode(
                     &mut handle,
                     graph.0,
                     deps.as_ptr(),
                     deps.len(),
-                    child.0,
+                    child.graph.0,
                 )
             },
         };
@@ -902,6 +1001,7 @@ impl Drop for CommandEncoder {
         let _ = self.synchronize();
         self.timeline.close();
         self.exec_cache.clear();
+        self.kept.clear();
         // SAFETY: the streams are ours and idle.
         unsafe {
             sys::cuStreamDestroy_v2(self.stream);

@@ -39,6 +39,9 @@ pub(crate) trait Watch: Send + Sync {
     fn waiting(&self, waited: Duration) -> Result<()>;
     /// Called once the commit has finished: an error reports what the work found wrong.
     fn finished(&self) -> Result<()>;
+    /// Called before kept work is launched again without being issued anew: an error (the
+    /// communicator has failed) stops it.
+    fn usable(&self) -> Result<()>;
 }
 
 /// How long a wait that was ended by an error keeps waiting for the aborted work to drain.
