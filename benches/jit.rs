@@ -47,8 +47,8 @@ fn main() {
         .and_then(|g| g.first().map(|g| g.target()))
         .unwrap_or(Target::sass(90));
     // LayerNorm forward specialisations, one per (dtype, threads per row, items).
-    let shared = kiln::jit::target::shared_memory_per_block(target.arch);
-    let specs: Vec<KernelSpec> = kiln::ops::norm::specs(shared)
+    let gpu = kiln::ops::norm::Gpu::for_arch(target.arch);
+    let specs: Vec<KernelSpec> = kiln::ops::norm::specs(gpu)
         .into_iter()
         .filter(|s| s.template.name == "norm_fwd" && s.consts[0] == 0 && s.n_reads > 1)
         .take(24)

@@ -124,7 +124,7 @@ fn check_norms(gpu: &GpuInfo) -> Result<Vec<CheckResult>> {
             let ba = Array::from_f64(&mut enc, dtype, &b, &[d])?;
             // Fresh allocations are 256-byte aligned, so rows vectorise whenever d allows.
             let vectorized = d % dtype.vec_width() == 0;
-            let limit = dev.shared_limit();
+            let limit = norm::Gpu::of(&dev);
             let spec =
                 norm::choose_spec(Pass::Forward, Kind::LayerNorm, dtype, d, vectorized, limit);
             let started = Instant::now();

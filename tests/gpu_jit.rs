@@ -36,7 +36,7 @@ fn the_self_check_passes_on_every_gpu() {
             kiln::DType::BF16,
             4096,
             true,
-            dev.shared_limit(),
+            norm::Gpu::of(&dev),
         );
         let a = dev.kernel(&spec).unwrap();
         let b = dev.kernel(&spec).unwrap();

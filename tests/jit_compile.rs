@@ -11,9 +11,6 @@ use kiln::jit::{template, KernelSpec, Origin, Target, TemplateDef};
 use kiln::ops::norm::{self, Kind, Pass};
 use kiln::{DType, Error};
 
-/// An H100's shared memory per block: the norms' choice for it.
-const H100_SHARED: usize = 227 * 1024;
-
 /// Every registered spec for each target: what the ops choose on its architecture.
 fn work_for(targets: &[Target]) -> Vec<(KernelSpec, Target)> {
     targets
@@ -201,7 +198,7 @@ fn concurrent_requests_for_one_spec_compile_once() {
         DType::BF16,
         768,
         true,
-        H100_SHARED,
+        norm::Gpu::for_arch(90),
     );
     let origins: Vec<Origin> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..8)
@@ -224,7 +221,7 @@ fn an_architecture_nvrtc_cannot_emit_sass_for_falls_back_to_ptx() {
         DType::F32,
         1000,
         false,
-        H100_SHARED,
+        norm::Gpu::for_arch(90),
     );
     // No NVRTC knows sm_990; the newest architecture it knows gets PTX.
     let c = jit.compile(&spec, Target::sass(990)).unwrap();

@@ -24,6 +24,9 @@ pub struct LoadedKernel {
     pub key: CacheKey,
     /// Where its module came from when it was loaded.
     pub origin: Origin,
+    /// Whether the kernel declares thread-block cluster dimensions (`__cluster_dims__`): graph
+    /// executables holding it are re-instantiated, never updated in place.
+    pub cluster: bool,
     /// The dynamic shared memory launches may use, as last raised by `allow_shared`.
     shared_allowed: AtomicUsize,
     /// Answers of `blocks_per_sm`: (block threads, dynamic shared bytes, blocks).
@@ -110,11 +113,15 @@ impl KernelTable {
                 reason: format!("{spec} names no kernel"),
             })?;
         let function = module.load_function(name)?;
+        let cluster_width = function.get_attribute(
+            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_WIDTH,
+        )?;
         let loaded = Arc::new(LoadedKernel {
             function,
             module,
             key: entry.key,
             origin: compiled.origin,
+            cluster: cluster_width > 0,
             shared_allowed: AtomicUsize::new(0),
             occupancy: Mutex::new(Vec::new()),
         });

@@ -6,7 +6,6 @@ pub mod conv;
 pub mod copy;
 pub mod norm;
 
-use crate::jit::target::shared_memory_per_block;
 use crate::jit::KernelSpec;
 use crate::runtime::CommandEncoder;
 
@@ -18,7 +17,7 @@ pub const DISTINCT_ARCHS: [u32; 6] = [70, 75, 80, 86, 90, 100];
 /// that architecture's shared memory: what `kiln warm` compiles for it.
 pub fn registered_specs_for(arch: u32) -> Vec<KernelSpec> {
     let mut out = Vec::new();
-    out.extend(norm::specs(shared_memory_per_block(arch)));
+    out.extend(norm::specs(norm::Gpu::for_arch(arch)));
     out.extend(conv::specs(arch));
     out.extend(copy::specs());
     out.extend(axpby::specs());

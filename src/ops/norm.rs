@@ -32,6 +32,17 @@ pub static VJP: TemplateDef = TemplateDef {
     only_arch: None,
 };
 
+/// Forward rows too long for one block's registers, on GPUs with thread-block clusters: a
+/// cluster per row (see `split_spec`).
+pub static FORWARD_SPLIT: TemplateDef = TemplateDef {
+    name: "norm_fwd_split",
+    source: include_str!("../../templates/norm_fwd_split.cu"),
+    kernel: "kiln_norm_fwd_split",
+    const_names: &["RMS", "ITEMS", "CLUSTER"],
+    arch_specific: false,
+    only_arch: Some(SPLIT_ARCH),
+};
+
 pub static REDUCE_COLS: TemplateDef = TemplateDef {
     name: "reduce_cols",
     source: include_str!("../../templates/reduce_cols.cu"),
@@ -40,6 +51,37 @@ pub static REDUCE_COLS: TemplateDef = TemplateDef {
     arch_specific: false,
     only_arch: None,
 };
+
+/// What the spec choice needs to know of a GPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Gpu {
+    /// The most dynamic shared memory one block may use, in bytes.
+    pub shared_limit: usize,
+    /// Whether the split-row forward (thread-block clusters) runs there.
+    pub clusters: bool,
+}
+
+impl Gpu {
+    /// The GPU `device` runs kiln's code paths for (its own, or the one it emulates).
+    pub fn of(device: &crate::runtime::Device) -> Gpu {
+        Gpu {
+            shared_limit: device.shared_limit(),
+            clusters: device.arch() == SPLIT_ARCH,
+        }
+    }
+
+    /// A GPU of architecture `arch` (compute capability x 10), for `kiln warm`.
+    pub fn for_arch(arch: u32) -> Gpu {
+        Gpu {
+            shared_limit: crate::jit::target::shared_memory_per_block(arch),
+            clusters: arch == SPLIT_ARCH,
+        }
+    }
+}
+
+/// The architecture the split-row forward is compiled for (clusters exist from sm_90 on; only
+/// Hopper is built and measured so far).
+pub const SPLIT_ARCH: u32 = 90;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kind {
@@ -201,6 +243,9 @@ fn stages(dtype: DType, n_reads: usize, items: usize) -> usize {
 /// SHARED_SUMS rows their weights and partial sums of dw and db as floats, and forward rings
 /// one row's weights and bias (RMSNorm: weights only), shared by the block's groups.
 fn ring_bytes(spec: &KernelSpec) -> usize {
+    if is_split(spec) {
+        return 0;
+    }
     let vjp = spec.template.name == VJP.name;
     let arrays = if vjp { 2 } else { 1 };
     let (rms, group) = (spec.consts[0] != 0, spec.consts[1] as usize);
@@ -250,6 +295,42 @@ fn fits(spec: &KernelSpec, shared_limit: usize) -> bool {
     ring_bytes(spec) + 1024 <= shared_limit
 }
 
+/// Threads per block of the split-row forward, and blocks per cluster (per row): always the
+/// largest portable cluster, so that few long rows still spread over many SMs.
+const SPLIT_BLOCK: usize = 256;
+const SPLIT_CLUSTER: usize = 8;
+/// The most vectors a split-row thread holds: 64 floats.
+fn split_max_items(n_reads: usize) -> usize {
+    64 / n_reads
+}
+
+/// The split-row forward for rows of `vectors` vectors, if one cluster's registers hold them:
+/// each thread holds a power of two of vectors, enough for its share of the row.
+fn split_spec(kind: Kind, dtype: DType, n_reads: usize, vectors: usize) -> Option<KernelSpec> {
+    let items = vectors
+        .div_ceil(SPLIT_BLOCK * SPLIT_CLUSTER)
+        .next_power_of_two();
+    (items <= split_max_items(n_reads)).then(|| {
+        let consts = [
+            (kind == Kind::RmsNorm) as i32,
+            items as i32,
+            SPLIT_CLUSTER as i32,
+        ];
+        KernelSpec::new(
+            &FORWARD_SPLIT,
+            dtype,
+            SPLIT_BLOCK as u16,
+            n_reads as u8,
+            &consts,
+        )
+    })
+}
+
+/// Whether `spec` is a split-row forward spec.
+fn is_split(spec: &KernelSpec) -> bool {
+    *spec.template == FORWARD_SPLIT
+}
+
 /// The spec for rows of `d` elements on a GPU whose blocks may use `shared_limit` bytes of
 /// shared memory ([`Device::shared_limit`](crate::runtime::Device::shared_limit)).
 /// `vectorized`: 16-byte loads are legal (rows aligned, `d` a multiple of the vector width).
@@ -261,12 +342,18 @@ pub fn choose_spec(
     dtype: DType,
     d: usize,
     vectorized: bool,
-    shared_limit: usize,
+    gpu: Gpu,
 ) -> KernelSpec {
+    let shared_limit = gpu.shared_limit;
     let n_reads = if vectorized { dtype.vec_width() } else { 1 };
     let vectors = d.div_ceil(n_reads).max(1);
     let max = max_items(pass, n_reads);
     if vectors > max_group(pass) * max {
+        if pass == Pass::Forward && gpu.clusters {
+            if let Some(spec) = split_spec(kind, dtype, n_reads, vectors) {
+                return spec;
+            }
+        }
         if vectors <= RESIDENT_GROUP * RESIDENT_ITEMS
             && resident(pass, dtype, n_reads, RESIDENT_GROUP, RESIDENT_ITEMS)
         {
@@ -308,20 +395,25 @@ pub fn choose_spec(
 /// memory, and the column reductions: `choose_spec` depends on d only through its count of
 /// vectors and is the same past the longest rows held in registers, so every count up to one
 /// past those gives every choice.
-pub fn specs(shared_limit: usize) -> Vec<KernelSpec> {
+pub fn specs(gpu: Gpu) -> Vec<KernelSpec> {
     let mut out = Vec::new();
+    let mut seen = std::collections::HashSet::new();
     for pass in [Pass::Forward, Pass::Vjp] {
         for kind in [Kind::LayerNorm, Kind::RmsNorm] {
             for dtype in DType::ALL {
                 for n_reads in [1, dtype.vec_width()] {
                     let longest = max_group(pass) * max_items(pass, n_reads);
-                    let longest = longest
+                    let mut longest = longest
                         .max(RESIDENT_GROUP * RESIDENT_ITEMS)
                         .max(SHARED_SUMS_GROUP * max_items(pass, n_reads));
+                    if pass == Pass::Forward && gpu.clusters {
+                        longest =
+                            longest.max(SPLIT_BLOCK * SPLIT_CLUSTER * split_max_items(n_reads));
+                    }
                     for vectors in 1..=longest + 1 {
                         let d = vectors * n_reads;
-                        let spec = choose_spec(pass, kind, dtype, d, n_reads > 1, shared_limit);
-                        if !out.contains(&spec) {
+                        let spec = choose_spec(pass, kind, dtype, d, n_reads > 1, gpu);
+                        if seen.insert(spec) {
                             out.push(spec);
                         }
                     }
@@ -453,8 +545,11 @@ fn param_args(p: Option<&Array>, vectorized: bool) -> (u64, i64, i32) {
 }
 
 fn geometry(spec: &KernelSpec) -> (usize, usize) {
-    let group = spec.consts[1] as usize;
     let block = spec.block_dim as usize;
+    if is_split(spec) {
+        return (block, 1);
+    }
+    let group = spec.consts[1] as usize;
     (block, block / group)
 }
 
@@ -478,8 +573,14 @@ fn forward(
     let spec = match chosen {
         Some(spec) => check_chosen(spec, Pass::Forward, kind, x.dtype(), d, vectorized)?,
         None => {
-            let limit = enc.device().shared_limit();
-            choose_spec(Pass::Forward, kind, x.dtype(), d, vectorized, limit)
+            let mut gpu = Gpu::of(enc.device());
+            // Where clusters pay, from `--long` on an H100: with fewer rows than SMs, where the
+            // one-block-per-row streamed path leaves SMs idle (16 rows of 65,536: 35-72% of
+            // copy); for f32 at any row count (512 x 65,536: 77% against 58% streamed). Many
+            // 16-bit rows stream faster (512 x 65,536 LayerNorm: 54% against 43% split).
+            let sms = enc.device().info().multiprocessors as usize;
+            gpu.clusters &= x.dtype() == DType::F32 || rows < sms;
+            choose_spec(Pass::Forward, kind, x.dtype(), d, vectorized, gpu)
         }
     };
     let kernel = enc.device().kernel(&spec)?;
@@ -500,7 +601,10 @@ fn forward(
         .push(eps);
     let (block, groups) = geometry(&spec);
     let shared = ring_bytes(&spec);
-    let grid = if shared > 0 {
+    let grid = if is_split(&spec) {
+        // A cluster of consecutive blocks per row.
+        rows * spec.consts[2] as usize
+    } else if shared > 0 {
         // Each block loops over rows, with the next rows' loads in flight.
         kernel.allow_shared(shared)?;
         resident_grid(enc, &kernel, block, shared, rows.div_ceil(groups))?
@@ -590,14 +694,7 @@ fn vjp(
     let vectorized = can_vectorize(dtype, d, &[(&xr, xs), (&gr, gs)]);
     let spec = match chosen {
         Some(spec) => check_chosen(spec, Pass::Vjp, kind, dtype, d, vectorized)?,
-        None => choose_spec(
-            Pass::Vjp,
-            kind,
-            dtype,
-            d,
-            vectorized,
-            enc.device().shared_limit(),
-        ),
+        None => choose_spec(Pass::Vjp, kind, dtype, d, vectorized, Gpu::of(enc.device())),
     };
     let kernel = enc.device().kernel(&spec)?;
     let (block, groups) = geometry(&spec);
@@ -783,6 +880,27 @@ fn check_chosen(
         Pass::Vjp => &VJP,
     };
     let n_reads = spec.n_reads as usize;
+    let legal_width = n_reads == 1 || (vectorized && n_reads == dtype.vec_width());
+    if is_split(&spec) {
+        // Any power of two of vectors a thread that, over the cluster, covers the row.
+        let (items, cluster) = (spec.consts[1] as usize, spec.consts[2] as usize);
+        let ok = pass == Pass::Forward
+            && spec.dtype == dtype
+            && legal_width
+            && items.is_power_of_two()
+            && items <= split_max_items(n_reads)
+            && cluster == SPLIT_CLUSTER
+            && spec.block_dim as usize == SPLIT_BLOCK
+            && SPLIT_BLOCK * SPLIT_CLUSTER * items * n_reads >= d
+            && spec.consts[0] == (kind == Kind::RmsNorm) as i32;
+        if !ok {
+            return Err(bad(
+                "spec",
+                format!("{spec} cannot run {pass:?} {kind:?} {dtype} rows of {d}"),
+            ));
+        }
+        return Ok(spec);
+    }
     let (group, items) = (spec.consts[1] as usize, spec.consts[2] as usize);
     let stages = spec.consts[3] as usize;
     let resident = spec.consts.get(4).is_some_and(|&r| r != 0);
@@ -794,7 +912,7 @@ fn check_chosen(
     };
     let ok = *spec.template == *family
         && spec.dtype == dtype
-        && (n_reads == 1 || (vectorized && n_reads == dtype.vec_width()))
+        && legal_width
         && group % 32 == 0
         && (group <= 256 || GROUPS.contains(&group))
         && group <= max
@@ -977,14 +1095,19 @@ mod tests {
 
     #[test]
     fn every_chosen_spec_is_registered_and_fits() {
-        // Turing, Volta, consumer Ampere and Ada, A100, H100.
+        // Turing, Volta, consumer Ampere and Ada, A100, H100 (with and without clusters).
         for limit in [64, 96, 99, 163, 227].map(|k| k * 1024) {
-            every_chosen_spec_is_registered_for(limit);
+            every_chosen_spec_is_registered_for(Gpu {
+                shared_limit: limit,
+                clusters: false,
+            });
         }
+        every_chosen_spec_is_registered_for(Gpu::for_arch(SPLIT_ARCH));
     }
 
-    fn every_chosen_spec_is_registered_for(limit: usize) {
-        let registered = specs(limit);
+    fn every_chosen_spec_is_registered_for(gpu: Gpu) {
+        let limit = gpu.shared_limit;
+        let registered = specs(gpu);
         for pass in [Pass::Forward, Pass::Vjp] {
             for kind in [Kind::LayerNorm, Kind::RmsNorm] {
                 for dtype in DType::ALL {
@@ -1006,12 +1129,31 @@ mod tests {
                             if vectorized && d % dtype.vec_width() != 0 {
                                 continue;
                             }
-                            let s = choose_spec(pass, kind, dtype, d, vectorized, limit);
+                            let s = choose_spec(pass, kind, dtype, d, vectorized, gpu);
                             assert!(
                                 registered.contains(&s),
                                 "{s} chosen for d={d} but not registered"
                             );
                             assert!(fits(&s, limit), "{s}: {} bytes", ring_bytes(&s));
+                            assert_eq!(
+                                is_split(&s),
+                                gpu.clusters && pass == Pass::Forward && {
+                                    let n_reads = s.n_reads as usize;
+                                    d.div_ceil(n_reads) > 1024 * max_items(pass, n_reads)
+                                        && split_spec(kind, dtype, n_reads, d.div_ceil(n_reads))
+                                            .is_some()
+                                }
+                            );
+                            if is_split(&s) {
+                                let (items, cluster) = (s.consts[1] as usize, s.consts[2] as usize);
+                                let covered = s.block_dim as usize * items * cluster;
+                                assert!(
+                                    covered * s.n_reads as usize >= d,
+                                    "{s} does not cover d={d}"
+                                );
+                                assert!(check_chosen(s, pass, kind, dtype, d, vectorized).is_ok());
+                                continue;
+                            }
                             let (group, items) = (s.consts[1] as usize, s.consts[2] as usize);
                             if items > 0 {
                                 assert!(

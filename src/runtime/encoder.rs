@@ -80,6 +80,8 @@ impl From<(u32, u32, u32)> for Dim3 {
 #[derive(Clone, PartialEq)]
 struct KernelNode {
     function: sys::CUfunction,
+    /// The function declares cluster dimensions (see `LoadedKernel::cluster`).
+    cluster: bool,
     grid: Dim3,
     block: Dim3,
     shared_mem: u32,
@@ -170,6 +172,10 @@ impl NodeState {
             NodeWork::Empty => NodeState::Empty,
             NodeWork::Child(c) => NodeState::Child(c.clone()),
         }
+    }
+
+    fn is_cluster_kernel(&self) -> bool {
+        matches!(self, NodeState::Kernel(k) if k.cluster)
     }
 
     /// Whether a node in this state already does `work` (unknown captures never do).
@@ -397,6 +403,7 @@ impl CommandEncoder {
         let mut node = KernelNode {
             // The LoadedKernel (and so its module) is retained until the commit completes.
             function: kernel.function.cu_function(),
+            cluster: kernel.cluster,
             grid: grid.into(),
             block: block.into(),
             shared_mem,
@@ -867,8 +874,20 @@ fn update_cached(
         stats.updates += 1;
         return Ok(None);
     }
-    // Whole-graph update; a refusal means re-instantiation.
+    // Whole-graph update; a refusal means re-instantiation. Graphs with cluster kernels on
+    // either side are re-instantiated at once: on an H100, cuGraphExecUpdate accepted a graph
+    // whose cluster kernel node became another kernel, and later launches computed garbage.
     let (graph, handles) = build_graph(nodes)?;
+    let clusters = cached.nodes.iter().any(NodeState::is_cluster_kernel)
+        || nodes
+            .iter()
+            .any(|n| matches!(&n.work, NodeWork::Kernel(k) if k.cluster));
+    if clusters {
+        let fresh = instantiate_from(graph, handles, nodes)?;
+        stats.instantiations += 1;
+        stats.reinstantiations += 1;
+        return Ok(Some(fresh));
+    }
     // SAFETY: a plain C struct the call fills in.
     let mut info: sys::CUgraphExecUpdateResultInfo = unsafe { std::mem::zeroed() };
     // SAFETY: both handles are live; info receives the result.
@@ -1021,6 +1040,7 @@ mod tests {
         }
         KernelNode {
             function: function as sys::CUfunction,
+            cluster: false,
             grid: Dim3(1, 1, 1),
             block: Dim3(32, 1, 1),
             shared_mem: 0,
