@@ -8,8 +8,11 @@
 //! each): forward >= 85% and VJP >= 75% of copy where rows x d >= 2^24, the same ratios to
 //! PyTorch everywhere.
 //!
-//! kiln is timed on the host around many calls (graph mode, one synchronise at the end), so its
-//! figures include any host time the GPU waits for; PyTorch is timed with CUDA events.
+//! kiln is timed on the host around many calls (one synchronise at the end), so its figures
+//! include any host time the GPU waits for; PyTorch is timed with CUDA events. The encoder runs
+//! in the mode the environment sets (graph mode unless `MLX_USE_CUDA_GRAPHS=0`), printed in the
+//! header: in graph mode independent calls may overlap, which stream order (direct mode, as
+//! PyTorch runs) never does.
 //! `--only TEXT` keeps the rows whose "ROWSxD dtype op" contains TEXT (e.g. `--only "bf16 layer_norm"`),
 //! `--no-anchor` skips PyTorch: both for comparing kernel variants quickly, not for the targets.
 //! `--twice` times every op twice and prints both, with the driver allocations each made.
@@ -225,6 +228,11 @@ fn main() {
     let long = std::env::args().any(|a| a == "--long");
     let shapes = if long { long_shapes() } else { SHAPES.to_vec() };
     let copy = copy_gbs(&dev, &mut enc);
+    let mode = if enc.uses_graphs() {
+        "graph mode"
+    } else {
+        "direct mode"
+    };
     let shape_args: Vec<String> = shapes.iter().map(|(r, d)| format!("{r},{d}")).collect();
     let torch = if no_anchor {
         None
@@ -233,7 +241,7 @@ fn main() {
     };
     let torch_copy = torch.as_ref().and_then(|t| t["copy_gbs"].as_f64());
     println!(
-        "norm bench on {}: copy bandwidth {copy:.0} GB/s (kiln memcpy node){}",
+        "norm bench on {}, kiln in {mode}: copy bandwidth {copy:.0} GB/s (kiln memcpy node){}",
         dev.info().name,
         torch_copy.map_or(String::new(), |c| format!(", {c:.0} GB/s (PyTorch copy_)"))
     );
@@ -244,6 +252,11 @@ fn main() {
     let mut misses = 0;
     for &(rows, d) in &shapes {
         for dtype in DType::ALL {
+            let wanted = |op: &str| format!("{rows}x{d} {dtype} {op}").contains(&only);
+            let ops = ["layer_norm", "rms_norm", "layer_norm_vjp", "rms_norm_vjp"];
+            if !ops.iter().any(|op| wanted(op)) {
+                continue; // no inputs to make
+            }
             let n = rows * d;
             let mut rng = TestRng::new(rows as u64 ^ d as u64);
             let xs: Vec<Array> = (0..SETS)
@@ -259,7 +272,6 @@ fn main() {
             let w = Array::from_f64(&mut enc, dtype, &rng.values(d, 1.0, 1.0), &[d]).unwrap();
             let b = Array::from_f64(&mut enc, dtype, &rng.values(d, 1.0, 0.0), &[d]).unwrap();
             let bytes = (n * dtype.size()) as f64;
-            let wanted = |op: &str| format!("{rows}x{d} {dtype} {op}").contains(&only);
             let mut runs: Vec<(&str, f64, f64)> = Vec::new();
             if wanted("layer_norm") {
                 let secs = seconds_per_call(&mut enc, |e, i| {
@@ -279,6 +291,12 @@ fn main() {
                         .unwrap();
                 });
                 runs.push(("layer_norm_vjp", 3.0, secs));
+            }
+            if wanted("rms_norm_vjp") {
+                let secs = seconds_per_call(&mut enc, |e, i| {
+                    norm::rms_norm_vjp(e, &xs[i % SETS], Some(&w), &gs[i % SETS], 1e-5).unwrap();
+                });
+                runs.push(("rms_norm_vjp", 3.0, secs));
             }
             for (op, passes, secs) in runs {
                 let gbs = passes * bytes / secs / 1e9;

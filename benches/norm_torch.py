@@ -1,6 +1,6 @@
 """PyTorch anchor for benches/norm.rs: F.layer_norm forward and backward (aten's
-native_layer_norm_backward: dx, dweight, dbias) and F.rms_norm forward, plus a device-to-device
-copy, on the shapes given as arguments ("rows,d" pairs). Times with CUDA events, median of
+native_layer_norm_backward: dx, dweight, dbias) and F.rms_norm forward and backward (autograd's
+backward of a retained graph: dx, dweight), plus a device-to-device copy, on the shapes given as arguments ("rows,d" pairs). Times with CUDA events, median of
 repeats, rotating four input sets so that L2 holds none of them. Prints one JSON object:
 {"copy_gbs": ..., "rows x d dtype op": seconds, ...}."""
 import json
@@ -48,5 +48,13 @@ for shape in sys.argv[1:]:
                 gs[i % SETS], xs[i % SETS], [d], stats[i % SETS][1], stats[i % SETS][2], w, b, [True, True, True]
             )
         )
-        del xs, gs, stats
+        # RMSNorm's backward as a training step runs it: the graph of one forward per input set,
+        # kept, and only the backward timed.
+        xr = [x.detach().requires_grad_(True) for x in xs]
+        wr = w.detach().requires_grad_(True)
+        ys = [F.rms_norm(x, (d,), wr, 1e-5) for x in xr]
+        out[f"{key} rms_norm_vjp"] = timed(
+            lambda i: torch.autograd.grad(ys[i % SETS], (xr[i % SETS], wr), gs[i % SETS], retain_graph=True)
+        )
+        del xs, gs, stats, xr, ys
 print(json.dumps(out))

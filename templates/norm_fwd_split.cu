@@ -7,6 +7,7 @@
 // same for the squares about that mean.
 {{> prelude}}
 {{> norm}}
+{{> cluster}}
 
 typedef {{dtype}} T;
 constexpr int BLOCK_DIM = {{block_dim}};
@@ -15,20 +16,6 @@ constexpr bool RMS = {{RMS}};
 constexpr int ITEMS = {{ITEMS}};
 constexpr int CLUSTER = {{CLUSTER}};
 static_assert(CLUSTER >= 2 && CLUSTER <= 8, "a portable cluster of at least two blocks");
-
-// This block's rank in its cluster.
-__device__ __forceinline__ unsigned kiln_cluster_rank() {
-  unsigned rank;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
-  return rank;
-}
-
-// Every thread of every block of the cluster arrives: shared memory written before is visible
-// to the cluster after.
-__device__ __forceinline__ void kiln_cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;"
-               ::: "memory");
-}
 
 // `local` (a shared variable) as block `rank` of the cluster holds it.
 __device__ __forceinline__ float kiln_cluster_read(const float* local, unsigned rank) {

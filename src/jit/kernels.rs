@@ -4,7 +4,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
+use cudarc::driver::{sys, CudaContext, CudaFunction, CudaModule};
 use cudarc::nvrtc::Ptx;
 use dashmap::DashMap;
 use rustc_hash::FxBuildHasher;
@@ -27,10 +27,14 @@ pub struct LoadedKernel {
     /// Whether the kernel declares thread-block cluster dimensions (`__cluster_dims__`): graph
     /// executables holding it are re-instantiated, never updated in place.
     pub cluster: bool,
+    /// Blocks per cluster it declares (0: none).
+    pub cluster_width: usize,
     /// The dynamic shared memory launches may use, as last raised by `allow_shared`.
     shared_allowed: AtomicUsize,
     /// Answers of `blocks_per_sm`: (block threads, dynamic shared bytes, blocks).
     occupancy: Mutex<Vec<(u32, usize, usize)>>,
+    /// Answers of `max_active_clusters`, likewise.
+    cluster_occupancy: Mutex<Vec<(u32, usize, usize)>>,
 }
 
 impl LoadedKernel {
@@ -40,7 +44,7 @@ impl LoadedKernel {
     pub fn allow_shared(&self, bytes: usize) -> Result<()> {
         if bytes > self.shared_allowed.load(Ordering::Relaxed) {
             self.function.set_attribute(
-                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 bytes as i32,
             )?;
             self.shared_allowed.fetch_max(bytes, Ordering::Relaxed);
@@ -60,6 +64,50 @@ impl LoadedKernel {
             .function
             .occupancy_max_active_blocks_per_multiprocessor(block, shared, None)?
             .max(1) as usize;
+        known.push((block, shared, n));
+        Ok(n)
+    }
+
+    /// How many of its clusters of `block`-thread blocks with `shared` dynamic bytes the whole GPU
+    /// holds at once (at least 1), asked of the driver once per pair. Clusters must fit in one
+    /// GPU processing cluster, so this is not the SMs divided by the cluster width. A kernel
+    /// without clusters is an error.
+    pub fn max_active_clusters(&self, block: u32, shared: usize) -> Result<usize> {
+        if self.cluster_width == 0 {
+            return Err(Error::InvalidArgument {
+                arg: "kernel",
+                reason: "declares no thread-block clusters".into(),
+            });
+        }
+        let mut known = self
+            .cluster_occupancy
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some(&(_, _, n)) = known.iter().find(|&&(b, s, _)| b == block && s == shared) {
+            return Ok(n);
+        }
+        let config = sys::CUlaunchConfig {
+            gridDimX: self.cluster_width as u32,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: shared as u32,
+            hStream: std::ptr::null_mut(),
+            attrs: std::ptr::null_mut(),
+            numAttrs: 0,
+        };
+        let mut clusters = 0;
+        // SAFETY: the function handle lives as long as `self.module`; `config` names no
+        // attributes and outlives the call.
+        let status = unsafe {
+            sys::cuOccupancyMaxActiveClusters(&mut clusters, self.function.cu_function(), &config)
+        };
+        if status != sys::cudaError_enum::CUDA_SUCCESS {
+            return Err(Error::Driver(cudarc::driver::DriverError(status)));
+        }
+        let n = clusters.max(1) as usize;
         known.push((block, shared, n));
         Ok(n)
     }
@@ -113,17 +161,26 @@ impl KernelTable {
                 reason: format!("{spec} names no kernel"),
             })?;
         let function = module.load_function(name)?;
-        let cluster_width = function.get_attribute(
-            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_WIDTH,
-        )?;
+        let cluster_width = function
+            .get_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_WIDTH)?
+            .max(0) as usize;
+        if cluster_width > 8 {
+            // More than the portable 8 blocks per cluster (Hopper takes 16) must be allowed.
+            function.set_attribute(
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
+                1,
+            )?;
+        }
         let loaded = Arc::new(LoadedKernel {
             function,
             module,
             key: entry.key,
             origin: compiled.origin,
             cluster: cluster_width > 0,
+            cluster_width,
             shared_allowed: AtomicUsize::new(0),
             occupancy: Mutex::new(Vec::new()),
+            cluster_occupancy: Mutex::new(Vec::new()),
         });
         // Two threads may load the same kernel at once; the first insert wins, both are valid.
         Ok(self

@@ -16,6 +16,7 @@ pub const PARTIALS: &[(&str, &str)] = &[
     ("prelude", include_str!("../../templates/prelude.cuh")),
     ("norm", include_str!("../../templates/norm.cuh")),
     ("tma", include_str!("../../templates/tma.cuh")),
+    ("cluster", include_str!("../../templates/cluster.cuh")),
 ];
 
 /// CUDA source for one spec, ready for NVRTC.

@@ -43,6 +43,17 @@ pub static FORWARD_SPLIT: TemplateDef = TemplateDef {
     only_arch: Some(SPLIT_ARCH),
 };
 
+/// VJP rows too long for one block, on GPUs with thread-block clusters: a cluster per row, the
+/// clusters looping over rows (see `vjp_split_spec`).
+pub static VJP_SPLIT: TemplateDef = TemplateDef {
+    name: "norm_vjp_split",
+    source: include_str!("../../templates/norm_vjp_split.cu"),
+    kernel: "kiln_norm_vjp_split",
+    const_names: &["RMS", "ITEMS", "CLUSTER", "SMEM_SUMS"],
+    arch_specific: false,
+    only_arch: Some(SPLIT_ARCH),
+};
+
 pub static REDUCE_COLS: TemplateDef = TemplateDef {
     name: "reduce_cols",
     source: include_str!("../../templates/reduce_cols.cu"),
@@ -243,6 +254,11 @@ fn stages(dtype: DType, n_reads: usize, items: usize) -> usize {
 /// SHARED_SUMS rows their weights and partial sums of dw and db as floats, and forward rings
 /// one row's weights and bias (RMSNorm: weights only), shared by the block's groups.
 fn ring_bytes(spec: &KernelSpec) -> usize {
+    if is_vjp_split(spec) {
+        // Each thread's weights as floats, and with SMEM_SUMS its partial sums of dw and db.
+        let floats = spec.consts[1] as usize * spec.block_dim as usize * spec.n_reads as usize;
+        return floats * 4 * if spec.consts[3] != 0 { 3 } else { 1 };
+    }
     if is_split(spec) {
         return 0;
     }
@@ -326,9 +342,66 @@ fn split_spec(kind: Kind, dtype: DType, n_reads: usize, vectors: usize) -> Optio
     })
 }
 
-/// Whether `spec` is a split-row forward spec.
+/// Threads per block of the split-row VJP.
+const VJP_SPLIT_BLOCK: usize = 512;
+/// Blocks per cluster of the split-row VJP: the portable 8, then Hopper's non-portable 16 for
+/// rows that 8 blocks' registers do not hold.
+const VJP_SPLIT_CLUSTERS: [usize; 2] = [8, 16];
+/// The most elements a split-row VJP thread holds per row: 16 each of x, the cotangent, the next
+/// row's x and cotangent, and the partial sums of dweight and dbias (96 registers of 128).
+const VJP_SPLIT_ELEMENTS: usize = 16;
+
+/// The split-row VJP's layouts in order of preference: (blocks per cluster, most elements per
+/// thread, partial sums in shared memory). A row's time is bound by the latency of its two
+/// exchanges more than by its bytes, so 16-bit rows (half the bytes of f32 rows) keep their
+/// partial sums of dweight and dbias in shared memory, where 64 registers suffice and two blocks,
+/// two rows, share each SM (1118 x 30,000 f16 LayerNorm: 38% of copy against 29%). At 16
+/// elements such a thread spills, so longer rows hold their sums in registers, one block per SM
+/// (512 x 65,536 f16: 37% of copy, against 33% for 16 blocks of 8 elements with shared sums,
+/// which compute-sanitizer's synccheck also flagged, "missing init" of a pushed-to mbarrier).
+fn vjp_split_layouts(dtype: DType) -> &'static [(usize, usize, bool)] {
+    if dtype.size() == 2 {
+        &[(8, 8, true), (8, 16, false), (16, 16, false)]
+    } else {
+        &[(8, 16, false), (16, 16, false)]
+    }
+}
+
+/// The split-row VJP for rows of `vectors` vectors, if a cluster's registers hold them: the
+/// first layout of `vjp_split_layouts` that does, each thread holding a power of two of vectors.
+fn vjp_split_spec(kind: Kind, dtype: DType, n_reads: usize, vectors: usize) -> Option<KernelSpec> {
+    vjp_split_layouts(dtype)
+        .iter()
+        .find_map(|&(cluster, elements, smem_sums)| {
+            let items = vectors
+                .div_ceil(VJP_SPLIT_BLOCK * cluster)
+                .next_power_of_two();
+            (items * n_reads <= elements).then(|| {
+                let consts = [
+                    (kind == Kind::RmsNorm) as i32,
+                    items as i32,
+                    cluster as i32,
+                    smem_sums as i32,
+                ];
+                KernelSpec::new(
+                    &VJP_SPLIT,
+                    dtype,
+                    VJP_SPLIT_BLOCK as u16,
+                    n_reads as u8,
+                    &consts,
+                )
+            })
+        })
+}
+
+/// Whether `spec` is a split-row spec (a cluster per row), forward or VJP.
 fn is_split(spec: &KernelSpec) -> bool {
-    *spec.template == FORWARD_SPLIT
+    *spec.template == FORWARD_SPLIT || is_vjp_split(spec)
+}
+
+/// Whether `spec` is a split-row VJP spec.
+fn is_vjp_split(spec: &KernelSpec) -> bool {
+    *spec.template == VJP_SPLIT
 }
 
 /// The spec for rows of `d` elements on a GPU whose blocks may use `shared_limit` bytes of
@@ -367,6 +440,13 @@ pub fn choose_spec(
             let spec = spec_of(pass, kind, dtype, n_reads, SHARED_SUMS_GROUP, items);
             if fits(&spec, shared_limit) {
                 return spec;
+            }
+        }
+        if pass == Pass::Vjp && gpu.clusters {
+            if let Some(spec) = vjp_split_spec(kind, dtype, n_reads, vectors) {
+                if fits(&spec, shared_limit) {
+                    return spec;
+                }
             }
         }
         return spec_of(pass, kind, dtype, n_reads, 1024, 0);
@@ -409,6 +489,11 @@ pub fn specs(gpu: Gpu) -> Vec<KernelSpec> {
                     if pass == Pass::Forward && gpu.clusters {
                         longest =
                             longest.max(SPLIT_BLOCK * SPLIT_CLUSTER * split_max_items(n_reads));
+                    }
+                    if pass == Pass::Vjp && gpu.clusters {
+                        let widest = VJP_SPLIT_CLUSTERS[VJP_SPLIT_CLUSTERS.len() - 1];
+                        longest =
+                            longest.max(VJP_SPLIT_BLOCK * widest * VJP_SPLIT_ELEMENTS / n_reads);
                     }
                     for vectors in 1..=longest + 1 {
                         let d = vectors * n_reads;
@@ -709,17 +794,26 @@ fn vjp(
         ring_bytes(&spec)
     };
     kernel.allow_shared(shared)?;
-    // Each block loops over rows, so fewer blocks means fewer partial rows to reduce.
-    let grid = resident_grid(enc, &kernel, block, shared as usize, rows.div_ceil(groups))?;
-    // The partial sums of dweight then dbias, [sets, grid, d], reduced in one launch.
+    // Each block (split rows: each cluster) loops over rows, writing one partial row of dweight
+    // and dbias, so fewer blocks means fewer partial rows to reduce.
+    let (grid, partial_rows) = if is_vjp_split(&spec) {
+        let cluster = spec.consts[2] as usize;
+        let slots = kernel.max_active_clusters(block as u32, shared)?;
+        let clusters = balanced_grid(rows, slots);
+        (clusters * cluster, clusters)
+    } else {
+        let grid = resident_grid(enc, &kernel, block, shared, rows.div_ceil(groups))?;
+        (grid, grid)
+    };
+    // The partial sums of dweight then dbias, [sets, partial_rows, d], reduced in one launch.
     let sets = w.is_some() as usize + want_db as usize;
     let partial = (sets > 0)
-        .then(|| Array::empty_on(enc, DType::F32, &[sets, grid, d]))
+        .then(|| Array::empty_on(enc, DType::F32, &[sets, partial_rows, d]))
         .transpose()?;
     let set_ptr = |set: usize| {
         partial
             .as_ref()
-            .map_or(0, |p| p.device_ptr() + (set * grid * d * 4) as u64)
+            .map_or(0, |p| p.device_ptr() + (set * partial_rows * d * 4) as u64)
     };
     let (pw, pb) = match (w.is_some(), want_db) {
         (true, true) => (set_ptr(0), set_ptr(1)),
@@ -764,7 +858,7 @@ fn vjp(
     };
     if let Some(partial) = &partial {
         let outs: Vec<&Array> = dw.iter().chain(db.iter()).collect();
-        reduce_col_sets(enc, partial, grid, d, &outs)?;
+        reduce_col_sets(enc, partial, partial_rows, d, &outs)?;
     }
     Ok((dx, dw, db))
 }
@@ -881,6 +975,27 @@ fn check_chosen(
     };
     let n_reads = spec.n_reads as usize;
     let legal_width = n_reads == 1 || (vectorized && n_reads == dtype.vec_width());
+    if is_vjp_split(&spec) {
+        // Any power of two of vectors a thread, within its registers, that covers the row.
+        let (items, cluster) = (spec.consts[1] as usize, spec.consts[2] as usize);
+        let ok = pass == Pass::Vjp
+            && spec.dtype == dtype
+            && legal_width
+            && items.is_power_of_two()
+            && items * n_reads <= VJP_SPLIT_ELEMENTS
+            && VJP_SPLIT_CLUSTERS.contains(&cluster)
+            && spec.block_dim as usize == VJP_SPLIT_BLOCK
+            && VJP_SPLIT_BLOCK * cluster * items * n_reads >= d
+            && spec.consts[0] == (kind == Kind::RmsNorm) as i32
+            && (spec.consts[3] == 0 || (spec.consts[3] == 1 && items * n_reads <= 8));
+        if !ok {
+            return Err(bad(
+                "spec",
+                format!("{spec} cannot run {pass:?} {kind:?} {dtype} rows of {d}"),
+            ));
+        }
+        return Ok(spec);
+    }
     if is_split(&spec) {
         // Any power of two of vectors a thread that, over the cluster, covers the row.
         let (items, cluster) = (spec.consts[1] as usize, spec.consts[2] as usize);
@@ -1121,8 +1236,13 @@ mod tests {
                         8192,
                         16384,
                         16392,
+                        18432,
+                        30000,
                         32768,
                         65536,
+                        65537,
+                        131072,
+                        131073,
                         1 << 20,
                     ]) {
                         for vectorized in [false, true] {
@@ -1136,7 +1256,7 @@ mod tests {
                             );
                             assert!(fits(&s, limit), "{s}: {} bytes", ring_bytes(&s));
                             assert_eq!(
-                                is_split(&s),
+                                *s.template == FORWARD_SPLIT,
                                 gpu.clusters && pass == Pass::Forward && {
                                     let n_reads = s.n_reads as usize;
                                     d.div_ceil(n_reads) > 1024 * max_items(pass, n_reads)
@@ -1144,6 +1264,20 @@ mod tests {
                                             .is_some()
                                 }
                             );
+                            // The split VJP takes what a block's registers and shared memory
+                            // do not, up to what a cluster's registers hold.
+                            let n_reads = s.n_reads as usize;
+                            let vectors = d.div_ceil(n_reads);
+                            if pass == Pass::Vjp && gpu.clusters {
+                                let beyond_a_block = vectors > 1024 * max_items(pass, n_reads);
+                                let fits_cluster =
+                                    vectors <= VJP_SPLIT_BLOCK * 16 * VJP_SPLIT_ELEMENTS / n_reads;
+                                if beyond_a_block && fits_cluster {
+                                    assert!(is_vjp_split(&s), "{s} chosen for d={d}");
+                                }
+                            } else {
+                                assert!(!is_vjp_split(&s), "{s} chosen for d={d}");
+                            }
                             if is_split(&s) {
                                 let (items, cluster) = (s.consts[1] as usize, s.consts[2] as usize);
                                 let covered = s.block_dim as usize * items * cluster;
