@@ -135,14 +135,17 @@ impl Jit {
         Ok(())
     }
 
-    /// NVRTC options for `target`: the base options and, under `KILN_EMULATE_ARCH` for a newer
-    /// target, `-DKILN_ARCH` so that the kernels take the older architecture's code paths.
-    pub fn options(&self, target: Target) -> Vec<String> {
+    /// NVRTC options for `spec` on `target`: the base options; under `KILN_EMULATE_ARCH` for a
+    /// newer target, `-DKILN_ARCH` so that the kernels take the older architecture's code paths;
+    /// then the options the spec's family was registered with.
+    pub fn options(&self, spec: &KernelSpec, target: Target) -> Result<Vec<String>> {
         let mut options: Vec<String> = BASE_OPTIONS.iter().map(|s| s.to_string()).collect();
         if let Some(arch) = self.config.emulate_arch.filter(|&a| a < target.arch) {
             options.push(format!("-DKILN_ARCH={}", arch * 10));
         }
-        options
+        let extras = super::family::extras(spec.template)?;
+        options.extend(extras.options.iter().map(|o| o.to_string()));
+        Ok(options)
     }
 
     /// The key parts for `spec` on exactly `target` (no target resolution).
@@ -152,7 +155,7 @@ impl Jit {
             source: rendered.source,
             headers: Vec::new(),
             name_expressions: rendered.name_expressions,
-            options: self.options(target),
+            options: self.options(spec, target)?,
             target: target.to_string(),
             nvrtc_version: self.nvrtc()?.version_string(),
         })

@@ -31,9 +31,43 @@ pub struct LoadedKernel {
     shared_allowed: AtomicUsize,
     /// Answers of `blocks_per_sm`: (block threads, dynamic shared bytes, blocks).
     occupancy: Mutex<Vec<(u32, usize, usize)>>,
+    /// (name expression, lowered name) of every entry point the module exposes, the family's
+    /// kernel first.
+    entry_points: Vec<(String, String)>,
 }
 
 impl LoadedKernel {
+    /// Another entry point of the same module (a family registered with
+    /// `FamilyExtras::entry_points`), by its name expression, as a kernel the encoder can launch.
+    /// Each call loads the function anew: keep the result.
+    pub fn entry_point(&self, name: &str) -> Result<Arc<LoadedKernel>> {
+        let (_, lowered) = self
+            .entry_points
+            .iter()
+            .find(|(expr, _)| expr == name)
+            .ok_or_else(|| Error::InvalidArgument {
+                arg: "name",
+                reason: format!(
+                    "{name:?} is not an entry point of this module (it has {:?})",
+                    self.entry_points.iter().map(|e| &e.0).collect::<Vec<_>>()
+                ),
+            })?;
+        let function = self.module.load_function(lowered)?;
+        let cluster_width = function.get_attribute(
+            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_WIDTH,
+        )?;
+        Ok(Arc::new(LoadedKernel {
+            function,
+            module: self.module.clone(),
+            key: self.key,
+            origin: self.origin,
+            cluster: cluster_width > 0,
+            shared_allowed: AtomicUsize::new(0),
+            occupancy: Mutex::new(Vec::new()),
+            entry_points: self.entry_points.clone(),
+        }))
+    }
+
     /// Lets launches use `bytes` of dynamic shared memory. The driver refuses a launch whose
     /// static and dynamic shared memory pass 48 KiB unless the kernel opted in to that much;
     /// opting in costs a driver call, so it is made only when `bytes` passes what was allowed.
@@ -124,6 +158,13 @@ impl KernelTable {
             cluster: cluster_width > 0,
             shared_allowed: AtomicUsize::new(0),
             occupancy: Mutex::new(Vec::new()),
+            entry_points: entry
+                .parts
+                .name_expressions
+                .iter()
+                .cloned()
+                .zip(entry.lowered_names.iter().cloned())
+                .collect(),
         });
         // Two threads may load the same kernel at once; the first insert wins, both are valid.
         Ok(self

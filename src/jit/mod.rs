@@ -3,6 +3,7 @@
 pub mod compiler;
 pub mod disk_cache;
 pub mod entry;
+pub mod family;
 pub mod kernels;
 pub mod key;
 pub mod nvrtc;
@@ -11,6 +12,7 @@ pub mod target;
 pub mod template;
 
 pub use compiler::{Compiled, Jit, Origin};
+pub use family::{register_family, FamilyExtras};
 pub use kernels::{KernelTable, LoadedKernel};
 pub use key::CacheKey;
 pub use spec::{KernelSpec, TemplateDef};
