@@ -6,7 +6,7 @@
 //!   its own, a named constant, a second entry point and an NVRTC option, registered once with
 //!   `register_family`);
 //! - its specs are made with `KernelSpec::try_new` (errors, not panics);
-//! - it compiles them into kiln's disk cache, where `kiln cache ls`
+//! - `kiln::jit::warm` compiles them (in parallel) into kiln's disk cache, where `kiln cache ls`
 //!   lists them and a later process, `kiln cache export` and `import` find them;
 //! - with a GPU, it runs kiln's `axpby` and then its own kernel on the result, and compares with
 //!   an f64 reference on the CPU. Without one it says it skipped that part and exits 0 (unless
@@ -182,13 +182,6 @@ fn run_on_gpu(dtype: DType) -> kiln::Result<f64> {
     Ok(max_err)
 }
 
-#[derive(Default)]
-struct Report {
-    compiled: usize,
-    cached: usize,
-    failures: Vec<String>,
-}
-
 fn main() -> ExitCode {
     match run() {
         Ok(code) => code,
@@ -233,15 +226,8 @@ fn run() -> kiln::Result<ExitCode> {
         .iter()
         .flat_map(|&t| specs.iter().map(move |&s| (s, t)))
         .collect();
-    // One at a time for now (kiln's parallel warm lives in its CLI).
-    let mut report = Report::default();
-    for (spec, target) in &work {
-        match jit.compile(spec, *target) {
-            Ok(c) if c.origin == kiln::jit::Origin::Compiled => report.compiled += 1,
-            Ok(_) => report.cached += 1,
-            Err(e) => report.failures.push(format!("{spec} on {target}: {e}")),
-        }
-    }
+    // One call, in parallel (0: a thread per CPU).
+    let report = jit.warm(&work, 0, &|_| {});
     for f in &report.failures {
         eprintln!("failed: {f}");
     }

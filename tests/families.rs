@@ -203,3 +203,44 @@ fn the_example_application_warms_its_kernels_without_a_gpu() {
     assert_eq!(second["cached"], 3);
     assert_eq!(second["compiled"], 0);
 }
+
+static BROKEN: TemplateDef = TemplateDef {
+    name: "test_families_broken",
+    source: "extern \"C\" __global__ void {{kernel}}(float* p) { p[0] = nope; }\n",
+    kernel: "test_families_broken",
+    const_names: &[],
+    arch_specific: false,
+    only_arch: None,
+};
+
+/// `Jit::warm`: an application's specs with kiln's, in parallel, one progress call per item,
+/// failures reported (not fatal), then all hits.
+#[test]
+fn warm_is_one_library_call_with_progress_and_a_report() {
+    let dir = tempfile::tempdir().unwrap();
+    let jit = common::jit_in(dir.path());
+    let mut work: Vec<(KernelSpec, Target)> = kiln::ops::copy::specs()
+        .into_iter()
+        .take(3)
+        .map(|s| (s, Target::sass(90)))
+        .collect();
+    let first = KernelSpec::try_new(&FIRST, DType::F32, 32, 1, &[]).unwrap();
+    work.push((first, Target::sass(90)));
+    let broken = KernelSpec::try_new(&BROKEN, DType::F32, 32, 1, &[]).unwrap();
+    work.push((broken, Target::sass(90)));
+    let calls = std::sync::atomic::AtomicUsize::new(0);
+    let report = jit.warm(&work, 2, &|p| {
+        assert_eq!(p.total, 5);
+        assert_eq!(
+            p.origin.is_none(),
+            p.spec.template.name == "test_families_broken"
+        );
+        calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    });
+    assert_eq!(calls.into_inner(), 5);
+    assert_eq!((report.specs, report.compiled, report.cached), (5, 4, 0));
+    assert_eq!(report.failures.len(), 1);
+    assert!(report.failures[0].contains("nope"), "{:?}", report.failures);
+    let again = common::jit_in(dir.path()).warm(&work[..4], 0, &|_| {});
+    assert_eq!((again.compiled, again.cached), (0, 4));
+}

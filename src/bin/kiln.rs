@@ -2,8 +2,6 @@
 
 use std::io::IsTerminal;
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
 use std::time::{Instant, SystemTime};
 
 use clap::{Parser, Subcommand};
@@ -11,7 +9,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 
 use kiln::jit::entry::Entry;
-use kiln::jit::{Jit, Origin, Target};
+use kiln::jit::{Jit, Target};
 
 #[derive(Parser)]
 #[command(
@@ -181,9 +179,6 @@ fn warm(
                 .map(move |s| (s, t))
         })
         .collect();
-    let jobs = jobs
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
-        .clamp(1, 256);
     let bar = if json || !std::io::stderr().is_terminal() {
         ProgressBar::hidden()
     } else {
@@ -192,52 +187,27 @@ fn warm(
                 .expect("static template"),
         )
     };
-    let next = AtomicUsize::new(0);
-    let (compiled, cached) = (AtomicUsize::new(0), AtomicUsize::new(0));
-    let failures = Mutex::new(Vec::new());
-    std::thread::scope(|scope| {
-        for _ in 0..jobs.min(work.len()) {
-            scope.spawn(|| loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                let Some((spec, target)) = work.get(i) else {
-                    break;
-                };
-                match jit.compile(spec, *target) {
-                    Ok(c) if c.origin == Origin::Compiled => {
-                        compiled.fetch_add(1, Ordering::Relaxed);
-                    }
-                    Ok(_) => {
-                        cached.fetch_add(1, Ordering::Relaxed);
-                    }
-                    Err(e) => failures
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .push(format!("{spec} on {target}: {e}")),
-                }
-                bar.inc(1);
-            });
-        }
-    });
+    let report = jit.warm(&work, jobs.unwrap_or(0), &|_| bar.inc(1));
     bar.finish_and_clear();
     let gc = jit.disk_cache().gc();
-    let failures = failures.into_inner().unwrap_or_else(|e| e.into_inner());
+    let failures = &report.failures;
     let seconds = started.elapsed().as_secs_f64();
     let targets: Vec<String> = targets.iter().map(|t| t.to_string()).collect();
     let summary = json!({
         "targets": targets,
         "specs": work.len(),
-        "compiled": compiled.load(Ordering::Relaxed),
-        "cached": cached.load(Ordering::Relaxed),
+        "compiled": report.compiled,
+        "cached": report.cached,
         "failed": failures.len(),
         "seconds": (seconds * 1000.0).round() / 1000.0,
-        "jobs": jobs,
+        "jobs": report.jobs,
         "nvrtc": nvrtc.version_string(),
         "cache_dir": jit.disk_cache().root().display().to_string(),
         "cache_writable": jit.disk_cache().is_writable(),
         "cache_entries": gc.remaining_entries,
         "cache_bytes": gc.remaining_bytes,
     });
-    for f in &failures {
+    for f in failures {
         eprintln!("failed: {f}");
     }
     if !json {

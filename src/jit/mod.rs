@@ -10,6 +10,7 @@ pub mod nvrtc;
 pub mod spec;
 pub mod target;
 pub mod template;
+pub mod warm;
 
 pub use compiler::{Compiled, Jit, Origin};
 pub use family::{register_family, FamilyExtras};
@@ -17,3 +18,4 @@ pub use kernels::{KernelTable, LoadedKernel};
 pub use key::CacheKey;
 pub use spec::{KernelSpec, TemplateDef};
 pub use target::{Target, TargetKind};
+pub use warm::{WarmProgress, WarmReport};
