@@ -76,6 +76,25 @@ enum CacheAction {
         #[arg(long)]
         json: bool,
     },
+    /// Write every good entry (of each --arch, when given) to one bundle file.
+    Export {
+        file: std::path::PathBuf,
+        /// Only entries for this architecture, e.g. sm_90 (repeatable).
+        #[arg(long = "arch", value_name = "ARCH")]
+        arch: Vec<String>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Publish a bundle's entries into the cache, each verified as on load; damaged ones are
+    /// reported and left out (exit status 1).
+    Import {
+        file: std::path::PathBuf,
+        /// Only entries for this architecture, e.g. sm_90 (repeatable).
+        #[arg(long = "arch", value_name = "ARCH")]
+        arch: Vec<String>,
+        #[arg(long)]
+        json: bool,
+    },
     /// Remove every entry.
     Clear,
     /// Enforce the size cap and remove temp files left by crashed writers.
@@ -159,11 +178,17 @@ fn warm(
     }
     targets.sort();
     targets.dedup();
-    // Fail early, with the full explanation, when NVRTC is missing or cannot serve a target.
-    let nvrtc = jit.nvrtc()?;
-    for &t in &targets {
-        jit.check_target(t)?;
+    // Without NVRTC, warm still finds what the cache holds (any NVRTC's entries); with it, a
+    // target it cannot serve fails early, with the full explanation.
+    let nvrtc = jit.nvrtc();
+    if nvrtc.is_ok() {
+        for &t in &targets {
+            jit.check_target(t)?;
+        }
     }
+    let nvrtc_version = nvrtc
+        .as_ref()
+        .map_or("none".to_string(), |n| n.version_string());
 
     // Each target gets what the ops choose on it: under KILN_EMULATE_ARCH, on the older
     // architecture whose code paths the process will run.
@@ -201,21 +226,35 @@ fn warm(
         "failed": failures.len(),
         "seconds": (seconds * 1000.0).round() / 1000.0,
         "jobs": report.jobs,
-        "nvrtc": nvrtc.version_string(),
+        "nvrtc": nvrtc_version,
         "cache_dir": jit.disk_cache().root().display().to_string(),
         "cache_writable": jit.disk_cache().is_writable(),
         "cache_entries": gc.remaining_entries,
         "cache_bytes": gc.remaining_bytes,
     });
-    for f in failures {
-        eprintln!("failed: {f}");
+    match &nvrtc {
+        Ok(_) => {
+            for f in failures {
+                eprintln!("failed: {f}");
+            }
+        }
+        // Every miss fails alike: say why once.
+        Err(e) if !failures.is_empty() => {
+            eprintln!(
+                "kiln: {} of {} kernels are not in the cache, and compiling them needs NVRTC: {e}",
+                failures.len(),
+                work.len()
+            );
+            return Ok(ExitCode::from(2));
+        }
+        Err(_) => {}
     }
     if !json {
         out!(
             "warmed {} kernels for {} with NVRTC {} in {:.1} s: {} compiled, {} already cached, {} failed",
             work.len(),
             targets.join(", "),
-            nvrtc.version_string(),
+            nvrtc_version,
             seconds,
             summary["compiled"],
             summary["cached"],
@@ -327,6 +366,14 @@ fn cache(jit: &Jit, action: CacheAction) -> kiln::Result<ExitCode> {
                 return Ok(ExitCode::FAILURE);
             }
         }
+        CacheAction::Export { file, arch, json } => {
+            let report = kiln::jit::bundle::export(disk, &file, &archs(&arch)?)?;
+            return bundle_summary("exported", &file, &report, json);
+        }
+        CacheAction::Import { file, arch, json } => {
+            let report = kiln::jit::bundle::import(disk, &file, &archs(&arch)?)?;
+            return bundle_summary("imported", &file, &report, json);
+        }
         CacheAction::Clear => {
             let n = disk.clear()?;
             out!("removed {n} entries from {}", disk.root().display());
@@ -348,6 +395,42 @@ fn cache(jit: &Jit, action: CacheAction) -> kiln::Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Architecture numbers of `--arch` values (`sm_90`, `sm_90a` and `compute_90` are all 90).
+fn archs(values: &[String]) -> kiln::Result<Vec<u32>> {
+    values
+        .iter()
+        .map(|a| a.parse::<Target>().map(|t| t.arch))
+        .collect()
+}
+
+fn bundle_summary(
+    verb: &str,
+    file: &std::path::Path,
+    report: &kiln::jit::bundle::BundleReport,
+    json: bool,
+) -> kiln::Result<ExitCode> {
+    if json {
+        out!("{}", serde_json::to_string(report).expect("serialisable"));
+    } else {
+        for (place, why) in &report.damaged {
+            out!("damaged: {place}: {why} (left out)");
+        }
+        out!(
+            "{verb} {} entries ({} already present, {} other architectures, {} damaged): {}",
+            report.entries,
+            report.already_present,
+            report.skipped_arch,
+            report.damaged.len(),
+            file.display()
+        );
+    }
+    Ok(if report.damaged.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }
 
 fn info(jit: &Jit, json: bool) -> kiln::Result<ExitCode> {

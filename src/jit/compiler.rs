@@ -150,6 +150,16 @@ impl Jit {
 
     /// The key parts for `spec` on exactly `target` (no target resolution).
     pub fn key_parts(&self, spec: &KernelSpec, target: Target) -> Result<KeyParts> {
+        let version = self.nvrtc()?.version_string();
+        self.key_parts_for(spec, target, version)
+    }
+
+    fn key_parts_for(
+        &self,
+        spec: &KernelSpec,
+        target: Target,
+        nvrtc_version: String,
+    ) -> Result<KeyParts> {
         let rendered = template::render(spec)?;
         Ok(KeyParts {
             source: rendered.source,
@@ -157,16 +167,86 @@ impl Jit {
             name_expressions: rendered.name_expressions,
             options: self.options(spec, target)?,
             target: target.to_string(),
-            nvrtc_version: self.nvrtc()?.version_string(),
+            nvrtc_version,
         })
     }
 
     /// Returns the module for `spec` on `requested`, from memory, disk, or a fresh compile.
+    ///
+    /// The disk is searched before NVRTC is needed: first for this NVRTC's own entry, then for
+    /// one another NVRTC version made for the same exact target (the driver decides whether it
+    /// loads; see [`KernelTable`](super::KernelTable)). With no NVRTC at all, a cached entry is
+    /// still found and returned; only a miss needs NVRTC (and reports its absence).
     pub fn compile(&self, spec: &KernelSpec, requested: Target) -> Result<Compiled> {
+        match self.nvrtc() {
+            Ok(_) => self.compile_with(spec, requested, true),
+            Err(missing) => self.find_without_nvrtc(spec, requested, missing),
+        }
+    }
+
+    /// [`Jit::compile`] that takes only this NVRTC's own entries, compiling otherwise: for an
+    /// entry of another NVRTC that the driver refused to load.
+    pub fn compile_local(&self, spec: &KernelSpec, requested: Target) -> Result<Compiled> {
+        self.compile_with(spec, requested, false)
+    }
+
+    fn compile_with(
+        &self,
+        spec: &KernelSpec,
+        requested: Target,
+        any_nvrtc: bool,
+    ) -> Result<Compiled> {
         let target = self.resolve_target(spec, requested)?;
         let parts = self.key_parts(spec, target)?;
         let key = parts.key();
         let slot = self.modules.entry(key).or_default().clone();
+        let mut slot = slot.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(entry) = slot.as_ref() {
+            if any_nvrtc || entry.parts.nvrtc_version == parts.nvrtc_version {
+                return Ok(Compiled {
+                    entry: entry.clone(),
+                    origin: Origin::Memory,
+                });
+            }
+        }
+        let compiled = self.load_or_compile(spec, target, key, parts, any_nvrtc)?;
+        *slot = Some(compiled.entry.clone());
+        Ok(compiled)
+    }
+
+    /// The target `requested` resolves to when there is no NVRTC to ask: the arch-specific
+    /// variant where the family needs it (no PTX fallback: that depends on the NVRTC).
+    fn resolve_target_offline(&self, spec: &KernelSpec, requested: Target) -> Result<Target> {
+        if !spec.builds_for(requested.arch) {
+            return Err(Error::InvalidArgument {
+                arg: "target",
+                reason: format!(
+                    "{} is written for sm_{} only, not {requested}",
+                    spec.template.name,
+                    spec.template.only_arch.unwrap_or_default()
+                ),
+            });
+        }
+        Ok(if spec.template.arch_specific {
+            requested.arch_specific()
+        } else {
+            requested
+        })
+    }
+
+    /// The cached entry of any NVRTC for `spec`, when no NVRTC can be loaded; `missing` (why
+    /// NVRTC is unavailable) when there is none.
+    fn find_without_nvrtc(
+        &self,
+        spec: &KernelSpec,
+        requested: Target,
+        missing: Error,
+    ) -> Result<Compiled> {
+        let target = self.resolve_target_offline(spec, requested)?;
+        let lookup = self
+            .key_parts_for(spec, target, String::new())?
+            .lookup_key();
+        let slot = self.modules.entry(lookup).or_default().clone();
         let mut slot = slot.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(entry) = slot.as_ref() {
             return Ok(Compiled {
@@ -174,9 +254,12 @@ impl Jit {
                 origin: Origin::Memory,
             });
         }
-        let compiled = self.load_or_compile(spec, target, key, parts)?;
-        *slot = Some(compiled.entry.clone());
-        Ok(compiled)
+        let entry = Arc::new(self.cache.find_any(&lookup).ok_or(missing)?);
+        *slot = Some(entry.clone());
+        Ok(Compiled {
+            entry,
+            origin: Origin::Disk,
+        })
     }
 
     fn load_or_compile(
@@ -185,6 +268,7 @@ impl Jit {
         target: Target,
         key: CacheKey,
         parts: KeyParts,
+        any_nvrtc: bool,
     ) -> Result<Compiled> {
         match self.cache.load(&key) {
             Lookup::Hit(entry) => {
@@ -197,6 +281,16 @@ impl Jit {
                 tracing::warn!(%spec, %target, reason = %why, "recompiling a corrupt cache entry");
             }
             Lookup::Miss => {}
+        }
+        if any_nvrtc {
+            if let Some(entry) = self.cache.find_any(&parts.lookup_key()) {
+                tracing::info!(%spec, %target, nvrtc = %entry.parts.nvrtc_version,
+                    "using a cache entry another NVRTC version made");
+                return Ok(Compiled {
+                    entry: Arc::new(entry),
+                    origin: Origin::Disk,
+                });
+            }
         }
         let nvrtc = self.nvrtc()?;
         let mut options = parts.options.clone();

@@ -10,7 +10,7 @@ use dashmap::DashMap;
 use rustc_hash::FxBuildHasher;
 
 use super::compiler::{Jit, Origin};
-use super::entry::ImageKind;
+use super::entry::{Entry, ImageKind};
 use super::key::CacheKey;
 use super::spec::KernelSpec;
 use super::target::Target;
@@ -127,18 +127,23 @@ impl KernelTable {
         if let Some(k) = self.get(ordinal, spec) {
             return Ok(k);
         }
-        let compiled = jit.compile(spec, target)?;
-        let entry = &compiled.entry;
-        let span = tracing::debug_span!("kiln.load", %spec);
-        let _enter = span.enter();
-        let image = match entry.image_kind {
-            ImageKind::Cubin => Ptx::from_binary(entry.image.clone()),
-            ImageKind::Ptx => {
-                let text = entry.image.split(|&b| b == 0).next().unwrap_or(&[]);
-                Ptx::from_src(String::from_utf8_lossy(text).into_owned())
+        let mut compiled = jit.compile(spec, target)?;
+        let module = match load(ctx, &compiled.entry) {
+            Ok(m) => m,
+            // An entry another NVRTC made may be one this driver cannot load: compile with ours.
+            Err(e)
+                if jit
+                    .nvrtc()
+                    .is_ok_and(|n| n.version_string() != compiled.entry.parts.nvrtc_version) =>
+            {
+                tracing::warn!(%spec, error = %e, nvrtc = %compiled.entry.parts.nvrtc_version,
+                    "the driver refused another NVRTC's cache entry; compiling");
+                compiled = jit.compile_local(spec, target)?;
+                load(ctx, &compiled.entry)?
             }
+            Err(e) => return Err(e),
         };
-        let module = ctx.load_module(image)?;
+        let entry = &compiled.entry;
         let name = entry
             .lowered_names
             .first()
@@ -182,4 +187,18 @@ impl KernelTable {
     pub fn is_empty(&self) -> bool {
         self.map.is_empty()
     }
+}
+
+/// Loads an entry's image (cubin or PTX) into `ctx`.
+fn load(ctx: &Arc<CudaContext>, entry: &Entry) -> Result<Arc<CudaModule>> {
+    let span = tracing::debug_span!("kiln.load", spec = %entry.spec);
+    let _enter = span.enter();
+    let image = match entry.image_kind {
+        ImageKind::Cubin => Ptx::from_binary(entry.image.clone()),
+        ImageKind::Ptx => {
+            let text = entry.image.split(|&b| b == 0).next().unwrap_or(&[]);
+            Ptx::from_src(String::from_utf8_lossy(text).into_owned())
+        }
+    };
+    Ok(ctx.load_module(image)?)
 }

@@ -1,5 +1,6 @@
 //! The JIT: kernel specs, template rendering, NVRTC, the disk cache and the in-memory table.
 
+pub mod bundle;
 pub mod compiler;
 pub mod disk_cache;
 pub mod entry;
