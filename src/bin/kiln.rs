@@ -445,6 +445,14 @@ fn info(jit: &Jit, json: bool) -> kiln::Result<ExitCode> {
         Ok(n) => json!({"found": true, "path": n.path, "version": n.version_string()}),
         Err(e) => json!({"found": false, "error": e.to_string()}),
     };
+    // The driver's CUDA version and whether it loads this NVRTC's output (only with a driver).
+    let driver = kiln::jit::compat::driver_version().map(|d| {
+        let loads = jit
+            .nvrtc()
+            .ok()
+            .map(|n| format!("{:?}", kiln::jit::compat::loadable(n.version, d)).to_lowercase());
+        json!({"cuda_version": format!("{}.{}", d.0, d.1), "loads_nvrtc_output": loads})
+    });
     let gpus = match kiln::runtime::gpus() {
         Ok(g) => json!(g),
         Err(e) => json!({"error": e.to_string()}),
@@ -459,6 +467,7 @@ fn info(jit: &Jit, json: bool) -> kiln::Result<ExitCode> {
         "kiln": env!("CARGO_PKG_VERSION"),
         "nvrtc": nvrtc,
         "nccl": nccl,
+        "driver": driver,
         "gpus": gpus,
         "cache": {
             "dir": disk.root().display().to_string(),

@@ -293,6 +293,13 @@ impl Jit {
             }
         }
         let nvrtc = self.nvrtc()?;
+        // Compiling what this machine's driver could not load helps no one; another machine's
+        // target (`kiln warm --arch`) is compiled all the same when there is no driver here.
+        if let Some(driver) = super::compat::driver_version() {
+            if let Some(why) = super::compat::refusal(nvrtc.version, driver, target.is_ptx()) {
+                return Err(Error::NvrtcDriverMismatch(why));
+            }
+        }
         let mut options = parts.options.clone();
         options.push(target.nvrtc_option());
         let started = Instant::now();

@@ -1,6 +1,7 @@
 //! The JIT: kernel specs, template rendering, NVRTC, the disk cache and the in-memory table.
 
 pub mod bundle;
+pub mod compat;
 pub mod compiler;
 pub mod disk_cache;
 pub mod entry;
