@@ -24,6 +24,10 @@ pub enum Error {
     #[error("could not load NVRTC from {path}: {reason}")]
     NvrtcLoad { path: PathBuf, reason: String },
 
+    /// The NVRTC in use produces code the installed driver cannot load.
+    #[error("{0}")]
+    NvrtcDriverMismatch(String),
+
     #[error("NVRTC call {call} failed: {message}")]
     Nvrtc { call: &'static str, message: String },
 

@@ -346,3 +346,152 @@ fn volta_warms_with_nvrtc_12_which_nvrtc_13_names() {
     assert_eq!(report["specs"], 2 * volta.len() as u64, "{report}");
     assert_eq!(report["failed"], 0, "{report}");
 }
+
+/// `kiln cache export` then `import` into an empty cache: the importing side's warm is all hits,
+/// and `--arch` keeps only that architecture's entries.
+#[test]
+fn an_exported_bundle_imports_into_an_all_hit_warm() {
+    let (from, to) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let n = subset_size();
+    warm(from.path(), &["--arch", "sm_80"]);
+    let bundle = from.path().join("cache.kilnpack");
+    let b = bundle.to_str().unwrap();
+    let out = run(&mut kiln(from.path(), &["cache", "export", b, "--json"]));
+    assert!(out.status.success());
+    assert_eq!(last_json(&out)["entries"], 2 * n);
+    let only80 = from.path().join("sm80.kilnpack");
+    let out = run(&mut kiln(
+        from.path(),
+        &[
+            "cache",
+            "export",
+            only80.to_str().unwrap(),
+            "--arch",
+            "sm_80",
+            "--json",
+        ],
+    ));
+    assert_eq!(last_json(&out)["entries"], n);
+
+    let out = run(&mut kiln(to.path(), &["cache", "import", b, "--json"]));
+    assert!(out.status.success());
+    let report = last_json(&out);
+    assert_eq!(report["entries"], 2 * n, "{report}");
+    assert_eq!(report["damaged"].as_array().unwrap().len(), 0);
+    let again = warm(to.path(), &["--arch", "sm_80"]);
+    assert_eq!(
+        (again["cached"].clone(), again["compiled"].clone()),
+        (json(2 * n), json(0))
+    );
+    // A second import finds everything present.
+    let out = run(&mut kiln(to.path(), &["cache", "import", b, "--json"]));
+    assert_eq!(last_json(&out)["already_present"], 2 * n);
+}
+
+fn json(n: u64) -> Value {
+    Value::from(n)
+}
+
+/// A bundle with one flipped byte inside an entry: that entry is reported and left out, every
+/// other one is imported, and the cache verifies clean.
+#[test]
+fn a_damaged_bundle_leaves_nothing_bad_in_the_cache() {
+    let (from, to) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let n = subset_size();
+    warm(from.path(), &[]);
+    let bundle = from.path().join("cache.kilnpack");
+    let b = bundle.to_str().unwrap();
+    assert!(run(&mut kiln(from.path(), &["cache", "export", b]))
+        .status
+        .success());
+    let mut bytes = std::fs::read(&bundle).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0x40;
+    std::fs::write(&bundle, &bytes).unwrap();
+
+    let out = run(&mut kiln(to.path(), &["cache", "import", b, "--json"]));
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "a damaged entry fails the import"
+    );
+    let report = last_json(&out);
+    assert_eq!(report["damaged"].as_array().unwrap().len(), 1, "{report}");
+    assert_eq!(report["entries"], n - 1, "{report}");
+    let verify = run(&mut kiln(to.path(), &["cache", "verify", "--json"]));
+    assert!(verify.status.success());
+    assert_eq!(last_json(&verify)["checked"], n - 1);
+    assert_eq!(warm(to.path(), &[])["compiled"], 1);
+    // Not a bundle at all: an error, nothing imported.
+    let junk = from.path().join("junk");
+    std::fs::write(&junk, b"hello").unwrap();
+    let out = run(&mut kiln(
+        to.path(),
+        &["cache", "import", junk.to_str().unwrap()],
+    ));
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a kiln cache bundle"));
+}
+
+/// With no NVRTC at all (KILN_NVRTC_LIB names nothing, so nothing else is searched), a warmed
+/// cache still serves every spec up to the point of loading: warm reports all hits.
+#[test]
+fn a_warmed_cache_serves_every_spec_without_nvrtc() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = subset_size();
+    warm(dir.path(), &[]);
+    let no_nvrtc = dir.path().join("no-libnvrtc.so");
+    let out = run(kiln(
+        dir.path(),
+        &["warm", "--arch", "sm_90", "--only", SUBSET, "--json"],
+    )
+    .env("KILN_NVRTC_LIB", &no_nvrtc));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report = last_json(&out);
+    assert_eq!(report["cached"], n, "{report}");
+    assert_eq!(report["nvrtc"], "none");
+    let verify =
+        run(kiln(dir.path(), &["cache", "verify", "--json"]).env("KILN_NVRTC_LIB", &no_nvrtc));
+    assert!(verify.status.success());
+    assert_eq!(last_json(&verify)["ok"], n);
+    // A spec the cache lacks names the missing NVRTC.
+    let out = run(
+        kiln(dir.path(), &["warm", "--arch", "sm_80", "--only", SUBSET])
+            .env("KILN_NVRTC_LIB", &no_nvrtc),
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("needs NVRTC"));
+}
+
+/// Entries another NVRTC version made for the same exact target are used when this NVRTC has
+/// none: a cache warmed with NVRTC 12 is all hits for NVRTC 13.
+#[test]
+fn another_nvrtc_versions_entries_are_hits() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = subset_size();
+    let out = run(kiln(
+        dir.path(),
+        &["warm", "--arch", "sm_80", "--only", SUBSET, "--json"],
+    )
+    .env("KILN_NVRTC_LIB", nvrtc_12()));
+    let first = last_json(&out);
+    assert!(
+        first["nvrtc"].as_str().unwrap().starts_with("12."),
+        "{first}"
+    );
+    assert_eq!(first["compiled"], n);
+    let out = run(&mut kiln(
+        dir.path(),
+        &["warm", "--arch", "sm_80", "--only", SUBSET, "--json"],
+    ));
+    let second = last_json(&out);
+    if second["nvrtc"] == first["nvrtc"] {
+        return; // the default NVRTC is NVRTC 12 here: nothing to show
+    }
+    assert_eq!(second["cached"], n, "{second}");
+    assert_eq!(second["compiled"], 0, "{second}");
+}

@@ -2,8 +2,6 @@
 
 use std::io::IsTerminal;
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
 use std::time::{Instant, SystemTime};
 
 use clap::{Parser, Subcommand};
@@ -11,7 +9,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 
 use kiln::jit::entry::Entry;
-use kiln::jit::{Jit, Origin, Target};
+use kiln::jit::{Jit, Target};
 
 #[derive(Parser)]
 #[command(
@@ -75,6 +73,25 @@ enum CacheAction {
     },
     /// Re-check every entry; remove bad ones. Exit status 1 if any was bad.
     Verify {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Write every good entry (of each --arch, when given) to one bundle file.
+    Export {
+        file: std::path::PathBuf,
+        /// Only entries for this architecture, e.g. sm_90 (repeatable).
+        #[arg(long = "arch", value_name = "ARCH")]
+        arch: Vec<String>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Publish a bundle's entries into the cache, each verified as on load; damaged ones are
+    /// reported and left out (exit status 1).
+    Import {
+        file: std::path::PathBuf,
+        /// Only entries for this architecture, e.g. sm_90 (repeatable).
+        #[arg(long = "arch", value_name = "ARCH")]
+        arch: Vec<String>,
         #[arg(long)]
         json: bool,
     },
@@ -161,11 +178,17 @@ fn warm(
     }
     targets.sort();
     targets.dedup();
-    // Fail early, with the full explanation, when NVRTC is missing or cannot serve a target.
-    let nvrtc = jit.nvrtc()?;
-    for &t in &targets {
-        jit.check_target(t)?;
+    // Without NVRTC, warm still finds what the cache holds (any NVRTC's entries); with it, a
+    // target it cannot serve fails early, with the full explanation.
+    let nvrtc = jit.nvrtc();
+    if nvrtc.is_ok() {
+        for &t in &targets {
+            jit.check_target(t)?;
+        }
     }
+    let nvrtc_version = nvrtc
+        .as_ref()
+        .map_or("none".to_string(), |n| n.version_string());
 
     // Each target gets what the ops choose on it: under KILN_EMULATE_ARCH, on the older
     // architecture whose code paths the process will run.
@@ -181,9 +204,6 @@ fn warm(
                 .map(move |s| (s, t))
         })
         .collect();
-    let jobs = jobs
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
-        .clamp(1, 256);
     let bar = if json || !std::io::stderr().is_terminal() {
         ProgressBar::hidden()
     } else {
@@ -192,60 +212,49 @@ fn warm(
                 .expect("static template"),
         )
     };
-    let next = AtomicUsize::new(0);
-    let (compiled, cached) = (AtomicUsize::new(0), AtomicUsize::new(0));
-    let failures = Mutex::new(Vec::new());
-    std::thread::scope(|scope| {
-        for _ in 0..jobs.min(work.len()) {
-            scope.spawn(|| loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                let Some((spec, target)) = work.get(i) else {
-                    break;
-                };
-                match jit.compile(spec, *target) {
-                    Ok(c) if c.origin == Origin::Compiled => {
-                        compiled.fetch_add(1, Ordering::Relaxed);
-                    }
-                    Ok(_) => {
-                        cached.fetch_add(1, Ordering::Relaxed);
-                    }
-                    Err(e) => failures
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .push(format!("{spec} on {target}: {e}")),
-                }
-                bar.inc(1);
-            });
-        }
-    });
+    let report = jit.warm(&work, jobs.unwrap_or(0), &|_| bar.inc(1));
     bar.finish_and_clear();
     let gc = jit.disk_cache().gc();
-    let failures = failures.into_inner().unwrap_or_else(|e| e.into_inner());
+    let failures = &report.failures;
     let seconds = started.elapsed().as_secs_f64();
     let targets: Vec<String> = targets.iter().map(|t| t.to_string()).collect();
     let summary = json!({
         "targets": targets,
         "specs": work.len(),
-        "compiled": compiled.load(Ordering::Relaxed),
-        "cached": cached.load(Ordering::Relaxed),
+        "compiled": report.compiled,
+        "cached": report.cached,
         "failed": failures.len(),
         "seconds": (seconds * 1000.0).round() / 1000.0,
-        "jobs": jobs,
-        "nvrtc": nvrtc.version_string(),
+        "jobs": report.jobs,
+        "nvrtc": nvrtc_version,
         "cache_dir": jit.disk_cache().root().display().to_string(),
         "cache_writable": jit.disk_cache().is_writable(),
         "cache_entries": gc.remaining_entries,
         "cache_bytes": gc.remaining_bytes,
     });
-    for f in &failures {
-        eprintln!("failed: {f}");
+    match &nvrtc {
+        Ok(_) => {
+            for f in failures {
+                eprintln!("failed: {f}");
+            }
+        }
+        // Every miss fails alike: say why once.
+        Err(e) if !failures.is_empty() => {
+            eprintln!(
+                "kiln: {} of {} kernels are not in the cache, and compiling them needs NVRTC: {e}",
+                failures.len(),
+                work.len()
+            );
+            return Ok(ExitCode::from(2));
+        }
+        Err(_) => {}
     }
     if !json {
         out!(
             "warmed {} kernels for {} with NVRTC {} in {:.1} s: {} compiled, {} already cached, {} failed",
             work.len(),
             targets.join(", "),
-            nvrtc.version_string(),
+            nvrtc_version,
             seconds,
             summary["compiled"],
             summary["cached"],
@@ -357,6 +366,14 @@ fn cache(jit: &Jit, action: CacheAction) -> kiln::Result<ExitCode> {
                 return Ok(ExitCode::FAILURE);
             }
         }
+        CacheAction::Export { file, arch, json } => {
+            let report = kiln::jit::bundle::export(disk, &file, &archs(&arch)?)?;
+            return bundle_summary("exported", &file, &report, json);
+        }
+        CacheAction::Import { file, arch, json } => {
+            let report = kiln::jit::bundle::import(disk, &file, &archs(&arch)?)?;
+            return bundle_summary("imported", &file, &report, json);
+        }
         CacheAction::Clear => {
             let n = disk.clear()?;
             out!("removed {n} entries from {}", disk.root().display());
@@ -380,6 +397,42 @@ fn cache(jit: &Jit, action: CacheAction) -> kiln::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// Architecture numbers of `--arch` values (`sm_90`, `sm_90a` and `compute_90` are all 90).
+fn archs(values: &[String]) -> kiln::Result<Vec<u32>> {
+    values
+        .iter()
+        .map(|a| a.parse::<Target>().map(|t| t.arch))
+        .collect()
+}
+
+fn bundle_summary(
+    verb: &str,
+    file: &std::path::Path,
+    report: &kiln::jit::bundle::BundleReport,
+    json: bool,
+) -> kiln::Result<ExitCode> {
+    if json {
+        out!("{}", serde_json::to_string(report).expect("serialisable"));
+    } else {
+        for (place, why) in &report.damaged {
+            out!("damaged: {place}: {why} (left out)");
+        }
+        out!(
+            "{verb} {} entries ({} already present, {} other architectures, {} damaged): {}",
+            report.entries,
+            report.already_present,
+            report.skipped_arch,
+            report.damaged.len(),
+            file.display()
+        );
+    }
+    Ok(if report.damaged.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
 fn info(jit: &Jit, json: bool) -> kiln::Result<ExitCode> {
     let nvrtc = match jit.nvrtc() {
         Ok(n) => json!({"found": true, "path": n.path, "version": n.version_string(),
@@ -392,6 +445,14 @@ fn info(jit: &Jit, json: bool) -> kiln::Result<ExitCode> {
         Ok(n) => json!({"found": true, "path": n.path, "version": n.version_string()}),
         Err(e) => json!({"found": false, "error": e.to_string()}),
     };
+    // The driver's CUDA version and whether it loads this NVRTC's output (only with a driver).
+    let driver = kiln::jit::compat::driver_version().map(|d| {
+        let loads = jit
+            .nvrtc()
+            .ok()
+            .map(|n| format!("{:?}", kiln::jit::compat::loadable(n.version, d)).to_lowercase());
+        json!({"cuda_version": format!("{}.{}", d.0, d.1), "loads_nvrtc_output": loads})
+    });
     let gpus = match kiln::runtime::gpus() {
         Ok(g) => json!(g),
         Err(e) => json!({"error": e.to_string()}),
@@ -406,6 +467,7 @@ fn info(jit: &Jit, json: bool) -> kiln::Result<ExitCode> {
         "kiln": env!("CARGO_PKG_VERSION"),
         "nvrtc": nvrtc,
         "nccl": nccl,
+        "driver": driver,
         "gpus": gpus,
         "cache": {
             "dir": disk.root().display().to_string(),

@@ -135,35 +135,118 @@ impl Jit {
         Ok(())
     }
 
-    /// NVRTC options for `target`: the base options and, under `KILN_EMULATE_ARCH` for a newer
-    /// target, `-DKILN_ARCH` so that the kernels take the older architecture's code paths.
-    pub fn options(&self, target: Target) -> Vec<String> {
+    /// NVRTC options for `spec` on `target`: the base options; under `KILN_EMULATE_ARCH` for a
+    /// newer target, `-DKILN_ARCH` so that the kernels take the older architecture's code paths;
+    /// then the options the spec's family was registered with.
+    pub fn options(&self, spec: &KernelSpec, target: Target) -> Result<Vec<String>> {
         let mut options: Vec<String> = BASE_OPTIONS.iter().map(|s| s.to_string()).collect();
         if let Some(arch) = self.config.emulate_arch.filter(|&a| a < target.arch) {
             options.push(format!("-DKILN_ARCH={}", arch * 10));
         }
-        options
+        let extras = super::family::extras(spec.template)?;
+        options.extend(extras.options.iter().map(|o| o.to_string()));
+        Ok(options)
     }
 
     /// The key parts for `spec` on exactly `target` (no target resolution).
     pub fn key_parts(&self, spec: &KernelSpec, target: Target) -> Result<KeyParts> {
+        let version = self.nvrtc()?.version_string();
+        self.key_parts_for(spec, target, version)
+    }
+
+    fn key_parts_for(
+        &self,
+        spec: &KernelSpec,
+        target: Target,
+        nvrtc_version: String,
+    ) -> Result<KeyParts> {
         let rendered = template::render(spec)?;
         Ok(KeyParts {
             source: rendered.source,
             headers: Vec::new(),
             name_expressions: rendered.name_expressions,
-            options: self.options(target),
+            options: self.options(spec, target)?,
             target: target.to_string(),
-            nvrtc_version: self.nvrtc()?.version_string(),
+            nvrtc_version,
         })
     }
 
     /// Returns the module for `spec` on `requested`, from memory, disk, or a fresh compile.
+    ///
+    /// The disk is searched before NVRTC is needed: first for this NVRTC's own entry, then for
+    /// one another NVRTC version made for the same exact target (the driver decides whether it
+    /// loads; see [`KernelTable`](super::KernelTable)). With no NVRTC at all, a cached entry is
+    /// still found and returned; only a miss needs NVRTC (and reports its absence).
     pub fn compile(&self, spec: &KernelSpec, requested: Target) -> Result<Compiled> {
+        match self.nvrtc() {
+            Ok(_) => self.compile_with(spec, requested, true),
+            Err(missing) => self.find_without_nvrtc(spec, requested, missing),
+        }
+    }
+
+    /// [`Jit::compile`] that takes only this NVRTC's own entries, compiling otherwise: for an
+    /// entry of another NVRTC that the driver refused to load.
+    pub fn compile_local(&self, spec: &KernelSpec, requested: Target) -> Result<Compiled> {
+        self.compile_with(spec, requested, false)
+    }
+
+    fn compile_with(
+        &self,
+        spec: &KernelSpec,
+        requested: Target,
+        any_nvrtc: bool,
+    ) -> Result<Compiled> {
         let target = self.resolve_target(spec, requested)?;
         let parts = self.key_parts(spec, target)?;
         let key = parts.key();
         let slot = self.modules.entry(key).or_default().clone();
+        let mut slot = slot.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(entry) = slot.as_ref() {
+            if any_nvrtc || entry.parts.nvrtc_version == parts.nvrtc_version {
+                return Ok(Compiled {
+                    entry: entry.clone(),
+                    origin: Origin::Memory,
+                });
+            }
+        }
+        let compiled = self.load_or_compile(spec, target, key, parts, any_nvrtc)?;
+        *slot = Some(compiled.entry.clone());
+        Ok(compiled)
+    }
+
+    /// The target `requested` resolves to when there is no NVRTC to ask: the arch-specific
+    /// variant where the family needs it (no PTX fallback: that depends on the NVRTC).
+    fn resolve_target_offline(&self, spec: &KernelSpec, requested: Target) -> Result<Target> {
+        if !spec.builds_for(requested.arch) {
+            return Err(Error::InvalidArgument {
+                arg: "target",
+                reason: format!(
+                    "{} is written for sm_{} only, not {requested}",
+                    spec.template.name,
+                    spec.template.only_arch.unwrap_or_default()
+                ),
+            });
+        }
+        Ok(if spec.template.arch_specific {
+            requested.arch_specific()
+        } else {
+            requested
+        })
+    }
+
+    /// The cached entry of any NVRTC for `spec`, when no NVRTC can be loaded; `missing` (why
+    /// NVRTC is unavailable) when there is none.
+    fn find_without_nvrtc(
+        &self,
+        spec: &KernelSpec,
+        requested: Target,
+        missing: Error,
+    ) -> Result<Compiled> {
+        let target = self.resolve_target_offline(spec, requested)?;
+        let lookup = self
+            .key_parts_for(spec, target, String::new())?
+            .lookup_key();
+        let slot = self.modules.entry(lookup).or_default().clone();
         let mut slot = slot.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(entry) = slot.as_ref() {
             return Ok(Compiled {
@@ -171,9 +254,12 @@ impl Jit {
                 origin: Origin::Memory,
             });
         }
-        let compiled = self.load_or_compile(spec, target, key, parts)?;
-        *slot = Some(compiled.entry.clone());
-        Ok(compiled)
+        let entry = Arc::new(self.cache.find_any(&lookup).ok_or(missing)?);
+        *slot = Some(entry.clone());
+        Ok(Compiled {
+            entry,
+            origin: Origin::Disk,
+        })
     }
 
     fn load_or_compile(
@@ -182,6 +268,7 @@ impl Jit {
         target: Target,
         key: CacheKey,
         parts: KeyParts,
+        any_nvrtc: bool,
     ) -> Result<Compiled> {
         match self.cache.load(&key) {
             Lookup::Hit(entry) => {
@@ -195,7 +282,24 @@ impl Jit {
             }
             Lookup::Miss => {}
         }
+        if any_nvrtc {
+            if let Some(entry) = self.cache.find_any(&parts.lookup_key()) {
+                tracing::info!(%spec, %target, nvrtc = %entry.parts.nvrtc_version,
+                    "using a cache entry another NVRTC version made");
+                return Ok(Compiled {
+                    entry: Arc::new(entry),
+                    origin: Origin::Disk,
+                });
+            }
+        }
         let nvrtc = self.nvrtc()?;
+        // Compiling what this machine's driver could not load helps no one; another machine's
+        // target (`kiln warm --arch`) is compiled all the same when there is no driver here.
+        if let Some(driver) = super::compat::driver_version() {
+            if let Some(why) = super::compat::refusal(nvrtc.version, driver, target.is_ptx()) {
+                return Err(Error::NvrtcDriverMismatch(why));
+            }
+        }
         let mut options = parts.options.clone();
         options.push(target.nvrtc_option());
         let started = Instant::now();

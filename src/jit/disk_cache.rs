@@ -20,6 +20,8 @@ const TEMP_EXT: &str = "tmp";
 /// Notes: small text records beside the kernels (measured tuning choices), in their own folder.
 const NOTE_DIR: &str = "tune";
 const NOTE_EXT: &str = "txt";
+/// The NVRTC-version-free index: `index/<lookup key>/<entry key>`, empty marker files.
+const INDEX_DIR: &str = "index";
 /// A temp file this old is a crashed writer's even if its PID has been reused.
 const STALE_TEMP_AGE: Duration = Duration::from_secs(3600);
 /// Eviction goes down to this fraction of the cap, so that it does not run on every publish.
@@ -170,11 +172,13 @@ impl DiskCache {
         }
         let path = self.entry_path(&entry.key);
         if path.exists() {
+            self.index(entry);
             return;
         }
         let bytes = entry.encode();
         match publish(&path, &bytes) {
             Ok(()) => {
+                self.index(entry);
                 let before = self.size_estimate.load(Ordering::Relaxed);
                 if before != u64::MAX {
                     self.size_estimate
@@ -187,6 +191,81 @@ impl DiskCache {
             }
             Err(e) => self.disable_writes(&path, &e),
         }
+    }
+
+    /// Records `entry` under its NVRTC-free lookup key (an empty marker file; creating it is
+    /// atomic, so concurrent writers need no lock). Written after the entry itself.
+    fn index(&self, entry: &Entry) {
+        if !self.is_writable() {
+            return;
+        }
+        let dir = self
+            .root
+            .join(INDEX_DIR)
+            .join(entry.parts.lookup_key().hex());
+        let marker = dir.join(entry.key.hex());
+        if marker.exists() {
+            return;
+        }
+        if let Err(e) = fs::create_dir_all(&dir).and_then(|_| File::create(&marker).map(drop)) {
+            self.disable_writes(&marker, &e);
+        }
+    }
+
+    /// An entry for `lookup` (the key without the NVRTC version) made by any NVRTC, verified as
+    /// on every load; the newest NVRTC's when there are several. Markers whose entry is gone or
+    /// bad are removed (in `on` mode).
+    pub fn find_any(&self, lookup: &CacheKey) -> Option<Entry> {
+        if !self.readable() {
+            return None;
+        }
+        let dir = self.root.join(INDEX_DIR).join(lookup.hex());
+        let mut best: Option<Entry> = None;
+        for marker in fs::read_dir(&dir).ok()?.flatten() {
+            let name = marker.file_name();
+            let Some(key) = name.to_str().and_then(CacheKey::from_hex) else {
+                continue;
+            };
+            match self.load(&key) {
+                Lookup::Hit(e) if e.parts.lookup_key() == *lookup => {
+                    let newer = best.as_ref().map_or(true, |b| {
+                        version(&e.parts.nvrtc_version) > version(&b.parts.nvrtc_version)
+                    });
+                    if newer {
+                        best = Some(*e);
+                    }
+                }
+                _ => {
+                    if self.mode == CacheMode::On {
+                        let _ = fs::remove_file(marker.path());
+                    }
+                }
+            }
+        }
+        best
+    }
+
+    /// Publishes an entry that came from elsewhere (a bundle), already verified by
+    /// `Entry::decode`. Returns false when it was already present.
+    pub fn import(&self, entry: &Entry) -> Result<bool> {
+        if !self.is_writable() {
+            return Err(Error::InvalidArgument {
+                arg: "KILN_CACHE",
+                reason: format!(
+                    "the cache at {} cannot be written (mode {})",
+                    self.root.display(),
+                    self.mode.name()
+                ),
+            });
+        }
+        let path = self.entry_path(&entry.key);
+        let existed = path.exists();
+        if !existed {
+            publish(&path, &entry.encode())
+                .map_err(|e| Error::io("importing a cache entry", &path, e))?;
+        }
+        self.index(entry);
+        Ok(!existed)
     }
 
     /// Removes least-recently-used entries until the cache is under its cap (down to the low-water
@@ -265,8 +344,10 @@ impl DiskCache {
                 Err(e) => Err(e.to_string()),
                 Ok(bytes) => match f.key {
                     None => Err("file name is not a cache key".to_string()),
+                    // A good entry is (re)indexed: entries written before the index existed
+                    // become findable by other NVRTC versions.
                     Some(key) => Entry::decode(&bytes, Some(&key))
-                        .map(|_| ())
+                        .map(|e| self.index(&e))
                         .map_err(|e| e.to_string()),
                 },
             };
@@ -302,6 +383,7 @@ impl DiskCache {
         for path in self.files_with_ext(TEMP_EXT) {
             let _ = fs::remove_file(&path);
         }
+        let _ = fs::remove_dir_all(self.root.join(INDEX_DIR));
         if let Ok(notes) = fs::read_dir(self.root.join(NOTE_DIR)) {
             for note in notes.flatten() {
                 let _ = fs::remove_file(note.path());
@@ -389,6 +471,12 @@ impl DiskCache {
         }
         removed
     }
+}
+
+/// `major.minor` as numbers, for choosing the newest NVRTC's entry (unparsable: oldest).
+fn version(v: &str) -> (u32, u32) {
+    let mut it = v.split('.').map(|p| p.parse().unwrap_or(0));
+    (it.next().unwrap_or(0), it.next().unwrap_or(0))
 }
 
 /// Temp files are named `.<key>.<pid>.<n>.tmp`: stale when the writer is gone or it is old.

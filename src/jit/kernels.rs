@@ -10,7 +10,7 @@ use dashmap::DashMap;
 use rustc_hash::FxBuildHasher;
 
 use super::compiler::{Jit, Origin};
-use super::entry::ImageKind;
+use super::entry::{Entry, ImageKind};
 use super::key::CacheKey;
 use super::spec::KernelSpec;
 use super::target::Target;
@@ -35,9 +35,43 @@ pub struct LoadedKernel {
     occupancy: Mutex<Vec<(u32, usize, usize)>>,
     /// Answers of `max_active_clusters`, likewise.
     cluster_occupancy: Mutex<Vec<(u32, usize, usize)>>,
+    /// (name expression, lowered name) of every entry point the module exposes, the family's
+    /// kernel first.
+    entry_points: Vec<(String, String)>,
 }
 
 impl LoadedKernel {
+    /// Another entry point of the same module (a family registered with
+    /// `FamilyExtras::entry_points`), by its name expression, as a kernel the encoder can launch.
+    /// Each call loads the function anew: keep the result.
+    pub fn entry_point(&self, name: &str) -> Result<Arc<LoadedKernel>> {
+        let (_, lowered) = self
+            .entry_points
+            .iter()
+            .find(|(expr, _)| expr == name)
+            .ok_or_else(|| Error::InvalidArgument {
+                arg: "name",
+                reason: format!(
+                    "{name:?} is not an entry point of this module (it has {:?})",
+                    self.entry_points.iter().map(|e| &e.0).collect::<Vec<_>>()
+                ),
+            })?;
+        let function = self.module.load_function(lowered)?;
+        let cluster_width = cluster_width_of(&function)?;
+        Ok(Arc::new(LoadedKernel {
+            function,
+            module: self.module.clone(),
+            key: self.key,
+            origin: self.origin,
+            cluster: cluster_width > 0,
+            cluster_width,
+            shared_allowed: AtomicUsize::new(0),
+            occupancy: Mutex::new(Vec::new()),
+            cluster_occupancy: Mutex::new(Vec::new()),
+            entry_points: self.entry_points.clone(),
+        }))
+    }
+
     /// Lets launches use `bytes` of dynamic shared memory. The driver refuses a launch whose
     /// static and dynamic shared memory pass 48 KiB unless the kernel opted in to that much;
     /// opting in costs a driver call, so it is made only when `bytes` passes what was allowed.
@@ -113,6 +147,21 @@ impl LoadedKernel {
     }
 }
 
+/// Blocks per cluster `function` declares (0: none). More than the portable 8 (Hopper takes 16)
+/// must be allowed before a launch, which this does.
+fn cluster_width_of(function: &CudaFunction) -> Result<usize> {
+    let width = function
+        .get_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_WIDTH)?
+        .max(0) as usize;
+    if width > 8 {
+        function.set_attribute(
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
+            1,
+        )?;
+    }
+    Ok(width)
+}
+
 #[derive(Default)]
 pub struct KernelTable {
     map: DashMap<(usize, KernelSpec), Arc<LoadedKernel>, FxBuildHasher>,
@@ -141,18 +190,23 @@ impl KernelTable {
         if let Some(k) = self.get(ordinal, spec) {
             return Ok(k);
         }
-        let compiled = jit.compile(spec, target)?;
-        let entry = &compiled.entry;
-        let span = tracing::debug_span!("kiln.load", %spec);
-        let _enter = span.enter();
-        let image = match entry.image_kind {
-            ImageKind::Cubin => Ptx::from_binary(entry.image.clone()),
-            ImageKind::Ptx => {
-                let text = entry.image.split(|&b| b == 0).next().unwrap_or(&[]);
-                Ptx::from_src(String::from_utf8_lossy(text).into_owned())
+        let mut compiled = jit.compile(spec, target)?;
+        let module = match load(ctx, &compiled.entry) {
+            Ok(m) => m,
+            // An entry another NVRTC made may be one this driver cannot load: compile with ours.
+            Err(e)
+                if jit
+                    .nvrtc()
+                    .is_ok_and(|n| n.version_string() != compiled.entry.parts.nvrtc_version) =>
+            {
+                tracing::warn!(%spec, error = %e, nvrtc = %compiled.entry.parts.nvrtc_version,
+                    "the driver refused another NVRTC's cache entry; compiling");
+                compiled = jit.compile_local(spec, target)?;
+                load(ctx, &compiled.entry)?
             }
+            Err(e) => return Err(e),
         };
-        let module = ctx.load_module(image)?;
+        let entry = &compiled.entry;
         let name = entry
             .lowered_names
             .first()
@@ -161,16 +215,7 @@ impl KernelTable {
                 reason: format!("{spec} names no kernel"),
             })?;
         let function = module.load_function(name)?;
-        let cluster_width = function
-            .get_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_WIDTH)?
-            .max(0) as usize;
-        if cluster_width > 8 {
-            // More than the portable 8 blocks per cluster (Hopper takes 16) must be allowed.
-            function.set_attribute(
-                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
-                1,
-            )?;
-        }
+        let cluster_width = cluster_width_of(&function)?;
         let loaded = Arc::new(LoadedKernel {
             function,
             module,
@@ -181,6 +226,13 @@ impl KernelTable {
             shared_allowed: AtomicUsize::new(0),
             occupancy: Mutex::new(Vec::new()),
             cluster_occupancy: Mutex::new(Vec::new()),
+            entry_points: entry
+                .parts
+                .name_expressions
+                .iter()
+                .cloned()
+                .zip(entry.lowered_names.iter().cloned())
+                .collect(),
         });
         // Two threads may load the same kernel at once; the first insert wins, both are valid.
         Ok(self
@@ -198,4 +250,18 @@ impl KernelTable {
     pub fn is_empty(&self) -> bool {
         self.map.is_empty()
     }
+}
+
+/// Loads an entry's image (cubin or PTX) into `ctx`.
+fn load(ctx: &Arc<CudaContext>, entry: &Entry) -> Result<Arc<CudaModule>> {
+    let span = tracing::debug_span!("kiln.load", spec = %entry.spec);
+    let _enter = span.enter();
+    let image = match entry.image_kind {
+        ImageKind::Cubin => Ptx::from_binary(entry.image.clone()),
+        ImageKind::Ptx => {
+            let text = entry.image.split(|&b| b == 0).next().unwrap_or(&[]);
+            Ptx::from_src(String::from_utf8_lossy(text).into_owned())
+        }
+    };
+    Ok(ctx.load_module(image)?)
 }

@@ -74,8 +74,22 @@ impl Encoder {
 
 impl KeyParts {
     pub fn key(&self) -> CacheKey {
+        let mut e = self.common(b"kiln-jit-key");
+        e.bytes(self.nvrtc_version.as_bytes());
+        CacheKey(e.0.finalize().into())
+    }
+
+    /// The key without the NVRTC version: what every NVRTC's entry for the same source, options
+    /// and exact target shares. The disk cache indexes entries by it, so that a process whose
+    /// NVRTC has no entry (or that has no NVRTC at all) finds one another NVRTC made.
+    pub fn lookup_key(&self) -> CacheKey {
+        CacheKey(self.common(b"kiln-jit-lookup").0.finalize().into())
+    }
+
+    /// Every field but the NVRTC version, after a domain tag (so the two keys never coincide).
+    fn common(&self, tag: &[u8]) -> Encoder {
         let mut e = Encoder(Sha256::new());
-        e.bytes(b"kiln-jit-key");
+        e.bytes(tag);
         e.0.update(FORMAT_VERSION.to_le_bytes());
         e.bytes(self.source.as_bytes());
         e.0.update((self.headers.len() as u64).to_le_bytes());
@@ -86,8 +100,7 @@ impl KeyParts {
         e.list(self.name_expressions.iter().map(String::as_str));
         e.list(self.options.iter().map(String::as_str));
         e.bytes(self.target.as_bytes());
-        e.bytes(self.nvrtc_version.as_bytes());
-        CacheKey(e.0.finalize().into())
+        e
     }
 }
 
@@ -131,6 +144,25 @@ mod tests {
         for v in variants {
             assert_ne!(v.key(), base, "{v:?}");
         }
+    }
+
+    #[test]
+    fn the_lookup_key_ignores_only_the_nvrtc_version() {
+        let base = parts();
+        let mut other = parts();
+        other.nvrtc_version = "12.9".into();
+        assert_eq!(base.lookup_key(), other.lookup_key());
+        assert_ne!(base.key(), other.key());
+        assert_ne!(base.key(), base.lookup_key());
+        let mut t = parts();
+        t.target = "sm_80".into();
+        assert_ne!(t.lookup_key(), base.lookup_key());
+    }
+
+    #[test]
+    fn the_entry_key_encoding_is_unchanged() {
+        // Entries written before the lookup key existed stay valid: pin one key.
+        assert_eq!(parts().key().hex()[..16], *"1b2b01e21d39e8d3");
     }
 
     #[test]

@@ -1,17 +1,23 @@
 //! The JIT: kernel specs, template rendering, NVRTC, the disk cache and the in-memory table.
 
+pub mod bundle;
+pub mod compat;
 pub mod compiler;
 pub mod disk_cache;
 pub mod entry;
+pub mod family;
 pub mod kernels;
 pub mod key;
 pub mod nvrtc;
 pub mod spec;
 pub mod target;
 pub mod template;
+pub mod warm;
 
 pub use compiler::{Compiled, Jit, Origin};
+pub use family::{register_family, FamilyExtras};
 pub use kernels::{KernelTable, LoadedKernel};
 pub use key::CacheKey;
 pub use spec::{KernelSpec, TemplateDef};
 pub use target::{Target, TargetKind};
+pub use warm::{WarmProgress, WarmReport};

@@ -395,6 +395,11 @@ fn load(explicit: Option<&Path>) -> Result<Nvrtc> {
         check("nvrtcVersion", unsafe { f(&mut major, &mut minor) })?;
         (major, minor)
     };
+    // An NVRTC kiln cannot drive (11 or older) is refused by name, before cudarc looks for it.
+    super::compat::nvrtc_supported(version).map_err(|reason| Error::NvrtcLoad {
+        path: PathBuf::from(&path),
+        reason,
+    })?;
     // Keep our handle open for the life of the process, so cudarc's lookup by soname finds it.
     let _ = LIBRARY.set(lib);
     // SAFETY: is_culib_present only tries to dlopen the candidate names.

@@ -11,8 +11,12 @@ pub const MAX_CONSTS: usize = 12;
 
 /// A kernel family: one handlebars CUDA source in `templates/`, embedded at compile time.
 ///
-/// Families are identified by `name`, which must be unique (the registry test checks it); hashing
-/// and comparing by name keeps [`KernelSpec`] a small `Copy` value.
+/// A family is identified by this value's address (it lives in a `static`): two families never
+/// compare equal, whatever their names. Names must still be unique in a process (the family
+/// registry, `jit::family`, refuses a second family under a taken name). Comparing and hashing
+/// by address keeps [`KernelSpec`] a small `Copy` value.
+///
+/// Define a family in a `static`, never a `const` (each use of a `const` is a new value).
 #[derive(Debug)]
 pub struct TemplateDef {
     /// Unique family name, also the template's name in the handlebars registry.
@@ -32,13 +36,13 @@ pub struct TemplateDef {
 
 impl PartialEq for TemplateDef {
     fn eq(&self, other: &Self) -> bool {
-        self.name == other.name
+        std::ptr::eq(self, other)
     }
 }
 impl Eq for TemplateDef {}
 impl Hash for TemplateDef {
     fn hash<H: Hasher>(&self, state: &mut H) {
-        self.name.hash(state)
+        (self as *const TemplateDef as usize).hash(state)
     }
 }
 
@@ -62,7 +66,8 @@ impl KernelSpec {
     }
 
     /// A spec of `template`, with one value per name in `template.const_names`, in that
-    /// order. A wrong number of values is an error naming the template's constants.
+    /// order. A wrong number of values is an error naming the template's constants; a family
+    /// whose name another family already has is an error too (the first use registers it).
     pub fn try_new(
         template: &'static TemplateDef,
         dtype: DType,
@@ -70,6 +75,28 @@ impl KernelSpec {
         n_reads: u8,
         consts: &[i32],
     ) -> Result<KernelSpec> {
+        super::family::claim(template)?;
+        Self::build(template, dtype, block_dim, n_reads, consts)
+    }
+
+    /// The checks of `try_new` but the registry's (kiln's families are registered from their
+    /// specs, so building those must not consult the registry).
+    fn build(
+        template: &'static TemplateDef,
+        dtype: DType,
+        block_dim: u16,
+        n_reads: u8,
+        consts: &[i32],
+    ) -> Result<KernelSpec> {
+        if block_dim == 0 || n_reads == 0 {
+            return Err(Error::InvalidArgument {
+                arg: "spec",
+                reason: format!(
+                    "{}: block_dim ({block_dim}) and n_reads ({n_reads}) must be at least 1",
+                    template.name
+                ),
+            });
+        }
         if template.const_names.len() > MAX_CONSTS {
             return Err(Error::InvalidArgument {
                 arg: "template",
@@ -112,7 +139,7 @@ impl KernelSpec {
         n_reads: u8,
         consts: &[i32],
     ) -> KernelSpec {
-        match Self::try_new(template, dtype, block_dim, n_reads, consts) {
+        match Self::build(template, dtype, block_dim, n_reads, consts) {
             Ok(spec) => spec,
             Err(e) => unreachable!("{e}"),
         }

@@ -1,14 +1,17 @@
 //! Rendering a [`KernelSpec`] into CUDA source with handlebars.
 //!
-//! Templates and partials are embedded in the library; each is parsed once per process and kept in
-//! one registry. Rendering happens only on a kernel-table miss.
+//! Templates and partials are embedded in the library (or given by an application's family);
+//! each family's is parsed once per process and kept in its own registry. Rendering happens only
+//! on a kernel-table miss.
 
-use std::sync::{OnceLock, RwLock};
+use std::collections::HashMap;
+use std::sync::{Arc, OnceLock, RwLock};
 
 use handlebars::Handlebars;
 use serde_json::{Map, Value};
 
-use super::spec::KernelSpec;
+use super::family;
+use super::spec::{KernelSpec, TemplateDef};
 use crate::error::{Error, Result};
 
 /// Partials every template can use, as `{{> name}}`.
@@ -27,20 +30,35 @@ pub struct Rendered {
     pub name_expressions: Vec<String>,
 }
 
-fn registry() -> &'static RwLock<Handlebars<'static>> {
-    static REGISTRY: OnceLock<RwLock<Handlebars<'static>>> = OnceLock::new();
-    REGISTRY.get_or_init(|| {
-        let mut hb = Handlebars::new();
-        // CUDA is not HTML: `<` and `&` must come through as written.
-        hb.register_escape_fn(handlebars::no_escape);
-        // A misspelt variable is an error, not an empty string.
-        hb.set_strict_mode(true);
-        for (name, text) in PARTIALS {
-            hb.register_partial(name, *text)
-                .expect("embedded partials parse (checked by tests)");
-        }
-        RwLock::new(hb)
-    })
+/// One handlebars registry per family (keyed by the family's address): kiln's partials, the
+/// family's own partials and its template. Separate registries mean one family's text or
+/// partials can never be served for another's, whatever the names.
+fn family_registry(def: &'static TemplateDef) -> Result<Arc<Handlebars<'static>>> {
+    static REGISTRIES: OnceLock<RwLock<HashMap<usize, Arc<Handlebars<'static>>>>> = OnceLock::new();
+    let lock = REGISTRIES.get_or_init(Default::default);
+    let id = def as *const TemplateDef as usize;
+    if let Some(hb) = lock.read().unwrap_or_else(|e| e.into_inner()).get(&id) {
+        return Ok(hb.clone());
+    }
+    let template_error = |e: &dyn std::fmt::Display| Error::Template {
+        template: def.name.to_string(),
+        message: e.to_string(),
+    };
+    let extras = family::extras(def)?;
+    let mut hb = Handlebars::new();
+    // CUDA is not HTML: `<` and `&` must come through as written.
+    hb.register_escape_fn(handlebars::no_escape);
+    // A misspelt variable is an error, not an empty string.
+    hb.set_strict_mode(true);
+    for (name, text) in PARTIALS.iter().chain(extras.partials) {
+        hb.register_partial(name, *text)
+            .map_err(|e| template_error(&format!("partial {name}: {e}")))?;
+    }
+    hb.register_template_string(def.name, def.source)
+        .map_err(|e| template_error(&e))?;
+    let hb = Arc::new(hb);
+    let mut map = lock.write().unwrap_or_else(|e| e.into_inner());
+    Ok(map.entry(id).or_insert(hb).clone())
 }
 
 /// The values a template sees: `dtype` (device type), `dtype_name`, `block_dim`, `n_reads`,
@@ -60,28 +78,22 @@ fn context(spec: &KernelSpec) -> Value {
 
 pub fn render(spec: &KernelSpec) -> Result<Rendered> {
     let def = spec.template;
-    let template_error = |e: &dyn std::fmt::Display| Error::Template {
-        template: def.name.to_string(),
-        message: e.to_string(),
-    };
-    let lock = registry();
-    if !lock
-        .read()
-        .unwrap_or_else(|e| e.into_inner())
-        .has_template(def.name)
-    {
-        let mut hb = lock.write().unwrap_or_else(|e| e.into_inner());
-        if !hb.has_template(def.name) {
-            hb.register_template_string(def.name, def.source)
-                .map_err(|e| template_error(&e))?;
-        }
-    }
-    let hb = lock.read().unwrap_or_else(|e| e.into_inner());
+    let hb = family_registry(def)?;
     let source = hb
         .render(def.name, &context(spec))
-        .map_err(|e| template_error(&e))?;
+        .map_err(|e| Error::Template {
+            template: def.name.to_string(),
+            message: e.to_string(),
+        })?;
+    let mut name_expressions = vec![def.kernel.to_string()];
+    name_expressions.extend(
+        family::extras(def)?
+            .entry_points
+            .iter()
+            .map(|e| e.to_string()),
+    );
     Ok(Rendered {
         source,
-        name_expressions: vec![def.kernel.to_string()],
+        name_expressions,
     })
 }

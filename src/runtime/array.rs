@@ -153,6 +153,50 @@ impl Array {
         Array::from_bytes(enc, dtype, shape, &encode(dtype, values))
     }
 
+    /// A new contiguous array with every element `value` (rounded to `dtype`), e.g. 0.0 for
+    /// zeros. One host upload on the encoder's stream: no kernel to compile.
+    pub fn full(
+        enc: &mut CommandEncoder,
+        dtype: DType,
+        shape: &[usize],
+        value: f64,
+    ) -> Result<Array> {
+        let n = byte_size(dtype, shape)? / dtype.size();
+        Array::from_f64(enc, dtype, &vec![value; n], shape)
+    }
+
+    pub fn zeros(enc: &mut CommandEncoder, dtype: DType, shape: &[usize]) -> Result<Array> {
+        Array::full(enc, dtype, shape, 0.0)
+    }
+
+    /// Overwrites this (contiguous) array with `data` (little-endian `dtype` elements). Work
+    /// already encoded is committed first, so it reads the old contents and later work the new.
+    pub fn copy_from_bytes(&self, enc: &mut CommandEncoder, data: &[u8]) -> Result<()> {
+        if !self.is_contiguous() {
+            return Err(invalid(
+                "self",
+                "must be contiguous to be uploaded into".into(),
+            ));
+        }
+        if data.len() != self.nbytes() {
+            return Err(invalid(
+                "data",
+                format!(
+                    "{} bytes for an array of {} bytes",
+                    data.len(),
+                    self.nbytes()
+                ),
+            ));
+        }
+        enc.commit()?;
+        enc.upload(self, data)
+    }
+
+    /// [`Array::copy_from_bytes`] from f64 values rounded to the array's dtype.
+    pub fn copy_from_f64(&self, enc: &mut CommandEncoder, values: &[f64]) -> Result<()> {
+        self.copy_from_bytes(enc, &encode(self.dtype, values))
+    }
+
     /// Downloads the elements in row-major order (waits for the encoder's work first).
     pub fn to_bytes(&self, enc: &mut CommandEncoder) -> Result<Vec<u8>> {
         let c = self.contiguous(enc)?;
