@@ -103,16 +103,7 @@ impl Jit {
                 .unwrap_or(target.arch);
             target = Target::ptx(best);
         }
-        if !spec.builds_for(requested.arch) {
-            return Err(Error::InvalidArgument {
-                arg: "target",
-                reason: format!(
-                    "{} is written for sm_{} only, not {requested}",
-                    spec.template.name,
-                    spec.template.only_arch.unwrap_or_default()
-                ),
-            });
-        }
+        check_builds_for(spec, requested)?;
         if spec.template.arch_specific {
             target = target.arch_specific();
         }
@@ -217,16 +208,7 @@ impl Jit {
     /// The target `requested` resolves to when there is no NVRTC to ask: the arch-specific
     /// variant where the family needs it (no PTX fallback: that depends on the NVRTC).
     fn resolve_target_offline(&self, spec: &KernelSpec, requested: Target) -> Result<Target> {
-        if !spec.builds_for(requested.arch) {
-            return Err(Error::InvalidArgument {
-                arg: "target",
-                reason: format!(
-                    "{} is written for sm_{} only, not {requested}",
-                    spec.template.name,
-                    spec.template.only_arch.unwrap_or_default()
-                ),
-            });
-        }
+        check_builds_for(spec, requested)?;
         Ok(if spec.template.arch_specific {
             requested.arch_specific()
         } else {
@@ -368,4 +350,20 @@ pub fn default_cache_dir() -> PathBuf {
     directories::ProjectDirs::from("", "", "kiln")
         .map(|d| d.cache_dir().to_path_buf())
         .unwrap_or_else(|| PathBuf::from(".kiln-cache"))
+}
+
+/// An error unless `spec`'s family can be built for `requested` (families written for one
+/// architecture only).
+fn check_builds_for(spec: &KernelSpec, requested: Target) -> Result<()> {
+    if spec.builds_for(requested.arch) {
+        return Ok(());
+    }
+    Err(Error::InvalidArgument {
+        arg: "target",
+        reason: format!(
+            "{} is written for sm_{} only, not {requested}",
+            spec.template.name,
+            spec.template.only_arch.unwrap_or_default()
+        ),
+    })
 }
