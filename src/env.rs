@@ -96,6 +96,10 @@ pub struct Config {
     pub nccl_timeout_s: f64,
     /// `KILN_NCCL_CHECK` (default true): check that the ranks called matching collectives.
     pub nccl_check: bool,
+    /// `KILN_COMPILE_THREADS`: threads that compile, in the background, the kernels a call's
+    /// next calls will likely need (default: one per CPU; 0: none, every compile is made by
+    /// the call that needs it).
+    pub compile_threads: usize,
 }
 
 /// Every variable kiln reads, for `kiln info`.
@@ -119,6 +123,7 @@ pub const VARIABLES: &[&str] = &[
     "KILN_NCCL_LIB",
     "KILN_NCCL_TIMEOUT",
     "KILN_NCCL_CHECK",
+    "KILN_COMPILE_THREADS",
     "KILN_RANK",
     "KILN_WORLD_SIZE",
     "KILN_NCCL_ID",
@@ -189,6 +194,14 @@ impl Config {
             nccl_check: match set("KILN_NCCL_CHECK") {
                 None => true,
                 Some(v) => parse_bool("KILN_NCCL_CHECK", &v)?,
+            },
+            compile_threads: match set("KILN_COMPILE_THREADS") {
+                None => std::thread::available_parallelism().map_or(1, |n| n.get()),
+                Some(v) => v.trim().parse::<usize>().map_err(|_| Error::Env {
+                    var: "KILN_COMPILE_THREADS",
+                    value: v.clone(),
+                    expected: "a number of threads (0 turns background compiles off)",
+                })?,
             },
         })
     }

@@ -91,3 +91,36 @@ fn a_fresh_process_launches_kernels_from_the_warmed_cache() {
     }
     assert!(checks.iter().any(|c| c["origin"] == "disk"));
 }
+
+/// A cache entry another NVRTC made for this exact target, which the driver refuses to load (a
+/// damaged image stands in for one its driver cannot take), is not an error: kiln compiles the
+/// spec with its own NVRTC, launches it, and keeps the result.
+#[test]
+fn an_entry_the_driver_refuses_is_replaced_by_a_local_compile() {
+    let Some(gpus) = common::gpus_or_skip("driver_refusal") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let target = gpus[0].target();
+    let spec = kiln::ops::axpby::spec(kiln::DType::F32);
+    let own = common::jit_in(dir.path()).compile(&spec, target).unwrap();
+    let mut foreign = (*own.entry).clone();
+    foreign.parts.nvrtc_version = "12.0".into();
+    foreign.key = foreign.parts.key();
+    foreign.image = b"not a module any driver loads".to_vec();
+    let jit = common::jit_in(dir.path());
+    jit.disk_cache().store(&foreign);
+    std::fs::remove_file(jit.disk_cache().entry_path(&own.entry.key)).unwrap();
+    let found = jit.compile(&spec, target).unwrap();
+    assert_eq!(
+        found.entry.parts.nvrtc_version, "12.0",
+        "the foreign entry is found first"
+    );
+
+    let jit = common::jit_in(dir.path());
+    let ctx = cudarc::driver::CudaContext::new(gpus[0].ordinal).unwrap();
+    let table = kiln::jit::KernelTable::new();
+    let kernel = table.get_or_load(&jit, &ctx, target, &spec).unwrap();
+    assert_eq!(kernel.origin, kiln::jit::Origin::Compiled);
+    assert!(jit.disk_cache().entry_path(&own.entry.key).exists());
+}

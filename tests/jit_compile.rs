@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use kiln::env::CacheMode;
 use kiln::jit::entry::ImageKind;
-use kiln::jit::{template, KernelSpec, Origin, Target, TemplateDef};
+use kiln::jit::{template, Jit, KernelSpec, Origin, Target, TemplateDef};
 use kiln::ops::norm::{self, Kind, Pass};
 use kiln::{DType, Error};
 
@@ -209,6 +209,43 @@ fn concurrent_requests_for_one_spec_compile_once() {
     let compiled = origins.iter().filter(|o| **o == Origin::Compiled).count();
     assert_eq!(compiled, 1, "{origins:?}");
     assert!(origins.iter().all(|o| *o != Origin::Disk));
+}
+
+/// Background compiles: prefetched specs are compiled off the caller's thread; a caller that
+/// then asks for one gets the module from memory, never a second compile; a spec queued twice is
+/// compiled once; with KILN_COMPILE_THREADS=0 nothing is compiled in the background.
+#[test]
+fn prefetched_specs_compile_in_the_background_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = kiln::env::Config::from_env().unwrap();
+    config.cache_dir = Some(dir.path().to_path_buf());
+    config.compile_threads = 2;
+    let jit: &'static Jit = Box::leak(Box::new(Jit::new(config.clone())));
+    let specs: Vec<KernelSpec> = kiln::ops::copy::specs().into_iter().take(4).collect();
+    jit.prefetch(specs.clone(), Target::sass(90));
+    jit.prefetch(specs.clone(), Target::sass(90));
+    let started = std::time::Instant::now();
+    while !jit.background_idle() {
+        assert!(
+            started.elapsed().as_secs() < 120,
+            "background compiles never finished"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    for spec in &specs {
+        let c = jit.compile(spec, Target::sass(90)).unwrap();
+        assert_eq!(c.origin, Origin::Memory, "{spec}");
+    }
+    assert_eq!(jit.disk_cache().entry_files().len(), specs.len());
+
+    let off = tempfile::tempdir().unwrap();
+    config.cache_dir = Some(off.path().to_path_buf());
+    config.compile_threads = 0;
+    let jit: &'static Jit = Box::leak(Box::new(Jit::new(config)));
+    jit.prefetch(specs.clone(), Target::sass(90));
+    assert!(jit.background_idle());
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    assert!(jit.disk_cache().entry_files().is_empty());
 }
 
 #[test]

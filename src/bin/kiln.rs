@@ -36,6 +36,10 @@ enum Command {
         /// Only specs whose description contains this text (e.g. "bf16" or "layer_norm_fwd").
         #[arg(long, value_name = "TEXT")]
         only: Option<String>,
+        /// Also rebuild, for each --arch, every module the cache holds for another target
+        /// (applications' kernels included), from the source each entry records.
+        #[arg(long)]
+        from_cache: bool,
         /// Print the summary as one JSON object on the last line.
         #[arg(long)]
         json: bool,
@@ -141,8 +145,9 @@ fn main() -> ExitCode {
             arch,
             jobs,
             only,
+            from_cache,
             json,
-        } => warm(jit, &arch, jobs, only.as_deref(), json),
+        } => warm(jit, &arch, jobs, only.as_deref(), from_cache, json),
         Command::Cache { action } => cache(jit, action),
         Command::Info { json } => info(jit, json),
         Command::Check { json } => check(json),
@@ -161,6 +166,7 @@ fn warm(
     arch: &[String],
     jobs: Option<usize>,
     only: Option<&str>,
+    from_cache: bool,
     json: bool,
 ) -> kiln::Result<ExitCode> {
     let started = Instant::now();
@@ -181,6 +187,12 @@ fn warm(
     // Without NVRTC, warm still finds what the cache holds (any NVRTC's entries); with it, a
     // target it cannot serve fails early, with the full explanation.
     let nvrtc = jit.nvrtc();
+    if let (true, Err(e)) = (from_cache, &nvrtc) {
+        return Err(kiln::Error::InvalidArgument {
+            arg: "--from-cache",
+            reason: format!("rebuilding cached modules for another target needs NVRTC: {e}"),
+        });
+    }
     if nvrtc.is_ok() {
         for &t in &targets {
             jit.check_target(t)?;
@@ -212,15 +224,26 @@ fn warm(
                 .expect("static template"),
         )
     };
-    let report = jit.warm(&work, jobs.unwrap_or(0), &|_| bar.inc(1));
+    let mut report = jit.warm(&work, jobs.unwrap_or(0), &|_| bar.inc(1));
+    if from_cache {
+        // Rebuilt after the registered specs, so that those are not compiled twice.
+        bar.set_length(0);
+        bar.set_position(0);
+        let rebuilt = jit.warm_from_cache(&targets, jobs.unwrap_or(0), &|p| {
+            bar.set_length(p.total as u64);
+            bar.inc(1)
+        });
+        report.absorb(rebuilt);
+    }
     bar.finish_and_clear();
+    let specs = report.specs;
     let gc = jit.disk_cache().gc();
     let failures = &report.failures;
     let seconds = started.elapsed().as_secs_f64();
     let targets: Vec<String> = targets.iter().map(|t| t.to_string()).collect();
     let summary = json!({
         "targets": targets,
-        "specs": work.len(),
+        "specs": specs,
         "compiled": report.compiled,
         "cached": report.cached,
         "failed": failures.len(),
@@ -243,7 +266,7 @@ fn warm(
             eprintln!(
                 "kiln: {} of {} kernels are not in the cache, and compiling them needs NVRTC: {e}",
                 failures.len(),
-                work.len()
+                specs
             );
             return Ok(ExitCode::from(2));
         }
@@ -252,7 +275,7 @@ fn warm(
     if !json {
         out!(
             "warmed {} kernels for {} with NVRTC {} in {:.1} s: {} compiled, {} already cached, {} failed",
-            work.len(),
+            specs,
             targets.join(", "),
             nvrtc_version,
             seconds,

@@ -9,6 +9,7 @@ use std::time::Instant;
 
 use dashmap::DashMap;
 
+use super::background::Background;
 use super::disk_cache::{DiskCache, Lookup};
 use super::entry::{Entry, ImageKind};
 use super::key::{CacheKey, KeyParts};
@@ -48,6 +49,7 @@ pub struct Jit {
     cache: DiskCache,
     /// One slot per key: holds the module once compiled; its lock is the single flight.
     modules: DashMap<CacheKey, Arc<Mutex<Option<Arc<Entry>>>>>,
+    background: Background,
 }
 
 impl Jit {
@@ -70,7 +72,12 @@ impl Jit {
             config,
             cache,
             modules: DashMap::new(),
+            background: Background::new(),
         }
+    }
+
+    pub(crate) fn background(&self) -> &Background {
+        &self.background
     }
 
     pub fn config(&self) -> &Config {
@@ -91,23 +98,29 @@ impl Jit {
     /// this NVRTC knows (sm_70 with NVRTC 13) is an error that names the NVRTC that can.
     pub fn resolve_target(&self, spec: &KernelSpec, requested: Target) -> Result<Target> {
         self.check_target(requested)?;
-        let nvrtc = self.nvrtc()?;
-        let mut target = requested;
-        if target.kind != TargetKind::Ptx && !nvrtc.supports_sass(target.arch) {
-            let best = nvrtc
-                .supported_archs
-                .iter()
-                .copied()
-                .filter(|&a| a <= target.arch)
-                .max()
-                .unwrap_or(target.arch);
-            target = Target::ptx(best);
-        }
+        let mut target = self.sass_or_ptx(requested)?;
         check_builds_for(spec, requested)?;
         if spec.template.arch_specific {
             target = target.arch_specific();
         }
         Ok(target)
+    }
+
+    /// `requested`, or PTX for the newest architecture this NVRTC knows when it cannot emit
+    /// SASS for `requested`.
+    fn sass_or_ptx(&self, requested: Target) -> Result<Target> {
+        let nvrtc = self.nvrtc()?;
+        if requested.kind == TargetKind::Ptx || nvrtc.supports_sass(requested.arch) {
+            return Ok(requested);
+        }
+        let best = nvrtc
+            .supported_archs
+            .iter()
+            .copied()
+            .filter(|&a| a <= requested.arch)
+            .max()
+            .unwrap_or(requested.arch);
+        Ok(Target::ptx(best))
     }
 
     /// An error when the NVRTC in use cannot compile for `target` at all: it is older than
@@ -200,7 +213,48 @@ impl Jit {
                 });
             }
         }
-        let compiled = self.load_or_compile(spec, target, key, parts, any_nvrtc)?;
+        let compiled = self.load_or_compile(&spec.to_string(), target, key, parts, any_nvrtc)?;
+        *slot = Some(compiled.entry.clone());
+        Ok(compiled)
+    }
+
+    /// The module a cached entry (`recipe`: its source, options and entry points) describes,
+    /// built for `requested` instead of the entry's own target: from memory, disk, or NVRTC.
+    /// This is how `kiln warm --arch` serves another GPU type with what the cache holds, the
+    /// kernels of applications it has never seen included. The key is made exactly as for the
+    /// spec the entry came from, so a process asking for that spec on `requested` finds it.
+    pub fn compile_entry_for(&self, recipe: &Entry, requested: Target) -> Result<Compiled> {
+        self.check_target(requested)?;
+        let own: Target = recipe.parts.target.parse()?;
+        let target = if own.kind == TargetKind::SassArchSpecific {
+            if own.arch != requested.arch {
+                return Err(Error::InvalidArgument {
+                    arg: "target",
+                    reason: format!(
+                        "{} was built for {own}, whose features only sm_{} has, not {requested}",
+                        recipe.spec, own.arch
+                    ),
+                });
+            }
+            requested.arch_specific()
+        } else {
+            self.sass_or_ptx(requested)?
+        };
+        let parts = KeyParts {
+            target: target.to_string(),
+            nvrtc_version: self.nvrtc()?.version_string(),
+            ..recipe.parts.clone()
+        };
+        let key = parts.key();
+        let slot = self.modules.entry(key).or_default().clone();
+        let mut slot = slot.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(entry) = slot.as_ref() {
+            return Ok(Compiled {
+                entry: entry.clone(),
+                origin: Origin::Memory,
+            });
+        }
+        let compiled = self.load_or_compile(&recipe.spec, target, key, parts, false)?;
         *slot = Some(compiled.entry.clone());
         Ok(compiled)
     }
@@ -244,9 +298,11 @@ impl Jit {
         })
     }
 
+    /// The entry for `key` from disk (with `any_nvrtc`, also another NVRTC's for the same
+    /// lookup key), or compiled now and stored. `what` names the module in logs and errors.
     fn load_or_compile(
         &self,
-        spec: &KernelSpec,
+        what: &str,
         target: Target,
         key: CacheKey,
         parts: KeyParts,
@@ -260,13 +316,13 @@ impl Jit {
                 })
             }
             Lookup::Corrupt(why) => {
-                tracing::warn!(%spec, %target, reason = %why, "recompiling a corrupt cache entry");
+                tracing::warn!(spec = what, %target, reason = %why, "recompiling a corrupt cache entry");
             }
             Lookup::Miss => {}
         }
         if any_nvrtc {
             if let Some(entry) = self.cache.find_any(&parts.lookup_key()) {
-                tracing::info!(%spec, %target, nvrtc = %entry.parts.nvrtc_version,
+                tracing::info!(spec = what, %target, nvrtc = %entry.parts.nvrtc_version,
                     "using a cache entry another NVRTC version made");
                 return Ok(Compiled {
                     entry: Arc::new(entry),
@@ -285,10 +341,12 @@ impl Jit {
         let mut options = parts.options.clone();
         options.push(target.nvrtc_option());
         let started = Instant::now();
-        let span = tracing::info_span!("kiln.compile", %spec, %target);
+        let span = tracing::info_span!("kiln.compile", spec = what, %target);
         let _enter = span.enter();
+        // The program name appears only in NVRTC's messages: the family's name.
+        let program = what.split_whitespace().next().unwrap_or("kiln");
         let output = nvrtc.compile(
-            spec.template.name,
+            program,
             &parts.source,
             &parts.name_expressions,
             &options,
@@ -300,7 +358,7 @@ impl Jit {
                 let source_path: Option<PathBuf> =
                     self.cache.save_failed_source(&key, &parts.source);
                 return Err(Error::Compile {
-                    spec: spec.to_string(),
+                    spec: what.to_string(),
                     target: target.to_string(),
                     log: failure.log,
                     source_path,
@@ -311,7 +369,7 @@ impl Jit {
         let entry = Entry {
             key,
             parts,
-            spec: spec.to_string(),
+            spec: what.to_string(),
             producer: PRODUCER.to_string(),
             image_kind: if target.is_ptx() {
                 ImageKind::Ptx

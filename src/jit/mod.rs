@@ -1,5 +1,6 @@
 //! The JIT: kernel specs, template rendering, NVRTC, the disk cache and the in-memory table.
 
+pub mod background;
 pub mod bundle;
 pub mod compat;
 pub mod compiler;

@@ -668,6 +668,16 @@ fn forward(
             choose_spec(Pass::Forward, kind, x.dtype(), d, vectorized, gpu)
         }
     };
+    if !enc.device().has_kernel(&spec) {
+        // A first forward of this shape: training calls the VJP next (with a cotangent laid out
+        // like x), whose kernel and column sums compile in the background meanwhile.
+        let gpu = Gpu::of(enc.device());
+        let columns_per_thread = if d % 4 == 0 { 4 } else { 1 };
+        enc.device().prefetch([
+            choose_spec(Pass::Vjp, kind, x.dtype(), d, vectorized, gpu),
+            reduce_cols_spec(x.dtype(), columns_per_thread),
+        ]);
+    }
     let kernel = enc.device().kernel(&spec)?;
     let (wp, ws, wv) = param_args(w, vectorized);
     let (bp, bs, bv) = param_args(b, vectorized);

@@ -255,23 +255,15 @@ fn aligned(a: &Array) -> bool {
 
 /// The plan cache's key for GEMM operands `a` and `b` (see [`run`]).
 fn plan_key(enc: &CommandEncoder, pass: Pass, g: &Geometry, a: &Array, b: &Array) -> PlanKey {
-    let dtype = a.dtype();
-    let (cin_g, cout_g) = (g.cin / g.groups, g.cout / g.groups);
-    let w = dtype.vec_width();
-    // The channel run each operand's vectors lie in (see the template's gather).
-    let (run_a, run_b) = match pass {
-        Pass::Forward => (cin_g, cin_g),
-        Pass::BackwardData => (cout_g, cin_g),
-        Pass::BackwardWeight => (cout_g, cin_g),
-    };
+    let (vec_a, vec_b) = plan::channel_vectors(a.dtype(), pass, g);
     PlanKey {
         device: enc.device().ordinal(),
         arch: enc.device().arch(),
-        dtype,
+        dtype: a.dtype(),
         pass,
         geometry: *g,
-        vec_a: run_a % w == 0 && aligned(a),
-        vec_b: run_b % w == 0 && aligned(b),
+        vec_a: vec_a && aligned(a),
+        vec_b: vec_b && aligned(b),
     }
 }
 

@@ -10,7 +10,7 @@ use lru::LruCache;
 use super::geometry::{Geometry, Pass, Problem};
 use super::hopper;
 use crate::dtype::DType;
-use crate::env::{Config, DEFAULT_CONV_CACHE_SIZE};
+use crate::env::{Config, ConvPath, DEFAULT_CONV_CACHE_SIZE};
 use crate::error::{Error, Result};
 use crate::jit::{KernelSpec, LoadedKernel, TemplateDef};
 use crate::runtime::Device;
@@ -310,9 +310,12 @@ pub fn cached(key: &PlanKey) -> Option<Arc<Plan>> {
     found
 }
 
-/// A new plan for `key` from the model, kept in the plan cache.
+/// A new plan for `key` from the model, kept in the plan cache. The kernels the same
+/// convolution's other passes would use are queued for compiling in the background first (a
+/// training step runs all three), so that their compiles overlap this one's.
 pub fn create(device: &Device, key: PlanKey) -> Result<Arc<Plan>> {
     let path = Config::from_env()?.conv_path;
+    device.prefetch(companion_specs(device, path, &key));
     let plan = match hopper::plan(device, path, &key) {
         Some((spec, launch)) => Arc::new(build_wgmma(device, &key, spec, launch)?),
         None => {
@@ -322,6 +325,59 @@ pub fn create(device: &Device, key: PlanKey) -> Result<Arc<Plan>> {
     };
     remember(key, plan.clone());
     Ok(plan)
+}
+
+/// Whether each GEMM operand of `pass` may use vector loads as far as the channel counts go:
+/// the channel run its vectors lie in (see the template's gather) is a multiple of the vector
+/// width. (Each array's alignment decides too.)
+pub fn channel_vectors(dtype: DType, pass: Pass, g: &Geometry) -> (bool, bool) {
+    let (cin_g, cout_g) = (g.cin / g.groups, g.cout / g.groups);
+    let w = dtype.vec_width();
+    let (run_a, run_b) = match pass {
+        Pass::Forward => (cin_g, cin_g),
+        Pass::BackwardData => (cout_g, cin_g),
+        Pass::BackwardWeight => (cout_g, cin_g),
+    };
+    (run_a % w == 0, run_b % w == 0)
+}
+
+/// The kernels the other passes of `key`'s convolution would load, with aligned operands and
+/// when they are not cached yet (the split sum included where a pass splits its reduction).
+fn companion_specs(device: &Device, path: ConvPath, key: &PlanKey) -> Vec<KernelSpec> {
+    let mut out = Vec::new();
+    for pass in Pass::ALL.into_iter().filter(|&p| p != key.pass) {
+        let (vec_a, vec_b) = channel_vectors(key.dtype, pass, &key.geometry);
+        let other = PlanKey {
+            pass,
+            vec_a,
+            vec_b,
+            ..*key
+        };
+        if cached_quietly(&other) {
+            continue;
+        }
+        let splits = match hopper::plan(device, path, &other) {
+            Some((spec, launch)) => {
+                out.push(spec);
+                launch.splits
+            }
+            None => {
+                let (t, splits) = choose(device, &other);
+                out.push(igemm_spec_for(&other, t));
+                splits
+            }
+        };
+        if splits > 1 {
+            out.push(split_sum_spec(key.dtype));
+        }
+    }
+    out
+}
+
+/// Whether the plan cache holds `key`, without counting a hit or a miss.
+fn cached_quietly(key: &PlanKey) -> bool {
+    let c = cache().lock().unwrap_or_else(|e| e.into_inner());
+    c.plans.contains(key)
 }
 
 /// Keeps `plan` as the plan for `key` (a measured choice; see `autotune`).
@@ -375,17 +431,23 @@ pub fn tap_tiles(key: &PlanKey) -> bool {
         }
 }
 
-fn build(device: &Device, key: &PlanKey, t: Tile, splits: usize) -> Result<Plan> {
-    let (tensor, tap) = (key.tensor(), tap_tiles(key));
-    let spec = igemm_spec(
+/// The `conv_igemm` spec that runs `key` with tile `t`.
+fn igemm_spec_for(key: &PlanKey, t: Tile) -> KernelSpec {
+    let tensor = key.tensor();
+    igemm_spec(
         key.dtype,
         key.pass,
         tensor,
         t,
         vec_for(key.dtype, tensor, key.vec_a),
         vec_for(key.dtype, tensor, key.vec_b),
-        tap,
-    );
+        tap_tiles(key),
+    )
+}
+
+fn build(device: &Device, key: &PlanKey, t: Tile, splits: usize) -> Result<Plan> {
+    let (tensor, tap) = (key.tensor(), tap_tiles(key));
+    let spec = igemm_spec_for(key, t);
     let shared = shared_bytes(key.dtype, key.pass, tensor, t, tap);
     if shared > device.shared_limit() {
         return Err(Error::InvalidArgument {

@@ -1,0 +1,106 @@
+//! Background compiles. A miss compiles what the call needs on the caller's thread; what the
+//! next calls will likely need (the other passes of a convolution, a norm's VJP) is queued here
+//! first, so that its NVRTC time overlaps the caller's compile and work instead of following it.
+//!
+//! Workers start on the first queued spec, `KILN_COMPILE_THREADS` of them (default: one per
+//! CPU; 0 turns queueing off). They compile through [`Jit::compile`], whose single flight makes
+//! a caller that asks for a spec a worker is compiling wait for that compile rather than start
+//! another; a spec nobody has started yet is simply compiled by whoever gets to it first.
+//! Failures are logged and dropped: the call that needs the spec compiles it again and gets the
+//! error itself.
+
+use std::collections::{HashSet, VecDeque};
+use std::sync::{Condvar, Mutex, OnceLock};
+
+use super::compiler::Jit;
+use super::spec::KernelSpec;
+use super::target::Target;
+
+/// The queue of one JIT's background compiles.
+#[derive(Default)]
+pub(crate) struct Background {
+    state: Mutex<State>,
+    wake: Condvar,
+    started: OnceLock<()>,
+}
+
+#[derive(Default)]
+struct State {
+    queue: VecDeque<(KernelSpec, Target)>,
+    /// Everything ever queued: a spec is compiled in the background at most once.
+    seen: HashSet<(KernelSpec, Target)>,
+    /// Queued or being compiled, for [`Jit::background_idle`].
+    pending: usize,
+}
+
+impl Jit {
+    /// Queues `specs` for compiling on `target` in the background (see the module's notes).
+    /// Specs queued before are skipped; with `KILN_COMPILE_THREADS=0` nothing is queued.
+    pub fn prefetch(&'static self, specs: impl IntoIterator<Item = KernelSpec>, target: Target) {
+        let threads = self.config().compile_threads;
+        if threads == 0 {
+            return;
+        }
+        let bg = self.background();
+        let mut added = false;
+        {
+            let mut state = bg.state.lock().unwrap_or_else(|e| e.into_inner());
+            for spec in specs {
+                if state.seen.insert((spec, target)) {
+                    state.queue.push_back((spec, target));
+                    state.pending += 1;
+                    added = true;
+                }
+            }
+        }
+        if !added {
+            return;
+        }
+        bg.started.get_or_init(|| {
+            for i in 0..threads {
+                let spawned = std::thread::Builder::new()
+                    .name(format!("kiln-compile-{i}"))
+                    .spawn(move || self.background_worker());
+                if let Err(e) = spawned {
+                    tracing::warn!(error = %e, "could not start a background compile thread");
+                }
+            }
+        });
+        bg.wake.notify_all();
+    }
+
+    /// Whether every queued background compile has finished (for tests and benchmarks).
+    pub fn background_idle(&self) -> bool {
+        self.background()
+            .state
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .pending
+            == 0
+    }
+
+    fn background_worker(&'static self) {
+        let bg = self.background();
+        loop {
+            let (spec, target) = {
+                let mut state = bg.state.lock().unwrap_or_else(|e| e.into_inner());
+                loop {
+                    if let Some(item) = state.queue.pop_front() {
+                        break item;
+                    }
+                    state = bg.wake.wait(state).unwrap_or_else(|e| e.into_inner());
+                }
+            };
+            if let Err(e) = self.compile(&spec, target) {
+                tracing::warn!(%spec, %target, error = %e, "background compile failed");
+            }
+            bg.state.lock().unwrap_or_else(|e| e.into_inner()).pending -= 1;
+        }
+    }
+}
+
+impl Background {
+    pub(crate) fn new() -> Background {
+        Background::default()
+    }
+}
