@@ -138,15 +138,19 @@ fn bias_gelu(enc: &mut CommandEncoder, x: &Array, bias: &Array, y: &Array) -> ki
         .push(x.size() as i64)
         .push(cols as i64);
     let blocks = kiln::ops::grid_stride_blocks(enc, x.size(), BLOCK);
-    enc.launch(
-        &kernel,
-        blocks as u32,
-        BLOCK as u32,
-        0,
-        args,
-        &[x, bias],
-        &[y],
-    )
+    // SAFETY: the arguments are the template's (x, bias, y, n, cols) in order and type, and the
+    // shapes were checked above: x and bias are read, y written.
+    unsafe {
+        enc.launch(
+            &kernel,
+            blocks as u32,
+            BLOCK as u32,
+            0,
+            args,
+            &[x, bias],
+            &[y],
+        )
+    }
 }
 
 fn run_on_gpu(dtype: DType) -> kiln::Result<f64> {

@@ -357,7 +357,9 @@ fn patches_after_a_whole_graph_update_are_accepted() {
                     .push(dst.device_ptr())
                     .push(N as i64)
                     .push(round as i64);
-                e.launch(&spin, 1, 256, 0, args, &[src], &[dst]).unwrap();
+                // SAFETY: the arguments match the kernel's parameters; it touches only the
+                // arrays listed, as listed.
+                unsafe { e.launch(&spin, 1, 256, 0, args, &[src], &[dst]) }.unwrap();
             } else {
                 axpby(e, 0.5 + round as f32, &v[0], 1.0, &v[1], &v[5]).unwrap();
             }
@@ -432,8 +434,9 @@ fn buffers_are_not_reused_while_the_gpu_may_read_them() {
             .push(dst.device_ptr())
             .push(N as i64)
             .push(100_000_000i64);
-        enc.launch(&kernel, 1, 256, 0, args, &[&src], &[&dst])
-            .unwrap();
+        // SAFETY: the arguments match the kernel's parameters; it touches only the
+        // arrays listed, as listed.
+        unsafe { enc.launch(&kernel, 1, 256, 0, args, &[&src], &[&dst]) }.unwrap();
         enc.commit().unwrap();
         let old = src.buffer_id();
         drop(src); // the GPU has not read it yet
@@ -628,8 +631,9 @@ fn the_host_waits_when_too_much_work_is_in_flight() {
             .push(dst.device_ptr())
             .push(N as i64)
             .push(10_000_000i64);
-        enc.launch(&kernel, 1, 256, 0, args, &[&src], &[&dst])
-            .unwrap();
+        // SAFETY: the arguments match the kernel's parameters; it touches only the
+        // arrays listed, as listed.
+        unsafe { enc.launch(&kernel, 1, 256, 0, args, &[&src], &[&dst]) }.unwrap();
         assert!(enc.commits_in_flight() <= 2, "{}", enc.commits_in_flight());
     }
     assert!(enc.stats().throttled_commits >= 3, "{:?}", enc.stats());
@@ -673,7 +677,9 @@ fn a_tensor_map_sized_argument_passes_by_value() {
         let map = Map(std::array::from_fn(|i| (i as u64) << 33 | 7));
         let mut args = KernelArgs::new();
         args.push(1000u32).push(map).push(out.device_ptr());
-        enc.launch(&kernel, 1, 32, 0, args, &[], &[&out]).unwrap();
+        // SAFETY: the arguments match the kernel's parameters; it touches only the
+        // arrays listed, as listed.
+        unsafe { enc.launch(&kernel, 1, 32, 0, args, &[], &[&out]) }.unwrap();
         let bytes = out.to_bytes(&mut enc).unwrap();
         let got: Vec<u64> = bytes
             .chunks_exact(8)
@@ -740,8 +746,9 @@ fn a_tensor_map_box_loads_through_the_copy_engine() {
                     .push(out.device_ptr())
                     .push(x0 as i32)
                     .push(y0 as i32);
-                enc.launch(&kernel, 1, 128, 0, args, &[&src], &[&out])
-                    .unwrap();
+                // SAFETY: the arguments match the kernel's parameters; it touches only the
+                // arrays listed, as listed.
+                unsafe { enc.launch(&kernel, 1, 128, 0, args, &[&src], &[&out]) }.unwrap();
                 let want: Vec<f64> = (0..16 * 32)
                     .map(|i| {
                         let (r, c) = (y0 + i / 32, x0 + i % 32);

@@ -67,13 +67,17 @@ pub fn axpby(
         .push(a)
         .push(b);
     let blocks = super::grid_stride_blocks(enc, n, BLOCK_DIM);
-    enc.launch(
-        &kernel,
-        blocks as u32,
-        BLOCK_DIM as u32,
-        0,
-        args,
-        &[x, y],
-        &[out],
-    )
+    // SAFETY: the arguments are the template's (x, y, out, n, a, b) in order and type; x and y,
+    // read, and out, written, hold n elements each.
+    unsafe {
+        enc.launch(
+            &kernel,
+            blocks as u32,
+            BLOCK_DIM as u32,
+            0,
+            args,
+            &[x, y],
+            &[out],
+        )
+    }
 }

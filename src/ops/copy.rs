@@ -58,14 +58,19 @@ pub fn copy(enc: &mut CommandEncoder, src: &Array, to: DType) -> Result<Array> {
         .push(src.ndim() as i32)
         .push(layout);
     let blocks = super::grid_stride_blocks(enc, n, BLOCK_DIM);
-    enc.launch(
-        &kernel,
-        blocks as u32,
-        BLOCK_DIM as u32,
-        0,
-        args,
-        &[src],
-        &[&dst],
-    )?;
+    // SAFETY: the arguments are the template's (src, dst, n, rank, layout) in order and type; the
+    // layout is src's own shape and strides, so every element read lies in src, and dst, written,
+    // holds its n elements.
+    unsafe {
+        enc.launch(
+            &kernel,
+            blocks as u32,
+            BLOCK_DIM as u32,
+            0,
+            args,
+            &[src],
+            &[&dst],
+        )
+    }?;
     Ok(dst)
 }

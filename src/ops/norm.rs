@@ -709,15 +709,20 @@ fn forward(
     let mut reads = vec![&xr];
     reads.extend(w);
     reads.extend(b);
-    enc.launch(
-        &kernel,
-        grid as u32,
-        block as u32,
-        shared as u32,
-        args,
-        &reads,
-        &[&y],
-    )?;
+    // SAFETY: the arguments are norm_fwd's (or norm_fwd_split's) in order and type; x's rows, the
+    // weight and bias (when given) are read and y written, within the rows x d elements and
+    // strides checked above.
+    unsafe {
+        enc.launch(
+            &kernel,
+            grid as u32,
+            block as u32,
+            shared as u32,
+            args,
+            &reads,
+            &[&y],
+        )
+    }?;
     Ok(y)
 }
 
@@ -851,15 +856,20 @@ fn vjp(
     reads.extend(w);
     let mut writes = vec![&dx];
     writes.extend(partial.as_ref());
-    enc.launch(
-        &kernel,
-        grid as u32,
-        block as u32,
-        shared as u32,
-        args,
-        &reads,
-        &writes,
-    )?;
+    // SAFETY: the arguments are the VJP templates' in order and type; x, the cotangent and the
+    // weight are read, dx and the f32 partial rows written, within the shapes checked above and
+    // the partial rows sized for this grid.
+    unsafe {
+        enc.launch(
+            &kernel,
+            grid as u32,
+            block as u32,
+            shared as u32,
+            args,
+            &reads,
+            &writes,
+        )
+    }?;
     let dw = w.map(|_| Array::empty_on(enc, dtype, &[d])).transpose()?;
     let db = if want_db {
         Some(Array::empty_on(enc, dtype, &[d])?)
@@ -921,15 +931,19 @@ fn reduce_col_sets(
         .push(d as i32)
         .push(col_threads as i32);
     let blocks = d.div_ceil(col_threads * columns_per_thread);
-    enc.launch(
-        &kernel,
-        (blocks as u32, outs.len() as u32, 1),
-        REDUCE_BLOCK as u32,
-        0,
-        args,
-        &[partial],
-        outs,
-    )
+    // SAFETY: the arguments are reduce_cols' in order and type; partial holds rows x d f32 per
+    // output, every output d elements.
+    unsafe {
+        enc.launch(
+            &kernel,
+            (blocks as u32, outs.len() as u32, 1),
+            REDUCE_BLOCK as u32,
+            0,
+            args,
+            &[partial],
+            outs,
+        )
+    }
 }
 
 /// LayerNorm's VJP: (dx, dweight if weight is given, dbias if bias is given).

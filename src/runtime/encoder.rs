@@ -388,9 +388,23 @@ impl CommandEncoder {
     }
 
     /// Encodes one kernel launch. Arguments are passed by value; `reads` and `writes` name every
-    /// array the kernel touches, for dependencies and lifetimes.
+    /// array the kernel touches, for dependencies and lifetimes. An array on another device than
+    /// the encoder's is an error; a grid, block or shared-memory size the kernel cannot take is
+    /// the driver's error (at once in direct mode, at the commit in graph mode).
+    ///
+    /// # Safety
+    ///
+    /// kiln cannot see inside the kernel, so the caller promises what the driver would otherwise
+    /// take on trust:
+    /// - `args` holds exactly the kernel's parameters, in order, each with the size, alignment
+    ///   and meaning the kernel declares (the driver copies each value by the declared size);
+    /// - every device address the kernel dereferences lies in an array of `reads` or `writes`
+    ///   (or in memory the caller keeps alive and unchanged until the work completes), within
+    ///   that array's bytes;
+    /// - every array the kernel writes is in `writes`. Graph mode orders nodes by these lists
+    ///   alone: a write left out races with the work around it.
     #[allow(clippy::too_many_arguments)]
-    pub fn launch(
+    pub unsafe fn launch(
         &mut self,
         kernel: &Arc<LoadedKernel>,
         grid: impl Into<Dim3>,
@@ -400,6 +414,8 @@ impl CommandEncoder {
         reads: &[&Array],
         writes: &[&Array],
     ) -> Result<()> {
+        self.check_device(reads)?;
+        self.check_device(writes)?;
         let mut node = KernelNode {
             // The LoadedKernel (and so its module) is retained until the commit completes.
             function: kernel.function.cu_function(),
@@ -449,14 +465,40 @@ impl CommandEncoder {
 
     /// Encodes work that must be stream-captured (a copy, a library call): `work` enqueues it
     /// on the stream it is given. In graph mode that stream is capturing and the result becomes
-    /// a child-graph node.
-    pub fn add_captured(
+    /// a child-graph node. An array on another device than the encoder's is an error.
+    ///
+    /// # Safety
+    ///
+    /// What `work` enqueues touches only memory of the arrays in `reads` and `writes` (or memory
+    /// the caller keeps alive and unchanged until it completes), and writes only arrays of
+    /// `writes`; it enqueues only on the stream it is given and does not synchronise it (a
+    /// capturing stream cannot be synchronised).
+    pub unsafe fn add_captured(
         &mut self,
         reads: &[&Array],
         writes: &[&Array],
         work: impl FnOnce(sys::CUstream) -> Result<()>,
     ) -> Result<()> {
+        self.check_device(reads)?;
+        self.check_device(writes)?;
         self.add_captured_with(reads, writes, None, work)
+    }
+
+    /// An error unless every array lives on this encoder's device.
+    fn check_device(&self, arrays: &[&Array]) -> Result<()> {
+        for a in arrays {
+            if !Arc::ptr_eq(a.device(), &self.device) {
+                return Err(Error::InvalidArgument {
+                    arg: "arrays",
+                    reason: format!(
+                        "an array lives on GPU {} but the encoder runs on GPU {}",
+                        a.device().ordinal(),
+                        self.device.ordinal()
+                    ),
+                });
+            }
+        }
+        Ok(())
     }
 
     fn add_captured_with(

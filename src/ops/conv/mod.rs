@@ -371,15 +371,21 @@ fn launch(enc: &mut CommandEncoder, plan: &Plan, a: &Array, b: &Array, out: &Arr
                 .push(out.device_ptr())
                 .push(partial_ptr)
                 .push(*problem);
-            enc.launch(
-                &plan.kernel,
-                plan.grid,
-                plan.threads,
-                plan.shared,
-                args,
-                &[a, b],
-                &[target],
-            )?;
+            // SAFETY: the arguments are conv_igemm's (a, b, out, partial, problem) in order and
+            // type; the problem was built from the geometry a, b and the output were checked
+            // against, and the kernel writes only the target (out, or the partial sums when
+            // splitting).
+            unsafe {
+                enc.launch(
+                    &plan.kernel,
+                    plan.grid,
+                    plan.threads,
+                    plan.shared,
+                    args,
+                    &[a, b],
+                    &[target],
+                )
+            }?;
         }
         Kind::Wgmma(launch) => {
             // Backward-data's stride phases write disjoint pixels of `out`, one launch each. The
@@ -391,15 +397,20 @@ fn launch(enc: &mut CommandEncoder, plan: &Plan, a: &Array, b: &Array, out: &Arr
                     .push(out.device_ptr())
                     .push(partial_ptr)
                     .push(phase.problem);
-                enc.launch(
-                    &plan.kernel,
-                    launch.blocks(phase),
-                    plan.threads,
-                    plan.shared,
-                    args,
-                    &[a, b],
-                    &[target],
-                )?;
+                // SAFETY: the arguments are conv_wgmma's (two tensor maps, out, partial, problem);
+                // the maps describe a and b as they are, the problem matches the checked geometry,
+                // and only the target is written.
+                unsafe {
+                    enc.launch(
+                        &plan.kernel,
+                        launch.blocks(phase),
+                        plan.threads,
+                        plan.shared,
+                        args,
+                        &[a, b],
+                        &[target],
+                    )
+                }?;
             }
         }
     }
@@ -411,15 +422,19 @@ fn launch(enc: &mut CommandEncoder, plan: &Plan, a: &Array, b: &Array, out: &Arr
             .push(n as i64)
             .push(plan.splits as i32);
         let blocks = super::grid_stride_blocks(enc, n, plan::SPLIT_SUM_BLOCK);
-        enc.launch(
-            kernel,
-            blocks as u32,
-            plan::SPLIT_SUM_BLOCK as u32,
-            0,
-            args,
-            &[p],
-            &[out],
-        )?;
+        // SAFETY: the arguments are conv_split_sum's (partial, out, n, splits); partial holds
+        // splits x n f32, out n elements.
+        unsafe {
+            enc.launch(
+                kernel,
+                blocks as u32,
+                plan::SPLIT_SUM_BLOCK as u32,
+                0,
+                args,
+                &[p],
+                &[out],
+            )
+        }?;
     }
     Ok(())
 }
