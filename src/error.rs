@@ -5,8 +5,10 @@ use std::path::PathBuf;
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Everything kiln reports. New variants may be added in any release, so matches need a
-/// wildcard arm.
-#[derive(Debug, thiserror::Error)]
+/// wildcard arm. Errors are `Clone`: one that a process-wide set-up remembers (NVRTC or NCCL
+/// failing to load, an invalid environment) is returned again, variant and fields intact, on
+/// every later call.
+#[derive(Clone, Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     #[error(
@@ -16,10 +18,6 @@ pub enum Error {
         searched.join("\n  ")
     )]
     NvrtcNotFound { searched: Vec<String> },
-
-    /// NVRTC failed to load earlier in this process; the message says why.
-    #[error("{0}")]
-    NvrtcUnavailable(String),
 
     #[error("could not load NVRTC from {path}: {reason}")]
     NvrtcLoad { path: PathBuf, reason: String },
@@ -65,8 +63,9 @@ pub enum Error {
     Io {
         context: &'static str,
         path: PathBuf,
+        /// Shared, so that the error can be cloned.
         #[source]
-        source: std::io::Error,
+        source: std::sync::Arc<std::io::Error>,
     },
 
     #[error("no CUDA driver: {0}")]
@@ -92,10 +91,6 @@ pub enum Error {
         searched.join("\n  ")
     )]
     NcclNotFound { searched: Vec<String> },
-
-    /// NCCL failed to load earlier in this process; the message says why.
-    #[error("{0}")]
-    NcclUnavailable(String),
 
     #[error("could not load NCCL from {path}: {reason}")]
     NcclLoad { path: PathBuf, reason: String },
@@ -155,7 +150,7 @@ impl Error {
         Error::Io {
             context,
             path: path.into(),
-            source,
+            source: std::sync::Arc::new(source),
         }
     }
 }

@@ -91,15 +91,15 @@ pub struct Nccl {
 unsafe impl Send for Nccl {}
 unsafe impl Sync for Nccl {}
 
-static NCCL: OnceLock<std::result::Result<Nccl, String>> = OnceLock::new();
+static NCCL: OnceLock<Result<Nccl>> = OnceLock::new();
 
 impl Nccl {
     /// Finds and loads NCCL once per process. `explicit` is `KILN_NCCL_LIB`.
     pub fn get(explicit: Option<&Path>) -> Result<&'static Nccl> {
-        match NCCL.get_or_init(|| load(explicit).map_err(|e| e.to_string())) {
-            Ok(n) => Ok(n),
-            Err(message) => Err(Error::NcclUnavailable(message.clone())),
-        }
+        // A failure is remembered and returned again, as the same typed error.
+        NCCL.get_or_init(|| load(explicit))
+            .as_ref()
+            .map_err(Error::clone)
     }
 
     pub fn version_string(&self) -> String {

@@ -55,14 +55,12 @@ pub struct Jit {
 impl Jit {
     /// The process-wide JIT, configured from the environment on first use.
     pub fn global() -> Result<&'static Jit> {
-        static GLOBAL: OnceLock<std::result::Result<Jit, String>> = OnceLock::new();
+        static GLOBAL: OnceLock<Result<Jit>> = OnceLock::new();
+        // An invalid variable is remembered and returned again as the same `Error::Env`.
         GLOBAL
-            .get_or_init(|| Config::from_env().map(Jit::new).map_err(|e| e.to_string()))
+            .get_or_init(|| Config::from_env().map(Jit::new))
             .as_ref()
-            .map_err(|e| Error::InvalidArgument {
-                arg: "environment",
-                reason: e.clone(),
-            })
+            .map_err(Error::clone)
     }
 
     pub fn new(config: Config) -> Jit {

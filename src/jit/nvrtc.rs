@@ -41,17 +41,17 @@ pub struct CompileFailure {
     pub log: String,
 }
 
-static NVRTC: OnceLock<std::result::Result<Nvrtc, String>> = OnceLock::new();
+static NVRTC: OnceLock<Result<Nvrtc>> = OnceLock::new();
 static LIBRARY: OnceLock<libloading::Library> = OnceLock::new();
 
 impl Nvrtc {
     /// Finds and loads NVRTC once per process. `explicit` is `KILN_NVRTC_LIB`.
     pub fn get(explicit: Option<&Path>) -> Result<&'static Nvrtc> {
-        let loaded = NVRTC.get_or_init(|| load(explicit).map_err(|e| e.to_string()));
-        match loaded {
-            Ok(n) => Ok(n),
-            Err(message) => Err(Error::NvrtcUnavailable(message.clone())),
-        }
+        // A failure is remembered and returned again, as the same typed error.
+        NVRTC
+            .get_or_init(|| load(explicit))
+            .as_ref()
+            .map_err(Error::clone)
     }
 
     pub fn version_string(&self) -> String {
