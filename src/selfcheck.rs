@@ -16,6 +16,7 @@ pub const SHAPES: &[(usize, usize)] = &[(7, 1), (5, 33), (4, 1000), (3, 4096), (
 
 /// Convolutions the self-check runs, as (input shape, weight shape, params): a strided, padded
 /// 3x3 whose channels take 16-byte loads, and 3 input channels (one element at a time).
+#[doc(hidden)]
 pub fn conv_cases() -> Vec<(Vec<usize>, Vec<usize>, ConvParams)> {
     vec![
         (
@@ -33,6 +34,7 @@ pub fn conv_cases() -> Vec<(Vec<usize>, Vec<usize>, ConvParams)> {
 
 /// Per-element tolerance |out - ref| <= tol * (1 + |ref|), per dtype: a few units in the last
 /// place of the output type (f32 accumulation error is far below the f16/bf16 rounding).
+#[doc(hidden)]
 pub fn tolerance(dtype: DType) -> f64 {
     match dtype {
         DType::F32 => 1e-4,
@@ -60,6 +62,7 @@ pub struct CheckResult {
 }
 
 /// A small deterministic generator for test data (xorshift64*), uniform in [-1, 1).
+#[doc(hidden)]
 pub struct TestRng(u64);
 
 impl TestRng {
@@ -81,6 +84,7 @@ impl TestRng {
 }
 
 /// Largest |got - want| / (1 + |want|); infinite for a NaN or a length mismatch.
+#[doc(hidden)]
 pub fn max_error(got: &[f64], want: &[f64]) -> f64 {
     if got.len() != want.len() {
         return f64::INFINITY;
@@ -182,6 +186,7 @@ fn check_norms(gpu: &GpuInfo) -> Result<Vec<CheckResult>> {
 
 /// The rounding of one output element of `dtype` (relative), for the convolution bound
 /// |out - ref| <= r * |ref| + 2e-5 * S (the GPU tests use the same).
+#[doc(hidden)]
 pub fn conv_rounding(dtype: DType) -> f64 {
     match dtype {
         DType::F32 => 1e-6,

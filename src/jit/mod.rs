@@ -1,5 +1,7 @@
 //! The JIT: kernel specs, template rendering, NVRTC, the disk cache and the in-memory table.
 
+// Internal: public for kiln's own tests, benches and CLI; not part of the stable API.
+#[doc(hidden)]
 pub mod background;
 pub mod bundle;
 pub mod compat;
@@ -12,6 +14,8 @@ pub mod key;
 pub mod nvrtc;
 pub mod spec;
 pub mod target;
+// Internal: public for kiln's own tests, benches and CLI; not part of the stable API.
+#[doc(hidden)]
 pub mod template;
 pub mod warm;
 

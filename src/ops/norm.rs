@@ -1071,6 +1071,7 @@ fn check_chosen(
 
 /// Entry points that take an explicit specialisation, for benchmarks that compare them. The ops
 /// above choose for themselves; these refuse a spec that does not fit.
+#[doc(hidden)]
 pub mod tuning {
     use super::*;
 
@@ -1141,6 +1142,7 @@ pub mod tuning {
 }
 
 /// The f64 CPU reference of the forward pass: `x` row-major `rows x d`.
+#[doc(hidden)]
 pub fn reference_forward(
     kind: Kind,
     x: &[f64],
@@ -1174,6 +1176,7 @@ fn stats(kind: Kind, row: &[f64], eps: f64) -> (f64, f64) {
 }
 
 /// The f64 CPU reference of the VJP: (dx, dweight, dbias) for cotangent `g`.
+#[doc(hidden)]
 pub fn reference_vjp(
     kind: Kind,
     x: &[f64],

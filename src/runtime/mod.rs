@@ -3,9 +3,13 @@
 pub mod allocator;
 pub mod args;
 pub mod array;
+// Internal: public for kiln's own tests, benches and CLI; not part of the stable API.
+#[doc(hidden)]
 pub mod deps;
 pub mod device;
 pub mod encoder;
+// Internal: public for kiln's own tests, benches and CLI; not part of the stable API.
+#[doc(hidden)]
 pub mod tensor_map;
 mod timeline;
 

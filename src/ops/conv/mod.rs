@@ -5,10 +5,18 @@
 //! (N, spatial..., C_out). f16 and bf16 multiply on tensor cores with f32 accumulation, f32 on
 //! the FMA units; the weight gradient of a long reduction is split over blocks and summed in f32.
 
+// Internal: public for kiln's own tests, benches and CLI; not part of the stable API.
+#[doc(hidden)]
 pub mod autotune;
 pub mod geometry;
+// Internal: public for kiln's own tests, benches and CLI; not part of the stable API.
+#[doc(hidden)]
 pub mod hopper;
+// Internal: public for kiln's own tests, benches and CLI; not part of the stable API.
+#[doc(hidden)]
 pub mod plan;
+// Internal: public for kiln's own tests, benches and CLI; not part of the stable API.
+#[doc(hidden)]
 pub mod reference;
 
 pub use geometry::{ConvParams, Geometry, Pass};
@@ -163,6 +171,7 @@ pub fn plan_for(
 
 /// Explicit tile and split choices, for benchmark sweeps. The arguments are checked as by the
 /// public ops; the plan is built fresh and not cached.
+#[doc(hidden)]
 pub mod tuning {
     use super::*;
 
