@@ -3,13 +3,15 @@
 
 pub mod axpby;
 pub mod conv;
-pub mod copy;
 pub mod norm;
+
+/// The strided copy with cast, a runtime built-in (`Array::contiguous`, `Array::astype`).
+pub use crate::runtime::copy;
+pub use crate::runtime::{grid_stride_blocks, grid_stride_blocks_for};
 
 use std::sync::OnceLock;
 
 use crate::jit::{KernelSpec, TemplateDef};
-use crate::runtime::CommandEncoder;
 
 /// Architectures whose choices differ (tensor cores, shared memory, the Hopper family), oldest
 /// first; every other architecture chooses as one of these does.
@@ -56,29 +58,9 @@ pub fn kiln_families() -> &'static [&'static TemplateDef] {
     })
 }
 
-/// Blocks for a grid-stride kernel over `n` elements on `enc`'s device: enough to cover them, at
-/// most 16 per SM (each thread then loops), at least one. Public for applications' own kernels.
-pub fn grid_stride_blocks(enc: &CommandEncoder, n: usize, block: u16) -> usize {
-    let sms = enc.device().info().multiprocessors as usize;
-    grid_stride_blocks_for(sms, n, block)
-}
-
-/// [`grid_stride_blocks`] for a GPU of `sms` multiprocessors (a pure function).
-pub fn grid_stride_blocks_for(sms: usize, n: usize, block: u16) -> usize {
-    n.div_ceil(block.max(1) as usize).clamp(1, sms.max(1) * 16)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn grid_stride_blocks_cover_and_cap() {
-        assert_eq!(grid_stride_blocks_for(132, 0, 256), 1);
-        assert_eq!(grid_stride_blocks_for(132, 1000, 256), 4);
-        assert_eq!(grid_stride_blocks_for(132, 1 << 30, 256), 132 * 16);
-        assert_eq!(grid_stride_blocks_for(0, 10, 0), 10);
-    }
 
     #[test]
     fn kiln_families_have_unique_names() {

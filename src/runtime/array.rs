@@ -386,7 +386,7 @@ impl Array {
         if self.is_contiguous() {
             return Ok(self.clone());
         }
-        crate::ops::copy::copy(enc, self, self.dtype)
+        super::copy::copy(enc, self, self.dtype)
     }
 
     /// A contiguous copy converted to `dtype`.
@@ -394,6 +394,6 @@ impl Array {
         if dtype == self.dtype {
             return self.contiguous(enc);
         }
-        crate::ops::copy::copy(enc, self, dtype)
+        super::copy::copy(enc, self, dtype)
     }
 }

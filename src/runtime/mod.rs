@@ -3,6 +3,7 @@
 pub mod allocator;
 pub mod args;
 pub mod array;
+pub mod copy;
 // Internal: public for kiln's own tests, benches and CLI; not part of the stable API.
 #[doc(hidden)]
 pub mod deps;
@@ -85,4 +86,29 @@ pub fn gpus() -> Result<Vec<GpuInfo>> {
         });
     }
     Ok(out)
+}
+
+/// Blocks for a grid-stride kernel over `n` elements on `enc`'s device: enough to cover them, at
+/// most 16 per SM (each thread then loops), at least one. Public for applications' own kernels.
+pub fn grid_stride_blocks(enc: &CommandEncoder, n: usize, block: u16) -> usize {
+    let sms = enc.device().info().multiprocessors as usize;
+    grid_stride_blocks_for(sms, n, block)
+}
+
+/// [`grid_stride_blocks`] for a GPU of `sms` multiprocessors (a pure function).
+pub fn grid_stride_blocks_for(sms: usize, n: usize, block: u16) -> usize {
+    n.div_ceil(block.max(1) as usize).clamp(1, sms.max(1) * 16)
+}
+
+#[cfg(test)]
+mod grid_tests {
+    use super::*;
+
+    #[test]
+    fn grid_stride_blocks_cover_and_cap() {
+        assert_eq!(grid_stride_blocks_for(132, 0, 256), 1);
+        assert_eq!(grid_stride_blocks_for(132, 1000, 256), 4);
+        assert_eq!(grid_stride_blocks_for(132, 1 << 30, 256), 132 * 16);
+        assert_eq!(grid_stride_blocks_for(0, 10, 0), 10);
+    }
 }

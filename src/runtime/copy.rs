@@ -1,9 +1,10 @@
-//! Strided copy with cast: makes any view contiguous and converts between dtypes.
+//! Strided copy with cast: makes any view contiguous and converts between dtypes. A runtime
+//! built-in (arrays need it for `contiguous` and `astype`), so the runtime calls no op.
 
+use super::{Array, CommandEncoder, KernelArgs, MAX_RANK};
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::jit::{KernelSpec, TemplateDef};
-use crate::runtime::{Array, CommandEncoder, KernelArgs, MAX_RANK};
 
 pub static COPY: TemplateDef = TemplateDef {
     name: "copy",
