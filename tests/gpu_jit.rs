@@ -124,3 +124,33 @@ fn an_entry_the_driver_refuses_is_replaced_by_a_local_compile() {
     assert_eq!(kernel.origin, kiln::jit::Origin::Compiled);
     assert!(jit.disk_cache().entry_path(&own.entry.key).exists());
 }
+
+/// A device given its own JIT compiles into that JIT's cache, not the process-wide one, and
+/// computes what the default device computes.
+#[test]
+fn a_device_with_its_own_jit_uses_its_cache() {
+    let Some(gpus) = common::gpus_or_skip("device_with_jit") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let jit: &'static kiln::jit::Jit = Box::leak(Box::new(common::jit_in(dir.path())));
+    let own = kiln::runtime::Device::with_jit(gpus[0].ordinal, jit).unwrap();
+    let shared = kiln::runtime::Device::get(gpus[0].ordinal).unwrap();
+    assert!(!std::sync::Arc::ptr_eq(&own, &shared));
+    assert_ne!(own.id(), shared.id());
+    let mut rng = kiln::selfcheck::TestRng::new(3);
+    let values = rng.values(8 * 1000, 1.0, 0.0);
+    let mut results = Vec::new();
+    for dev in [&own, &shared] {
+        let mut enc = kiln::runtime::CommandEncoder::new(dev).unwrap();
+        let x = kiln::runtime::Array::from_f64(&mut enc, kiln::DType::F32, &values, &[8, 1000])
+            .unwrap();
+        let y = kiln::ops::norm::rms_norm(&mut enc, &x, None, 1e-5).unwrap();
+        results.push(y.to_f64(&mut enc).unwrap());
+    }
+    assert_eq!(results[0], results[1]);
+    assert!(
+        !jit.disk_cache().entry_files().is_empty(),
+        "the device's own JIT compiled into its own cache"
+    );
+}

@@ -13,6 +13,8 @@ use crate::jit::target::shared_memory_per_block;
 use crate::jit::{Jit, KernelSpec, KernelTable, LoadedKernel, Target};
 
 pub struct Device {
+    /// Unique among this process's devices (two devices may share an ordinal: see `with_jit`).
+    id: usize,
     info: GpuInfo,
     /// The architecture whose code paths kiln runs here (compute capability x 10): the GPU's
     /// own, or an older one named by `KILN_EMULATE_ARCH`.
@@ -42,6 +44,18 @@ impl Device {
         if let Some(d) = devices.get(&ordinal) {
             return Ok(d.clone());
         }
+        let device = Device::with_jit(ordinal, Jit::global()?)?;
+        devices.insert(ordinal, device.clone());
+        Ok(device)
+    }
+
+    /// A device for `ordinal` whose kernels come from `jit` (its cache, NVRTC and
+    /// configuration, `KILN_EMULATE_ARCH` included) rather than from the process-wide JIT that
+    /// [`Device::get`] uses. Each call makes a new device, with its own allocator and kernel
+    /// table, on the GPU's primary context; it is not registered, so [`Device::get`] never
+    /// returns it. `jit` lives for the rest of the process (`Box::leak` one made with
+    /// [`Jit::new`]): background compiles may use it at any time.
+    pub fn with_jit(ordinal: usize, jit: &'static Jit) -> Result<Arc<Device>> {
         let gpus = super::gpus()?;
         let info = gpus
             .into_iter()
@@ -50,7 +64,6 @@ impl Device {
                 arg: "ordinal",
                 reason: format!("no GPU with ordinal {ordinal}"),
             })?;
-        let jit = Jit::global()?;
         let own = info.target().arch;
         let (arch, shared_limit) = match jit.config().emulate_arch {
             Some(a) if a > own => {
@@ -70,7 +83,9 @@ impl Device {
             None => (own, info.max_shared_per_block as usize),
         };
         let ctx = CudaContext::new(ordinal)?;
+        static NEXT_ID: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
         let device = Arc::new(Device {
+            id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             arch,
             shared_limit,
             allocator: Allocator::new(ctx.clone(), info.memory_bytes as usize),
@@ -79,8 +94,18 @@ impl Device {
             kernels: KernelTable::new(),
             jit,
         });
-        devices.insert(ordinal, device.clone());
         Ok(device)
+    }
+
+    /// This device's identity in the process: distinct for two devices of one GPU (for caches
+    /// of what a device has loaded, such as convolution plans).
+    pub fn id(&self) -> usize {
+        self.id
+    }
+
+    /// The JIT this device's kernels come from.
+    pub fn jit(&self) -> &'static Jit {
+        self.jit
     }
 
     pub fn ordinal(&self) -> usize {

@@ -14,7 +14,6 @@ use super::hopper::{self, Tile};
 use super::plan::{self, Plan, PlanKey};
 use crate::env::{Config, ConvPath};
 use crate::error::Result;
-use crate::jit::Jit;
 use crate::runtime::{Array, CommandEncoder};
 
 /// Tiles timed for a plan: the model's best few.
@@ -97,7 +96,7 @@ pub fn choose(
     b: &Array,
     out: &Array,
 ) -> Result<Choice> {
-    let disk = Jit::global()?.disk_cache();
+    let disk = enc.device().jit().disk_cache();
     let name = note_name(enc, key);
     if let Some((tile, splits)) = disk.load_note(&name).as_deref().and_then(decode) {
         return Ok(Choice {

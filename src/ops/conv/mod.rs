@@ -266,7 +266,7 @@ fn aligned(a: &Array) -> bool {
 fn plan_key(enc: &CommandEncoder, pass: Pass, g: &Geometry, a: &Array, b: &Array) -> PlanKey {
     let (vec_a, vec_b) = plan::channel_vectors(a.dtype(), pass, g);
     PlanKey {
-        device: enc.device().ordinal(),
+        device: enc.device().id(),
         arch: enc.device().arch(),
         dtype: a.dtype(),
         pass,

@@ -246,6 +246,7 @@ pub enum Kind {
 /// dilation, groups, flip, alignment), plus input dilation and the pass.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct PlanKey {
+    /// The device's [`Device::id`](crate::runtime::Device::id).
     pub device: usize,
     /// The architecture whose code paths the device runs ([`Device::arch`]).
     pub arch: u32,
