@@ -15,6 +15,17 @@ use crate::error::{Error, Result};
 /// The most dimensions an array may have (also `KILN_MAX_RANK` in the templates).
 pub const MAX_RANK: usize = 8;
 
+/// An n-dimensional array on one GPU: a shared device allocation viewed through a dtype, a
+/// shape, strides and an offset (all in elements). Cloning is cheap and shares the allocation;
+/// views share it too. The allocation lives while any array, or any encoded work that uses it,
+/// does. `Send` and `Sync`: arrays may move between threads, but work on them is ordered only by
+/// the encoder that runs it (see [`CommandEncoder`]).
+///
+/// ```
+/// fn shareable<T: Send + Sync>() {}
+/// shareable::<kiln::runtime::Array>();
+/// shareable::<std::sync::Arc<kiln::runtime::Device>>();
+/// ```
 #[derive(Clone)]
 pub struct Array {
     buffer: Arc<Buffer>,
@@ -134,6 +145,8 @@ impl Array {
         Ok(a)
     }
 
+    /// Uploads `data` (its dtype is `T`'s) as a new contiguous array of `shape`; the element
+    /// count must match.
     pub fn from_slice<T: Element>(
         enc: &mut CommandEncoder,
         data: &[T],
@@ -165,6 +178,7 @@ impl Array {
         Array::from_f64(enc, dtype, &vec![value; n], shape)
     }
 
+    /// A new contiguous array of zeros ([`Array::full`] with 0.0).
     pub fn zeros(enc: &mut CommandEncoder, dtype: DType, shape: &[usize]) -> Result<Array> {
         Array::full(enc, dtype, shape, 0.0)
     }
@@ -203,10 +217,13 @@ impl Array {
         enc.download(&c)
     }
 
+    /// Downloads the elements in row-major order as f64 (waits for the encoder's work first).
     pub fn to_f64(&self, enc: &mut CommandEncoder) -> Result<Vec<f64>> {
         Ok(decode(self.dtype, &self.to_bytes(enc)?))
     }
 
+    /// Downloads the elements in row-major order as `T`, which must be the array's dtype (an
+    /// error otherwise; use [`Array::astype`] to convert).
     pub fn to_vec<T: Element>(&self, enc: &mut CommandEncoder) -> Result<Vec<T>> {
         if T::DTYPE != self.dtype {
             return Err(invalid(
@@ -217,30 +234,39 @@ impl Array {
         Ok(self.to_f64(enc)?.into_iter().map(T::from_f64).collect())
     }
 
+    /// The element type.
     pub fn dtype(&self) -> DType {
         self.dtype
     }
+    /// Extent of each axis, outermost first.
     pub fn shape(&self) -> &[usize] {
         &self.shape
     }
+    /// Elements between neighbours along each axis; 0 along a broadcast axis.
     pub fn strides(&self) -> &[isize] {
         &self.strides
     }
+    /// Elements from the allocation's start to the first element.
     pub fn offset(&self) -> usize {
         self.offset
     }
+    /// Number of axes.
     pub fn ndim(&self) -> usize {
         self.shape.len()
     }
+    /// Number of elements (1 for a rank-0 array, 0 if any extent is 0).
     pub fn size(&self) -> usize {
         self.shape.iter().product()
     }
+    /// Bytes of the elements the array views (not of its allocation).
     pub fn nbytes(&self) -> usize {
         self.size() * self.dtype.size()
     }
+    /// The GPU the array lives on.
     pub fn device(&self) -> &Arc<Device> {
         &self.device
     }
+    /// The allocation the array views.
     pub fn buffer(&self) -> &Arc<Buffer> {
         &self.buffer
     }
@@ -313,6 +339,7 @@ impl Array {
         Ok(self.view(shape, strides, self.offset))
     }
 
+    /// A view with axes `a` and `b` exchanged.
     pub fn swapaxes(&self, a: usize, b: usize) -> Result<Array> {
         if a >= self.ndim() || b >= self.ndim() {
             return Err(invalid(

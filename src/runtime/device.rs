@@ -12,6 +12,9 @@ use crate::error::{Error, Result};
 use crate::jit::target::shared_memory_per_block;
 use crate::jit::{Jit, KernelSpec, KernelTable, LoadedKernel, Target};
 
+/// One GPU as kiln uses it: its context, properties, caching allocator, the kernels loaded on
+/// it and the JIT they come from. Shared as `Arc<Device>` (`Send` and `Sync`); [`Device::get`]
+/// returns the one registered device per ordinal.
 pub struct Device {
     /// Unique among this process's devices (two devices may share an ordinal: see `with_jit`).
     id: usize,
@@ -108,18 +111,22 @@ impl Device {
         self.jit
     }
 
+    /// The GPU's ordinal in this process (as CUDA numbers it, after `CUDA_VISIBLE_DEVICES`).
     pub fn ordinal(&self) -> usize {
         self.info.ordinal
     }
 
+    /// The GPU's properties (name, compute capability, multiprocessors, memory, limits).
     pub fn info(&self) -> &GpuInfo {
         &self.info
     }
 
+    /// The GPU's primary context, for interoperation with cudarc.
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
     }
 
+    /// The caching allocator for this device's arrays.
     pub fn allocator(&self) -> &Allocator {
         &self.allocator
     }

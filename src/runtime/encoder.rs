@@ -247,9 +247,16 @@ pub fn default_limits(major: u32) -> (usize, usize) {
 /// Records kernel launches on one stream of one device (see the module docs for direct and graph
 /// mode).
 ///
-/// A `CommandEncoder` is neither `Send` nor `Sync`: it holds the stream's and the graph
-/// executables' raw driver handles and is used from the thread that created it. A program that
-/// encodes from several threads creates one encoder per thread.
+/// A `CommandEncoder` is neither `Send` nor `Sync`, by design: it holds the stream's and the
+/// graph executables' raw driver handles and shares captured graphs through `Rc`, and is used
+/// from the thread that created it. A program that encodes from several threads creates one
+/// encoder per thread (arrays and devices are `Send` and `Sync`; the encoders' streams order
+/// only their own work, so work on shared arrays across encoders needs `synchronize`).
+///
+/// ```compile_fail
+/// fn must_be_send<T: Send>() {}
+/// must_be_send::<kiln::runtime::CommandEncoder>();
+/// ```
 pub struct CommandEncoder {
     device: Arc<Device>,
     stream: sys::CUstream,
@@ -280,6 +287,8 @@ impl CommandEncoder {
         CommandEncoder::with_config(device, &Config::from_env()?)
     }
 
+    /// An encoder on a new stream of `device`, configured by `config` instead of the
+    /// environment (graph mode, commit limits, work in flight, graph cache size).
     pub fn with_config(device: &Arc<Device>, config: &Config) -> Result<CommandEncoder> {
         device.bind()?;
         let (ops, mb) = default_limits(device.info().compute_capability.0);
@@ -320,14 +329,17 @@ impl CommandEncoder {
         })
     }
 
+    /// The device this encoder runs on.
     pub fn device(&self) -> &Arc<Device> {
         &self.device
     }
 
+    /// Counters since the encoder was made: launches, commits, graph cache hits and updates.
     pub fn stats(&self) -> EncoderStats {
         self.stats
     }
 
+    /// Whether the encoder builds CUDA graphs (`MLX_USE_CUDA_GRAPHS`) or launches directly.
     pub fn uses_graphs(&self) -> bool {
         self.use_graphs
     }
