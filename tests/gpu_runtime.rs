@@ -787,3 +787,38 @@ fn a_tensor_map_box_loads_through_the_copy_engine() {
         Err(Error::InvalidArgument { arg: "array", .. })
     ));
 }
+
+/// An encoder dropped with work whose commit fails (a block of 2,048 threads, which no kernel
+/// can take: the driver refuses it when the graph is built, not at `launch`) cannot return the
+/// error; the next encoder made on the device does, once.
+#[test]
+fn an_error_met_in_drop_comes_back_at_the_next_call() {
+    let Some((_serial, dev)) = device("error_in_drop") else {
+        return;
+    };
+    let kernel = dev.kernel(&kiln::ops::axpby::spec(DType::F32)).unwrap();
+    {
+        let mut enc = encoder(&dev, true, 1000, 4);
+        let x = Array::from_f64(&mut enc, DType::F32, &[1.0; 64], &[64]).unwrap();
+        enc.synchronize().unwrap();
+        let mut args = KernelArgs::new();
+        args.push(x.device_ptr())
+            .push(x.device_ptr())
+            .push(x.device_ptr())
+            .push(64i64)
+            .push(1.0f32)
+            .push(1.0f32);
+        // SAFETY: axpby's arguments (x, y, out, n, a, b); x is read and written, 64 elements.
+        unsafe { enc.launch(&kernel, 1, 2048, 0, args, &[&x], &[&x]) }.unwrap();
+    }
+    let mut config = Config::from_env().unwrap();
+    config.use_cuda_graphs = true;
+    let next = CommandEncoder::with_config(&dev, &config);
+    assert!(
+        matches!(next, Err(kiln::Error::Driver(_))),
+        "{:?}",
+        next.err()
+    );
+    let mut enc = CommandEncoder::with_config(&dev, &config).unwrap();
+    enc.synchronize().unwrap();
+}

@@ -29,6 +29,9 @@ pub struct Device {
     allocator: Allocator,
     kernels: KernelTable,
     jit: &'static Jit,
+    /// An error that happened where it could not be returned (an encoder's drop), until the
+    /// next call that can return it takes it.
+    deferred: Mutex<Option<Error>>,
 }
 
 impl std::fmt::Debug for Device {
@@ -96,6 +99,7 @@ impl Device {
             ctx,
             kernels: KernelTable::new(),
             jit,
+            deferred: Mutex::new(None),
         });
         Ok(device)
     }
@@ -104,6 +108,23 @@ impl Device {
     /// of what a device has loaded, such as convolution plans).
     pub fn id(&self) -> usize {
         self.id
+    }
+
+    /// Keeps an error that could not be returned where it happened (an encoder dropped with
+    /// work that failed), for the next encoder made on this device or the next `synchronize`
+    /// of one to return. The first such error is kept; later ones are only logged.
+    pub(crate) fn record_error(&self, error: Error) {
+        tracing::warn!(device = self.info.ordinal, %error, "deferred to the next call");
+        let mut slot = self.deferred.lock().unwrap_or_else(|e| e.into_inner());
+        slot.get_or_insert(error);
+    }
+
+    /// The error [`Device::record_error`] kept, if any, which the caller now returns.
+    pub(crate) fn take_error(&self) -> Option<Error> {
+        self.deferred
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
     }
 
     /// The JIT this device's kernels come from.

@@ -289,7 +289,13 @@ impl CommandEncoder {
 
     /// An encoder on a new stream of `device`, configured by `config` instead of the
     /// environment (graph mode, commit limits, work in flight, graph cache size).
+    ///
+    /// An error an earlier encoder of this device could not return (it was dropped with work
+    /// that failed) is returned here, once.
     pub fn with_config(device: &Arc<Device>, config: &Config) -> Result<CommandEncoder> {
+        if let Some(e) = device.take_error() {
+            return Err(e);
+        }
         device.bind()?;
         let (ops, mb) = default_limits(device.info().compute_capability.0);
         let mb = config.max_mb_per_buffer.unwrap_or(mb);
@@ -786,7 +792,8 @@ impl CommandEncoder {
         }
     }
 
-    /// Commits, waits for the stream, and releases every buffer the GPU was using.
+    /// Commits, waits for the stream, and releases every buffer the GPU was using. Also returns,
+    /// once, an error another encoder of this device met when it was dropped.
     pub fn synchronize(&mut self) -> Result<()> {
         self.commit()?;
         self.device.bind()?;
@@ -795,7 +802,12 @@ impl CommandEncoder {
         while self.timeline.wait_oldest()? {}
         // SAFETY: the stream is live.
         check(unsafe { sys::cuStreamSynchronize(self.stream) })?;
-        self.timeline.poll()
+        self.timeline.poll()?;
+        // What another encoder of this device could not return when it was dropped.
+        match self.device.take_error() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 
     /// How many commits may still be running on the GPU.
@@ -1071,7 +1083,11 @@ fn build_graph(nodes: &mut [Node]) -> Result<(OwnedGraph, Vec<sys::CUgraphNode>)
 
 impl Drop for CommandEncoder {
     fn drop(&mut self) {
-        let _ = self.synchronize();
+        // Unfinished work runs to the end; an error it (or its commit) meets has no caller
+        // here, so the device keeps it for the next call that can return it.
+        if let Err(e) = self.synchronize() {
+            self.device.record_error(e);
+        }
         self.timeline.close();
         self.exec_cache.clear();
         self.kept.clear();
