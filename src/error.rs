@@ -139,9 +139,36 @@ pub enum Error {
 
     #[error("invalid argument `{arg}`: {reason}")]
     InvalidArgument { arg: &'static str, reason: String },
+
+    /// An array's shape is not the one the call needs.
+    #[error("argument `{arg}` must have shape {expected:?}, got {got:?}")]
+    ShapeMismatch {
+        arg: &'static str,
+        expected: Vec<usize>,
+        got: Vec<usize>,
+    },
+
+    /// An array's element type is not the one the call needs.
+    #[error("argument `{arg}` must hold {expected}, got {got}")]
+    DTypeMismatch {
+        arg: &'static str,
+        expected: crate::DType,
+        got: crate::DType,
+    },
 }
 
 impl Error {
+    /// The argument a bad-argument error names (`InvalidArgument`, `ShapeMismatch`,
+    /// `DTypeMismatch`); None for other errors.
+    pub fn argument(&self) -> Option<&'static str> {
+        match self {
+            Error::InvalidArgument { arg, .. }
+            | Error::ShapeMismatch { arg, .. }
+            | Error::DTypeMismatch { arg, .. } => Some(arg),
+            _ => None,
+        }
+    }
+
     pub(crate) fn io(
         context: &'static str,
         path: impl Into<PathBuf>,
@@ -152,5 +179,35 @@ impl Error {
             path: path.into(),
             source: std::sync::Arc::new(source),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::DType;
+
+    #[test]
+    fn argument_errors_name_their_argument_and_survive_a_clone() {
+        let shape = Error::ShapeMismatch {
+            arg: "cotangent",
+            expected: vec![2, 3],
+            got: vec![3, 2],
+        };
+        let dtype = Error::DTypeMismatch {
+            arg: "weight",
+            expected: DType::BF16,
+            got: DType::F32,
+        };
+        assert_eq!(shape.argument(), Some("cotangent"));
+        assert_eq!(dtype.clone().argument(), Some("weight"));
+        assert_eq!(
+            shape.to_string(),
+            "argument `cotangent` must have shape [2, 3], got [3, 2]"
+        );
+        assert!(dtype.to_string().contains("bf16"), "{dtype}");
+        let io = Error::io("reading", "/x", std::io::Error::other("disk on fire"));
+        assert_eq!(io.argument(), None);
+        assert_eq!(io.clone().to_string(), io.to_string());
     }
 }

@@ -558,17 +558,20 @@ fn check_inputs(x: &Array, params: &[(&'static str, Option<&Array>)], eps: f32) 
     let d = *x.shape().last().expect("ndim >= 1");
     for (name, p) in params {
         let Some(p) = p else { continue };
-        if p.ndim() != 1 || p.shape()[0] != d {
-            return Err(bad(
-                name,
-                format!(
-                    "must be 1-D of length {d} (x's last axis), got shape {:?}",
-                    p.shape()
-                ),
-            ));
+        if p.shape() != [d] {
+            // 1-D, of x's last axis' length.
+            return Err(Error::ShapeMismatch {
+                arg: name,
+                expected: vec![d],
+                got: p.shape().to_vec(),
+            });
         }
         if p.dtype() != x.dtype() {
-            return Err(bad(name, format!("is {}, x is {}", p.dtype(), x.dtype())));
+            return Err(Error::DTypeMismatch {
+                arg: name,
+                expected: x.dtype(),
+                got: p.dtype(),
+            });
         }
         if p.device().ordinal() != x.device().ordinal() {
             return Err(bad(name, "is on another device than x".into()));
@@ -764,17 +767,19 @@ fn vjp(
     chosen: Option<KernelSpec>,
 ) -> Result<(Array, Option<Array>, Option<Array>)> {
     let d = check_inputs(x, &[("weight", w)], eps)?;
-    if g.shape() != x.shape() || g.dtype() != x.dtype() {
-        return Err(bad(
-            "cotangent",
-            format!(
-                "must match x ({} {:?}), got {} {:?}",
-                x.dtype(),
-                x.shape(),
-                g.dtype(),
-                g.shape()
-            ),
-        ));
+    if g.shape() != x.shape() {
+        return Err(Error::ShapeMismatch {
+            arg: "cotangent",
+            expected: x.shape().to_vec(),
+            got: g.shape().to_vec(),
+        });
+    }
+    if g.dtype() != x.dtype() {
+        return Err(Error::DTypeMismatch {
+            arg: "cotangent",
+            expected: x.dtype(),
+            got: g.dtype(),
+        });
     }
     let dx = Array::empty_on(enc, x.dtype(), x.shape())?;
     let dtype = x.dtype();
@@ -892,10 +897,11 @@ pub fn reduce_cols(enc: &mut CommandEncoder, partial: &Array, dtype: DType) -> R
         ));
     };
     if partial.dtype() != DType::F32 {
-        return Err(bad(
-            "partial",
-            format!("must be f32, got {}", partial.dtype()),
-        ));
+        return Err(Error::DTypeMismatch {
+            arg: "partial",
+            expected: DType::F32,
+            got: partial.dtype(),
+        });
     }
     if d == 0 {
         return Array::empty_on(enc, dtype, &[0]);

@@ -226,10 +226,11 @@ impl Array {
     /// error otherwise; use [`Array::astype`] to convert).
     pub fn to_vec<T: Element>(&self, enc: &mut CommandEncoder) -> Result<Vec<T>> {
         if T::DTYPE != self.dtype {
-            return Err(invalid(
-                "T",
-                format!("the array holds {}, not {}", self.dtype, T::DTYPE),
-            ));
+            return Err(Error::DTypeMismatch {
+                arg: "T",
+                expected: self.dtype,
+                got: T::DTYPE,
+            });
         }
         Ok(self.to_f64(enc)?.into_iter().map(T::from_f64).collect())
     }

@@ -45,10 +45,12 @@ fn check_dtypes(pairs: &[(&'static str, &Array)]) -> Result<DType> {
     let dtype = pairs[0].1.dtype();
     for (name, a) in &pairs[1..] {
         if a.dtype() != dtype {
-            return Err(bad(
-                name,
-                format!("has dtype {} but {} has {}", a.dtype(), pairs[0].0, dtype),
-            ));
+            // The first array sets the dtype the others must hold.
+            return Err(Error::DTypeMismatch {
+                arg: name,
+                expected: dtype,
+                got: a.dtype(),
+            });
         }
     }
     Ok(dtype)
@@ -56,10 +58,11 @@ fn check_dtypes(pairs: &[(&'static str, &Array)]) -> Result<DType> {
 
 fn check_shape(name: &'static str, a: &Array, want: &[usize]) -> Result<()> {
     if a.shape() != want {
-        return Err(bad(
-            name,
-            format!("must have shape {want:?}, got {:?}", a.shape()),
-        ));
+        return Err(Error::ShapeMismatch {
+            arg: name,
+            expected: want.to_vec(),
+            got: a.shape().to_vec(),
+        });
     }
     Ok(())
 }
