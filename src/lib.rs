@@ -2,6 +2,8 @@
 //! block dim and N_READS, compiled at run time with NVRTC into a content-addressed disk cache and
 //! loaded once per device.
 
+#![warn(missing_docs)]
+
 pub mod dist;
 pub mod dtype;
 pub mod env;
