@@ -15,3 +15,13 @@ pub mod selfcheck;
 
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
+
+/// The README's examples, compiled as doctests so that they keep to the API.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
+
+/// `docs/app-families.md`'s examples, compiled as doctests likewise.
+#[doc = include_str!("../docs/app-families.md")]
+#[cfg(doctest)]
+pub struct AppFamiliesDoctests;
