@@ -5,15 +5,30 @@ use std::fmt;
 /// The floating-point element types. f16 and bf16 are stored as `half::f16` / `half::bf16` on the
 /// host and as 16-bit words on the device; kernels accumulate in f32. More types may be added in
 /// any release, so matches need a wildcard arm.
+///
+/// ```
+/// use kiln::DType;
+///
+/// assert_eq!(DType::BF16.size(), 2);
+/// // One 16-byte vector load holds 8 half-precision elements, 4 of f32.
+/// assert_eq!(DType::F16.vec_width(), 8);
+/// assert_eq!(DType::F32.vec_width(), 4);
+/// assert_eq!(DType::BF16.to_string(), "bf16");
+/// assert_eq!(DType::F16.cuda_type(), "kiln_f16");
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[non_exhaustive]
 pub enum DType {
+    /// IEEE single precision: `f32` on the host, `float` on the device.
     F32,
+    /// IEEE half precision: `half::f16` on the host.
     F16,
+    /// bfloat16, f32's exponent range with 8 bits of precision: `half::bf16` on the host.
     BF16,
 }
 
 impl DType {
+    /// Every dtype, in declaration order.
     pub const ALL: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
 
     /// Bytes per element.
@@ -65,8 +80,11 @@ impl fmt::Display for DType {
 
 /// Host element types that map to a [`DType`].
 pub trait Element: Copy + Send + Sync + 'static {
+    /// The dtype this host type is stored as on the device.
     const DTYPE: DType;
+    /// The value as f64 (exact: f64 holds every value of each element type).
     fn to_f64(self) -> f64;
+    /// `v` rounded to the nearest value of this type.
     fn from_f64(v: f64) -> Self;
 }
 

@@ -19,6 +19,7 @@ pub enum CacheMode {
 }
 
 impl CacheMode {
+    /// The canonical spelling, as `KILN_CACHE` takes it: `on`, `off` or `ro`.
     pub fn name(self) -> &'static str {
         match self {
             CacheMode::On => "on",
@@ -38,6 +39,7 @@ pub enum ConvPath {
 }
 
 impl ConvPath {
+    /// The spelling `KILN_CONV_PATH` takes: `auto` or `igemm`.
     pub fn name(self) -> &'static str {
         match self {
             ConvPath::Auto => "auto",
@@ -46,9 +48,13 @@ impl ConvPath {
     }
 }
 
+/// `KILN_CACHE_MAX_BYTES` when unset: 1 GiB.
 pub const DEFAULT_CACHE_MAX_BYTES: u64 = 1 << 30;
+/// `MLX_CUDA_GRAPH_CACHE_SIZE` when unset: graph executables each encoder keeps.
 pub const DEFAULT_GRAPH_CACHE_SIZE: usize = 400;
+/// `MLX_CUDA_CONV_CACHE_SIZE` when unset: convolution plans kept.
 pub const DEFAULT_CONV_CACHE_SIZE: usize = 128;
+/// `KILN_MAX_COMMITS_IN_FLIGHT` when unset.
 pub const DEFAULT_MAX_COMMITS_IN_FLIGHT: usize = 2;
 /// As PyTorch's NCCL watchdog: ten minutes.
 pub const DEFAULT_NCCL_TIMEOUT_S: f64 = 600.0;
@@ -136,7 +142,30 @@ impl Config {
         Config::from_lookup(|name| std::env::var(name).ok())
     }
 
-    /// Reads settings through `get`, which returns a variable's value if it is set.
+    /// Reads settings through `get`, which returns a variable's value if it is set. A variable
+    /// set to blanks counts as unset; any other value kiln cannot use is [`Error::Env`].
+    ///
+    /// ```
+    /// use kiln::env::{CacheMode, Config};
+    ///
+    /// let config = Config::from_lookup(|var| match var {
+    ///     "KILN_CACHE" => Some("ro".into()),
+    ///     "KILN_CACHE_MAX_BYTES" => Some("512M".into()),
+    ///     _ => None,
+    /// })?;
+    /// assert_eq!(config.cache_mode, CacheMode::ReadOnly);
+    /// assert_eq!(config.cache_max_bytes, 512 << 20);
+    /// assert!(config.use_cuda_graphs); // unset: the default
+    ///
+    /// let bad = Config::from_lookup(|var| (var == "MLX_USE_CUDA_GRAPHS").then(|| "maybe".into()));
+    /// match bad {
+    ///     Err(kiln::Error::Env { var, value, .. }) => {
+    ///         assert_eq!((var, value.as_str()), ("MLX_USE_CUDA_GRAPHS", "maybe"))
+    ///     }
+    ///     other => panic!("expected Error::Env, got {other:?}"),
+    /// }
+    /// # Ok::<(), kiln::Error>(())
+    /// ```
     pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Config> {
         let set = |name: &str| get(name).filter(|v| !v.trim().is_empty());
         Ok(Config {
@@ -285,11 +314,15 @@ fn parse_seconds(var: &'static str, v: &str) -> Result<f64> {
 /// digits) or in a file (`KILN_NCCL_ID_FILE`, written by rank 0).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Launch {
+    /// `KILN_RANK`: this process's rank, below `world_size`.
     pub rank: usize,
+    /// `KILN_WORLD_SIZE`: the number of ranks, at least 1.
     pub world_size: usize,
+    /// How the ranks share the NCCL unique id.
     pub id: LaunchId,
 }
 
+/// Where a launch's NCCL unique id comes from: exactly one of the two variables is set.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum LaunchId {
     /// `KILN_NCCL_ID`: the id in hex.
@@ -304,6 +337,9 @@ impl Launch {
         Launch::from_lookup(|name| std::env::var(name).ok())
     }
 
+    /// Reads the launch through `get`, as [`Config::from_lookup`] does. [`Error::Env`] when
+    /// `KILN_RANK` or `KILN_WORLD_SIZE` is missing or not an integer, when the rank is not below
+    /// the world size, or unless exactly one of `KILN_NCCL_ID` and `KILN_NCCL_ID_FILE` is set.
     pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Launch> {
         let set = |name: &str| get(name).filter(|v| !v.trim().is_empty());
         let index = |var: &'static str| -> Result<usize> {

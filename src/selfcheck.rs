@@ -43,13 +43,18 @@ pub fn tolerance(dtype: DType) -> f64 {
     }
 }
 
+/// One case of the self-check: an op on one dtype and shape, on one GPU, against the reference.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct CheckResult {
+    /// The GPU's ordinal.
     pub gpu: usize,
+    /// The op: `layer_norm`, `layer_norm_vjp`, or a convolution pass.
     pub op: &'static str,
+    /// The kernel spec that ran, as its `Display` writes it.
     pub spec: String,
     /// rows x d for the norms; N,H,W,C_in * C_out,R,S,C_in/groups for convolutions.
     pub shape: String,
+    /// Where the kernel's module came from.
     pub origin: Origin,
     /// Time to get the loaded kernel (compile or disk read, plus module load), in ms.
     pub load_ms: f64,
@@ -57,7 +62,9 @@ pub struct CheckResult {
     /// |out - ref| / (1 + |ref|). Convolutions: the largest |out - ref| / (r * |ref| + 2e-5 * S),
     /// S the sum of |terms| and r the output type's rounding, with bound 1.
     pub max_error: f64,
+    /// The bound `max_error` may not pass.
     pub tolerance: f64,
+    /// Whether `max_error` stayed within `tolerance`.
     pub passed: bool,
 }
 

@@ -31,15 +31,20 @@ use crate::runtime::{Array, CommandEncoder, KernelArgs};
 /// How values from the ranks are combined.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ReduceOp {
+    /// The sum over the ranks.
     Sum,
+    /// The product over the ranks.
     Prod,
+    /// The largest value.
     Max,
+    /// The smallest value.
     Min,
     /// The sum divided by the number of ranks.
     Avg,
 }
 
 impl ReduceOp {
+    /// Every reduction, in declaration order.
     pub const ALL: [ReduceOp; 5] = [
         ReduceOp::Sum,
         ReduceOp::Prod,
@@ -58,6 +63,7 @@ impl ReduceOp {
         }) as i32
     }
 
+    /// Its lowercase name (`sum`, `avg`, ...), as error messages describe a collective.
     pub fn name(self) -> &'static str {
         match self {
             ReduceOp::Sum => "sum",
@@ -91,6 +97,7 @@ pub fn check_spec() -> KernelSpec {
     KernelSpec::new(&COLLECTIVE_CHECK, DType::F32, 32, 1, &[])
 }
 
+/// Every spec the collectives can launch (the check kernel's), for `kiln warm`.
 pub fn specs() -> Vec<KernelSpec> {
     vec![check_spec()]
 }

@@ -56,6 +56,8 @@ impl UniqueId {
             .collect()
     }
 
+    /// Parses the form [`UniqueId::to_hex`] writes (surrounding whitespace ignored). Anything
+    /// but 256 hex digits is [`Error::InvalidArgument`].
     pub fn from_hex(hex: &str) -> Result<UniqueId> {
         let hex = hex.trim();
         let bad = |why: &str| Error::InvalidArgument {
@@ -297,14 +299,17 @@ impl Communicator {
         })
     }
 
+    /// This communicator's rank, below [`nranks`](Communicator::nranks).
     pub fn rank(&self) -> usize {
         self.shared.rank
     }
 
+    /// The number of ranks in the communicator.
     pub fn nranks(&self) -> usize {
         self.shared.nranks
     }
 
+    /// The GPU this rank runs on; its collectives are encoded on an encoder of this device.
     pub fn device(&self) -> &Arc<Device> {
         &self.shared.device
     }

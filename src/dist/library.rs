@@ -25,6 +25,7 @@ pub const MIN_VERSION: (i32, i32) = (2, 14);
 
 /// `ncclSuccess`, `ncclInProgress`: the two results that are not failures.
 pub const SUCCESS: c_int = 0;
+/// `ncclInProgress`: a call on a non-blocking communicator has not finished yet.
 pub const IN_PROGRESS: c_int = 7;
 
 type Res = c_int;
@@ -37,16 +38,26 @@ pub struct Nccl {
     /// (major, minor, patch).
     pub version: (i32, i32, i32),
     _lib: libloading::Library,
+    /// `ncclGetErrorString`: the text for a result.
     pub get_error_string: unsafe extern "C" fn(Res) -> *const c_char,
+    /// `ncclGetLastError`: the last error message for a communicator.
     pub get_last_error: unsafe extern "C" fn(Comm) -> *const c_char,
+    /// `ncclGetUniqueId`: a fresh unique id.
     pub get_unique_id: unsafe extern "C" fn(*mut ncclUniqueId) -> Res,
+    /// `ncclCommInitRankConfig`: comm, nranks, id, rank, config.
     pub comm_init_rank_config:
         unsafe extern "C" fn(*mut Comm, c_int, ncclUniqueId, c_int, *mut ncclConfig_t) -> Res,
+    /// `ncclCommGetAsyncError`: a communicator's state (success, in progress, or its error).
     pub comm_get_async_error: unsafe extern "C" fn(Comm, *mut Res) -> Res,
+    /// `ncclCommFinalize`: flushes a communicator's work before it is destroyed.
     pub comm_finalize: unsafe extern "C" fn(Comm) -> Res,
+    /// `ncclCommDestroy`.
     pub comm_destroy: unsafe extern "C" fn(Comm) -> Res,
+    /// `ncclCommAbort`: stops a communicator's kernels and frees it.
     pub comm_abort: unsafe extern "C" fn(Comm) -> Res,
+    /// `ncclGroupStart`.
     pub group_start: unsafe extern "C" fn() -> Res,
+    /// `ncclGroupEnd`.
     pub group_end: unsafe extern "C" fn() -> Res,
     /// send, recv, count, datatype, op, comm, stream.
     pub all_reduce: unsafe extern "C" fn(
@@ -83,6 +94,7 @@ pub struct Nccl {
     ) -> Res,
     /// buffer, count, datatype, peer, comm, stream.
     pub send: unsafe extern "C" fn(*const c_void, usize, c_int, c_int, Comm, CUstream) -> Res,
+    /// buffer, count, datatype, peer, comm, stream.
     pub recv: unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, Comm, CUstream) -> Res,
 }
 
@@ -102,6 +114,7 @@ impl Nccl {
             .map_err(Error::clone)
     }
 
+    /// The version as `major.minor.patch`, e.g. `2.27.3`.
     pub fn version_string(&self) -> String {
         let (a, b, c) = self.version;
         format!("{a}.{b}.{c}")
@@ -117,6 +130,8 @@ impl Nccl {
         Err(self.error(call, status, comm))
     }
 
+    /// The [`Error::Nccl`] for a failed `call` that returned `status` (with `comm`'s last error
+    /// message, when given and NCCL has one).
     pub fn error(&self, call: &'static str, status: Res, comm: Option<Comm>) -> Error {
         // SAFETY: both return NUL-terminated strings NCCL owns (or null); copied at once.
         let text = |p: *const c_char| {

@@ -15,7 +15,9 @@ use super::entry::Entry;
 use super::target::Target;
 use crate::error::{Error, Result};
 
+/// The first 8 bytes of every bundle.
 pub const BUNDLE_MAGIC: &[u8; 8] = b"KILNPACK";
+/// The bundle format this kiln writes and reads (the entries inside carry their own version).
 pub const BUNDLE_VERSION: u32 = 1;
 
 /// What an export or an import did.
@@ -29,6 +31,7 @@ pub struct BundleReport {
     pub skipped_arch: usize,
     /// (where, why) of each damaged entry: never exported, never imported.
     pub damaged: Vec<(String, String)>,
+    /// Size of the bundle file in bytes (written on export, read on import).
     pub bytes: u64,
 }
 

@@ -31,6 +31,8 @@ pub enum Loadable {
     Nothing,
 }
 
+/// What a driver of CUDA version `driver` loads of an NVRTC of version `nvrtc`'s output; both
+/// are (major, minor).
 pub fn loadable(nvrtc: (i32, i32), driver: (i32, i32)) -> Loadable {
     if driver >= nvrtc {
         Loadable::Everything

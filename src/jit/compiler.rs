@@ -23,6 +23,7 @@ use crate::error::{Error, Result};
 /// NVRTC options every kiln kernel is compiled with (the target is added separately).
 pub const BASE_OPTIONS: &[&str] = &["--std=c++17", "--fmad=true"];
 
+/// What entries this kiln writes record as their producer, e.g. `kiln 0.1.0`.
 pub const PRODUCER: &str = concat!("kiln ", env!("CARGO_PKG_VERSION"));
 
 /// Where a compiled module came from.
@@ -40,10 +41,15 @@ pub enum Origin {
 /// A compiled module and where it came from.
 #[derive(Clone, Debug)]
 pub struct Compiled {
+    /// The module and everything that produced it.
     pub entry: Arc<Entry>,
+    /// Where it came from on this request.
     pub origin: Origin,
 }
 
+/// The compiler: renders specs, keys them, and finds each module in this process's memory, the
+/// disk cache or NVRTC, in that order. One per process is usual ([`Jit::global`]); every
+/// method takes `&self` and may be called from any thread.
 pub struct Jit {
     config: Config,
     cache: DiskCache,
@@ -63,6 +69,9 @@ impl Jit {
             .map_err(Error::clone)
     }
 
+    /// A JIT with `config`'s settings, its disk cache opened at `config.cache_dir` (or the
+    /// platform cache directory). Never fails: a cache that cannot be written runs memory-only,
+    /// and NVRTC is looked for only when first needed.
     pub fn new(config: Config) -> Jit {
         let dir = config.cache_dir.clone().unwrap_or_else(default_cache_dir);
         let cache = DiskCache::open(&dir, config.cache_mode, config.cache_max_bytes);
@@ -78,14 +87,18 @@ impl Jit {
         &self.background
     }
 
+    /// The settings this JIT was made with.
     pub fn config(&self) -> &Config {
         &self.config
     }
 
+    /// The disk cache behind this JIT.
     pub fn disk_cache(&self) -> &DiskCache {
         &self.cache
     }
 
+    /// The process's NVRTC, or why it cannot be loaded. The first call in the process looks for
+    /// it (with that JIT's `KILN_NVRTC_LIB`); its outcome is kept for every later call.
     pub fn nvrtc(&self) -> Result<&'static Nvrtc> {
         Nvrtc::get(self.config.nvrtc_lib.as_deref())
     }

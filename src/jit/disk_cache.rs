@@ -30,7 +30,9 @@ const LOW_WATER_PERCENT: u64 = 90;
 /// What a lookup found.
 #[derive(Debug)]
 pub enum Lookup {
+    /// A verified entry for the key.
     Hit(Box<Entry>),
+    /// No entry for the key (or the cache is off).
     Miss,
     /// The file was bad; it has been removed (unless the cache is read-only).
     Corrupt(Corruption),
@@ -39,29 +41,45 @@ pub enum Lookup {
 /// One entry file, for listings and eviction.
 #[derive(Clone, Debug)]
 pub struct EntryFile {
+    /// The file.
     pub path: PathBuf,
+    /// The key its name spells, or None when the name is not a key.
     pub key: Option<CacheKey>,
+    /// Its size.
     pub bytes: u64,
+    /// Its modification time: the LRU clock, which a load sets to now (in `on` mode).
     pub modified: SystemTime,
 }
 
+/// What [`DiskCache::verify`] found.
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct VerifyReport {
+    /// Entry files read.
     pub checked: usize,
+    /// Those that verified.
     pub ok: usize,
-    /// (path, reason) of each bad entry; each was removed.
+    /// (path, reason) of each bad entry; each was removed unless the cache is not `on`.
     pub bad: Vec<(String, String)>,
 }
 
+/// What [`DiskCache::gc`] did.
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct GcReport {
+    /// Entries removed, least recently used first.
     pub evicted: usize,
+    /// Their size in bytes.
     pub evicted_bytes: u64,
+    /// Temp files of crashed writers removed.
     pub temp_files_removed: usize,
+    /// Entries left.
     pub remaining_entries: usize,
+    /// Their size in bytes.
     pub remaining_bytes: u64,
 }
 
+/// The on-disk cache of compiled modules under one directory (cache-layout.md). Safe to share
+/// between threads and between processes: every file is published atomically and verified on
+/// every read.
 #[derive(Debug)]
 pub struct DiskCache {
     /// `<cache dir>/v<FORMAT_VERSION>`.
@@ -97,14 +115,18 @@ impl DiskCache {
         cache
     }
 
+    /// The versioned directory the entries live under: `<cache dir>/v<FORMAT_VERSION>`.
     pub fn root(&self) -> &Path {
         &self.root
     }
 
+    /// The mode it was opened with (`KILN_CACHE`).
     pub fn mode(&self) -> CacheMode {
         self.mode
     }
 
+    /// The size cap in bytes (`KILN_CACHE_MAX_BYTES`): eviction brings the entries down to 90% of
+    /// it once they pass it.
     pub fn max_bytes(&self) -> u64 {
         self.max_bytes
     }
@@ -118,6 +140,8 @@ impl DiskCache {
         self.mode != CacheMode::Off
     }
 
+    /// Where the entry for `key` lives: `<root>/<first two hex digits>/<key in hex>.kiln`,
+    /// whether or not it exists.
     pub fn entry_path(&self, key: &CacheKey) -> PathBuf {
         let hex = key.hex();
         self.root.join(&hex[..2]).join(format!("{hex}.{ENTRY_EXT}"))

@@ -4,16 +4,21 @@ use sha2::{Digest, Sha256};
 
 use super::key::{CacheKey, KeyParts, FORMAT_VERSION};
 
+/// The first 8 bytes of every entry file.
 pub const MAGIC: &[u8; 8] = b"KILNJIT\0";
 const CHECKSUM_LEN: usize = 32;
 
+/// What an entry's image is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ImageKind {
+    /// SASS for one architecture (an ELF file).
     Cubin,
+    /// PTX text, NUL-terminated, that the driver compiles when it loads the module.
     Ptx,
 }
 
 impl ImageKind {
+    /// How the entry file spells it: `cubin` or `ptx`.
     pub fn name(self) -> &'static str {
         match self {
             ImageKind::Cubin => "cubin",
@@ -33,36 +38,48 @@ impl ImageKind {
 /// A compiled kernel module with everything that produced it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Entry {
+    /// The key, `parts.key()`: also the file's name.
     pub key: CacheKey,
+    /// Everything the key was made from: source, options, target, NVRTC version.
     pub parts: KeyParts,
     /// The spec, human-readable (for `kiln cache ls`).
     pub spec: String,
     /// kiln's name and version that wrote the entry.
     pub producer: String,
+    /// Cubin or PTX: PTX when the target is `compute_XY`.
     pub image_kind: ImageKind,
     /// Lowered names, one per `parts.name_expressions` entry.
     pub lowered_names: Vec<String>,
+    /// The compiled module: a cubin, or PTX text with its NUL terminator.
     pub image: Vec<u8>,
 }
 
 /// Why an entry file was rejected.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum Corruption {
+    /// Shorter than the fixed header and checksum (its length in bytes).
     #[error("truncated ({0} bytes)")]
     Truncated(usize),
+    /// Does not start with [`MAGIC`].
     #[error("bad magic")]
     BadMagic,
+    /// Another format version than this kiln's (the one found).
     #[error("format {0}, expected {FORMAT_VERSION}")]
     WrongFormat(u32),
+    /// The bytes do not match their SHA-256 checksum.
     #[error("checksum mismatch")]
     Checksum,
+    /// The checksum holds but the fields do not parse (which part failed).
     #[error("malformed: {0}")]
     Malformed(&'static str),
+    /// The recorded key is not what the recorded parts hash to, or not the key looked up (the
+    /// recorded key in hex).
     #[error("key mismatch: the file holds {0}")]
     KeyMismatch(String),
 }
 
 impl Entry {
+    /// The entry file's bytes (cache-layout.md, "Entry file"), checksum last.
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(self.image.len() + self.parts.source.len() + 1024);
         out.extend_from_slice(MAGIC);

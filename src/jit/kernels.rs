@@ -19,8 +19,11 @@ use crate::error::{Error, Result};
 /// A kernel loaded into one device's context.
 #[derive(Debug)]
 pub struct LoadedKernel {
+    /// The entry point's driver handle.
     pub function: CudaFunction,
+    /// The loaded module, shared by every entry point taken from it.
     pub module: Arc<CudaModule>,
+    /// The cache key of the module's entry.
     pub key: CacheKey,
     /// Where its module came from when it was loaded.
     pub origin: Origin,
@@ -162,12 +165,15 @@ fn cluster_width_of(function: &CudaFunction) -> Result<usize> {
     Ok(width)
 }
 
+/// The kernels loaded so far, by (device ordinal, spec); each [`Device`](crate::runtime::Device)
+/// has one. Lookups and loads may come from any thread.
 #[derive(Default)]
 pub struct KernelTable {
     map: DashMap<(usize, KernelSpec), Arc<LoadedKernel>, FxBuildHasher>,
 }
 
 impl KernelTable {
+    /// An empty table.
     pub fn new() -> KernelTable {
         KernelTable::default()
     }
@@ -243,10 +249,12 @@ impl KernelTable {
             .clone())
     }
 
+    /// Kernels loaded, counting each (device, spec) pair once.
     pub fn len(&self) -> usize {
         self.map.len()
     }
 
+    /// Whether no kernel has been loaded yet.
     pub fn is_empty(&self) -> bool {
         self.map.is_empty()
     }

@@ -11,9 +11,11 @@ pub const FORMAT_VERSION: u32 = 1;
 /// What goes into a key. Every field that can change the produced image is here.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KeyParts {
+    /// The rendered CUDA source.
     pub source: String,
     /// (include name, contents) of every header the source can see; kiln's templates use none.
     pub headers: Vec<(String, String)>,
+    /// The kernels the module exposes, as NVRTC name expressions: the family's kernel first.
     pub name_expressions: Vec<String>,
     /// NVRTC options, normalised (kiln generates them in one canonical order; no target here).
     pub options: Vec<String>,
@@ -23,14 +25,33 @@ pub struct KeyParts {
     pub nvrtc_version: String,
 }
 
+/// A SHA-256 cache key: [`KeyParts::key`] for an entry, [`KeyParts::lookup_key`] for the index
+/// of every NVRTC's entries. Displayed as 64 lowercase hex digits, which also name the entry's
+/// file.
+///
+/// ```
+/// use kiln::jit::CacheKey;
+///
+/// let key = CacheKey([0xab; 32]);
+/// let hex = key.hex();
+/// assert_eq!(hex.len(), 64);
+/// assert!(hex.starts_with("abab"));
+/// assert_eq!(CacheKey::from_hex(&hex), Some(key));
+/// // Upper case is read too; anything but 64 hex digits is not a key.
+/// assert_eq!(CacheKey::from_hex(&hex.to_uppercase()), Some(key));
+/// assert_eq!(CacheKey::from_hex(&hex[1..]), None);
+/// assert_eq!(CacheKey::from_hex(&hex.replace('a', "g")), None);
+/// ```
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct CacheKey(pub [u8; 32]);
 
 impl CacheKey {
+    /// The key as 64 lowercase hex digits (as `Display` writes it).
     pub fn hex(&self) -> String {
         self.0.iter().map(|b| format!("{b:02x}")).collect()
     }
 
+    /// Parses 64 hex digits, either case; None for anything else.
     pub fn from_hex(s: &str) -> Option<CacheKey> {
         if s.len() != 64 || !s.bytes().all(|b| b.is_ascii_hexdigit()) {
             return None;
@@ -73,6 +94,8 @@ impl Encoder {
 }
 
 impl KeyParts {
+    /// The entry's key: SHA-256 over every part, the NVRTC version included (cache-layout.md,
+    /// "Key").
     pub fn key(&self) -> CacheKey {
         let mut e = self.common(b"kiln-jit-key");
         e.bytes(self.nvrtc_version.as_bytes());

@@ -23,6 +23,7 @@ const SONAMES: &[&str] = &["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"];
 pub struct Nvrtc {
     /// Where the library was found ("(linker path)" plus the name when dlopen found it by name).
     pub path: String,
+    /// (major, minor), e.g. (13, 0).
     pub version: (i32, i32),
     /// Virtual architectures this NVRTC can emit SASS for (e.g. 80, 86, 89, 90, 100, ...).
     pub supported_archs: Vec<u32>,
@@ -30,14 +31,17 @@ pub struct Nvrtc {
 
 /// What NVRTC produced for one program.
 pub struct Output {
+    /// The cubin, or the PTX text with its NUL terminator.
     pub image: Vec<u8>,
     /// Lowered names, one per name expression, in order.
     pub lowered_names: Vec<String>,
+    /// NVRTC's log (its warnings, if any).
     pub log: String,
 }
 
 /// A failed compile: the NVRTC log.
 pub struct CompileFailure {
+    /// NVRTC's log, with the errors.
     pub log: String,
 }
 
@@ -54,6 +58,7 @@ impl Nvrtc {
             .map_err(Error::clone)
     }
 
+    /// The version as `major.minor`, as cache keys record it.
     pub fn version_string(&self) -> String {
         format!("{}.{}", self.version.0, self.version.1)
     }
@@ -248,10 +253,14 @@ fn python_locations() -> Vec<Location> {
     dirs.into_iter().map(Location::Dir).collect()
 }
 
+/// One place kiln looks for libnvrtc.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Location {
+    /// The file `KILN_NVRTC_LIB` names (then the only place looked in).
     File(PathBuf),
+    /// A folder searched for the known library names.
     Dir(PathBuf),
+    /// The dynamic linker, asked for the known sonames.
     Linker,
     /// No Python environment with the wheel was found (listed so the error says so).
     NoWheel,

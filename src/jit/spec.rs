@@ -50,8 +50,11 @@ impl Hash for TemplateDef {
 /// and hashable, never a formatted string.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct KernelSpec {
+    /// The family.
     pub template: &'static TemplateDef,
+    /// The element type the kernel is specialised for (`{{dtype}}` in the template).
     pub dtype: DType,
+    /// Threads per block the kernel is written for (`{{block_dim}}`), at least 1.
     pub block_dim: u16,
     /// Elements each thread reads per step (a 16-byte vector is `dtype.vec_width()`).
     pub n_reads: u8,

@@ -28,6 +28,7 @@ pub fn shared_memory_per_block(arch: u32) -> usize {
     }
 }
 
+/// What kind of code a [`Target`] asks NVRTC for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum TargetKind {
     /// SASS for exactly this architecture (`sm_XY`).
@@ -38,14 +39,38 @@ pub enum TargetKind {
     Ptx,
 }
 
+/// An exact compilation target: an architecture and the kind of code for it. Parsed from and
+/// displayed as `sm_XY`, `sm_XYa` or `compute_XY`; `sm_90`, `sm_90a` and `compute_90` are three
+/// different targets with three different cache keys.
+///
+/// ```
+/// use kiln::jit::{Target, TargetKind};
+///
+/// let t: Target = "sm_90a".parse()?;
+/// assert_eq!((t.arch, t.kind), (90, TargetKind::SassArchSpecific));
+/// assert_eq!(t.to_string(), "sm_90a");
+/// assert_eq!(t, Target::sass(90).arch_specific());
+/// assert_eq!(Target::for_compute_capability(8, 6).to_string(), "sm_86");
+/// assert!("compute_80".parse::<Target>()?.is_ptx());
+///
+/// // Not a target, and a target older than kiln supports.
+/// assert!(matches!("gfx90a".parse::<Target>(), Err(kiln::Error::InvalidTarget(_))));
+/// assert!(matches!(
+///     "sm_61".parse::<Target>(),
+///     Err(kiln::Error::InvalidArgument { arg: "target", .. })
+/// ));
+/// # Ok::<(), kiln::Error>(())
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Target {
     /// Compute capability times ten plus minor, e.g. 90 for 9.0.
     pub arch: u32,
+    /// SASS, arch-specific SASS or PTX.
     pub kind: TargetKind,
 }
 
 impl Target {
+    /// SASS for exactly `arch` (compute capability x 10): `sm_XY`.
     pub const fn sass(arch: u32) -> Target {
         Target {
             arch,
@@ -53,6 +78,8 @@ impl Target {
         }
     }
 
+    /// PTX for `arch` (compute capability x 10), which the driver compiles for the GPU it
+    /// loads on: `compute_XY`.
     pub const fn ptx(arch: u32) -> Target {
         Target {
             arch,
@@ -76,6 +103,7 @@ impl Target {
         }
     }
 
+    /// Whether this target is PTX (`compute_XY`) rather than SASS.
     pub fn is_ptx(self) -> bool {
         self.kind == TargetKind::Ptx
     }

@@ -18,17 +18,20 @@ use crate::error::Result;
 pub struct WarmProgress<'a> {
     /// The spec's description (or, for a recompiled cache entry, the one it was made from).
     pub what: &'a str,
+    /// The target asked for.
     pub target: Target,
     /// Where the module came from, or None when it failed.
     pub origin: Option<Origin>,
     /// Items finished so far (this one included) and in all.
     pub done: usize,
+    /// Items in the whole warm.
     pub total: usize,
 }
 
 /// What a warm did.
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct WarmReport {
+    /// Items asked for: (spec, target) pairs, or (cache entry, target) pairs.
     pub specs: usize,
     /// Compiled by NVRTC now.
     pub compiled: usize,
@@ -36,12 +39,15 @@ pub struct WarmReport {
     pub cached: usize,
     /// "spec on target: error", one per failure, in no particular order.
     pub failures: Vec<String>,
+    /// Worker threads the warm could use (one per CPU when asked for 0; at most 256).
     pub jobs: usize,
+    /// Wall-clock time the warm took.
     pub seconds: f64,
 }
 
 impl WarmReport {
-    /// Adds another warm's counts to this one (the jobs and the time of the longer).
+    /// Adds another warm's counts to this one, for warms run one after the other: the larger
+    /// number of jobs, the two times added.
     pub fn absorb(&mut self, other: WarmReport) {
         self.specs += other.specs;
         self.compiled += other.compiled;

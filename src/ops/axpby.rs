@@ -6,6 +6,7 @@ use crate::error::{Error, Result};
 use crate::jit::{KernelSpec, TemplateDef};
 use crate::runtime::{Array, CommandEncoder, KernelArgs};
 
+/// The family: `templates/axpby.cu`, computing in f32 whatever the dtype.
 pub static AXPBY: TemplateDef = TemplateDef {
     name: "axpby",
     source: include_str!("../../templates/axpby.cu"),
@@ -17,10 +18,12 @@ pub static AXPBY: TemplateDef = TemplateDef {
 
 const BLOCK_DIM: u16 = 256;
 
+/// The one spec for `dtype` (256 threads per block, grid-stride).
 pub fn spec(dtype: DType) -> KernelSpec {
     KernelSpec::new(&AXPBY, dtype, BLOCK_DIM, 1, &[])
 }
 
+/// Every spec `axpby` can choose: one per dtype.
 pub fn specs() -> Vec<KernelSpec> {
     DType::ALL.iter().map(|&d| spec(d)).collect()
 }

@@ -14,6 +14,7 @@ use crate::error::{Error, Result};
 use crate::jit::{KernelSpec, LoadedKernel, TemplateDef};
 use crate::runtime::{Array, CommandEncoder, KernelArgs};
 
+/// The forward pass, LayerNorm or RMSNorm, one row per GROUP threads (`templates/norm_fwd.cu`).
 pub static FORWARD: TemplateDef = TemplateDef {
     name: "norm_fwd",
     source: include_str!("../../templates/norm_fwd.cu"),
@@ -23,6 +24,7 @@ pub static FORWARD: TemplateDef = TemplateDef {
     only_arch: None,
 };
 
+/// The VJP: dx, and per-block f32 partial sums of dweight and dbias (`templates/norm_vjp.cu`).
 pub static VJP: TemplateDef = TemplateDef {
     name: "norm_vjp",
     source: include_str!("../../templates/norm_vjp.cu"),
@@ -54,6 +56,8 @@ pub static VJP_SPLIT: TemplateDef = TemplateDef {
     only_arch: Some(SPLIT_ARCH),
 };
 
+/// Column sums of f32 matrices, stored as the dtype: the VJP's partial sums into dweight and
+/// dbias (`templates/reduce_cols.cu`).
 pub static REDUCE_COLS: TemplateDef = TemplateDef {
     name: "reduce_cols",
     source: include_str!("../../templates/reduce_cols.cu"),
@@ -94,15 +98,21 @@ impl Gpu {
 /// Hopper is built and measured so far).
 pub const SPLIT_ARCH: u32 = 90;
 
+/// Which normalisation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kind {
+    /// `(x - mean) / sqrt(var + eps) * weight + bias` over the last axis.
     LayerNorm,
+    /// `x / sqrt(mean(x^2) + eps) * weight` over the last axis.
     RmsNorm,
 }
 
+/// Which direction a spec computes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Pass {
+    /// The normalised output.
     Forward,
+    /// The vector-Jacobian product: gradients of x, weight and bias.
     Vjp,
 }
 

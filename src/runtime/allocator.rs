@@ -191,6 +191,7 @@ impl Allocator {
         }
     }
 
+    /// The counters now (a copy).
     pub fn stats(&self) -> MemoryStats {
         self.inner.lock().stats
     }

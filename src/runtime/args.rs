@@ -16,6 +16,9 @@ pub const MAX_ARG_ALIGN: usize = 128;
 #[repr(C, align(128))]
 struct Storage([u64; CAPACITY_WORDS]);
 
+/// One launch's kernel arguments, by value and in parameter order, as
+/// [`CommandEncoder::launch`](super::CommandEncoder::launch) takes them. A fixed-size value:
+/// building one allocates nothing.
 #[derive(Clone)]
 pub struct KernelArgs {
     /// The values, each at an offset that is a multiple of its alignment.
@@ -38,6 +41,7 @@ impl Default for KernelArgs {
 }
 
 impl KernelArgs {
+    /// No arguments yet.
     pub fn new() -> KernelArgs {
         KernelArgs::default()
     }
@@ -72,10 +76,12 @@ impl KernelArgs {
         self
     }
 
+    /// The number of arguments pushed.
     pub fn len(&self) -> usize {
         self.count
     }
 
+    /// Whether no argument has been pushed.
     pub fn is_empty(&self) -> bool {
         self.count == 0
     }

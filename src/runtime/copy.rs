@@ -6,6 +6,8 @@ use crate::dtype::DType;
 use crate::error::Result;
 use crate::jit::{KernelSpec, TemplateDef};
 
+/// The family: `templates/copy.cu`, specialised on the source dtype and, as `OUT_DTYPE`, the
+/// destination's ([`DType::code`]).
 pub static COPY: TemplateDef = TemplateDef {
     name: "copy",
     source: include_str!("../../templates/copy.cu"),
@@ -25,10 +27,12 @@ struct Layout {
     strides: [i64; MAX_RANK],
 }
 
+/// The spec that copies `from` elements into `to` elements.
 pub fn spec(from: DType, to: DType) -> KernelSpec {
     KernelSpec::new(&COPY, from, BLOCK_DIM, 1, &[to.code()])
 }
 
+/// Every spec `copy` can choose: one per (from, to) pair of dtypes.
 pub fn specs() -> Vec<KernelSpec> {
     DType::ALL
         .iter()

@@ -29,10 +29,15 @@ use crate::jit::Target;
 /// One GPU as the driver reports it.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct GpuInfo {
+    /// The driver's device number, from 0.
     pub ordinal: usize,
+    /// The product name, e.g. `NVIDIA H100 80GB HBM3`.
     pub name: String,
+    /// (major, minor), e.g. (9, 0).
     pub compute_capability: (u32, u32),
+    /// Streaming multiprocessors (SMs).
     pub multiprocessors: u32,
+    /// Total device memory in bytes.
     pub memory_bytes: u64,
     /// The most shared memory one block may use, after opting in.
     pub max_shared_per_block: u32,

@@ -10,11 +10,19 @@ pub const MAX_SPATIAL: usize = 3;
 /// spatial dimension, or a single entry used for all of them.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct ConvParams {
+    /// Output step in input positions, per spatial dim (at least 1).
     pub strides: Vec<usize>,
+    /// Zeros added before the (dilated) input, per spatial dim.
     pub padding_lo: Vec<usize>,
+    /// Zeros added after the (dilated) input, per spatial dim.
     pub padding_hi: Vec<usize>,
+    /// Distance between the kernel's taps, per spatial dim (1: adjacent).
     pub kernel_dilation: Vec<usize>,
+    /// Distance between input elements, per spatial dim: `d` puts `d - 1` zeros between
+    /// neighbours (1: none).
     pub input_dilation: Vec<usize>,
+    /// Channel groups: input and output channels are split into this many groups, each
+    /// convolved with its own slice of the weight (at least 1; divides both channel counts).
     pub groups: usize,
     /// Convolution proper (the kernel flipped along every spatial dim) instead of
     /// cross-correlation.
@@ -37,6 +45,7 @@ impl Default for ConvParams {
 }
 
 impl ConvParams {
+    /// These [`strides`](ConvParams::strides) (builder style, as the other setters).
     pub fn strides(mut self, v: &[usize]) -> Self {
         self.strides = v.to_vec();
         self
@@ -47,26 +56,32 @@ impl ConvParams {
         self.padding_hi = v.to_vec();
         self
     }
+    /// Padding before only.
     pub fn padding_lo(mut self, v: &[usize]) -> Self {
         self.padding_lo = v.to_vec();
         self
     }
+    /// Padding after only.
     pub fn padding_hi(mut self, v: &[usize]) -> Self {
         self.padding_hi = v.to_vec();
         self
     }
+    /// This [`kernel_dilation`](ConvParams::kernel_dilation).
     pub fn kernel_dilation(mut self, v: &[usize]) -> Self {
         self.kernel_dilation = v.to_vec();
         self
     }
+    /// This [`input_dilation`](ConvParams::input_dilation).
     pub fn input_dilation(mut self, v: &[usize]) -> Self {
         self.input_dilation = v.to_vec();
         self
     }
+    /// This many [`groups`](ConvParams::groups).
     pub fn groups(mut self, groups: usize) -> Self {
         self.groups = groups;
         self
     }
+    /// Convolution proper (true) or cross-correlation (false, the default).
     pub fn flip(mut self, flip: bool) -> Self {
         self.flip = flip;
         self
@@ -86,18 +101,31 @@ fn bad(arg: &'static str, reason: impl Into<String>) -> Error {
 pub struct Geometry {
     /// Spatial dims of the caller's arrays (1 to 3).
     pub spatial: usize,
+    /// Images in the batch (N).
     pub batch: usize,
+    /// The input's spatial extents.
     pub input: [usize; 3],
+    /// The output's spatial extents.
     pub output: [usize; 3],
+    /// The weight's spatial extents.
     pub kernel: [usize; 3],
+    /// See [`ConvParams::strides`].
     pub stride: [usize; 3],
+    /// See [`ConvParams::padding_lo`].
     pub pad_lo: [usize; 3],
+    /// See [`ConvParams::padding_hi`].
     pub pad_hi: [usize; 3],
+    /// See [`ConvParams::kernel_dilation`].
     pub kernel_dilation: [usize; 3],
+    /// See [`ConvParams::input_dilation`].
     pub input_dilation: [usize; 3],
+    /// Input channels, over all groups.
     pub cin: usize,
+    /// Output channels, over all groups.
     pub cout: usize,
+    /// See [`ConvParams::groups`].
     pub groups: usize,
+    /// See [`ConvParams::flip`].
     pub flip: bool,
 }
 
@@ -255,21 +283,27 @@ impl Geometry {
         s.push(channels);
         s
     }
+    /// The input's shape as the caller's arrays have it: (N, spatial..., C_in).
     pub fn input_shape(&self) -> Vec<usize> {
         self.shape(&self.input, self.cin, self.batch)
     }
+    /// The output's shape: (N, spatial..., C_out).
     pub fn output_shape(&self) -> Vec<usize> {
         self.shape(&self.output, self.cout, self.batch)
     }
+    /// The weight's shape: (C_out, spatial..., C_in / groups).
     pub fn weight_shape(&self) -> Vec<usize> {
         self.shape(&self.kernel, self.cin / self.groups, self.cout)
     }
+    /// Taps of the kernel: the product of its spatial extents.
     pub fn kernel_size(&self) -> usize {
         self.kernel.iter().product()
     }
+    /// Spatial positions of one input image.
     pub fn input_pixels(&self) -> usize {
         self.input.iter().product()
     }
+    /// Spatial positions of one output image.
     pub fn output_pixels(&self) -> usize {
         self.output.iter().product()
     }
@@ -284,14 +318,19 @@ impl Geometry {
 /// The three passes, as one GEMM each (per group).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Pass {
+    /// The output, from the input and the weight.
     Forward = 0,
+    /// The input's gradient, from the output's cotangent and the weight.
     BackwardData = 1,
+    /// The weight's gradient, from the input and the output's cotangent.
     BackwardWeight = 2,
 }
 
 impl Pass {
+    /// The three passes, in declaration order.
     pub const ALL: [Pass; 3] = [Pass::Forward, Pass::BackwardData, Pass::BackwardWeight];
 
+    /// Its snake-case name (`forward`, `backward_data`, `backward_weight`).
     pub fn name(self) -> &'static str {
         match self {
             Pass::Forward => "forward",
@@ -343,25 +382,46 @@ impl Pass {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Problem {
+    /// [`Geometry::batch`].
     pub batch: i32,
+    /// [`Geometry::input`].
     pub input: [i32; 3],
+    /// [`Geometry::output`].
     pub output: [i32; 3],
+    /// [`Geometry::kernel`].
     pub kernel: [i32; 3],
+    /// [`Geometry::stride`].
     pub stride: [i32; 3],
+    /// [`Geometry::pad_lo`] (the padding after follows from the extents).
     pub pad: [i32; 3],
+    /// [`Geometry::kernel_dilation`].
     pub kernel_dilation: [i32; 3],
+    /// [`Geometry::input_dilation`].
     pub input_dilation: [i32; 3],
+    /// Input channels, over all groups.
     pub cin: i32,
+    /// Output channels, over all groups.
     pub cout: i32,
+    /// Input channels per group.
     pub cin_g: i32,
+    /// Output channels per group.
     pub cout_g: i32,
+    /// Taps of the kernel ([`Geometry::kernel_size`]).
     pub ksize: i32,
+    /// 1 for convolution proper, 0 for cross-correlation.
     pub flip: i32,
+    /// Rows of the largest GEMM one block works on ([`Pass::block_gemm`]).
     pub m: i32,
+    /// Its columns.
     pub n: i32,
+    /// Its reduction depth.
     pub k: i32,
+    /// K tiles each split of the reduction covers (at least 1; all of them without a split).
     pub k_tiles_per_split: i32,
+    /// 1 when every pair of neighbouring output columns (an even one and the next) is adjacent
+    /// in memory and 2-aligned, so that the kernel stores each pair in one write.
     pub pair_store: i32,
+    /// Stride phases ([`Pass::phases`]; 1: not phased).
     pub phases: i32,
 }
 
