@@ -1,5 +1,3 @@
-// Documented separately (in progress); remove this allow when done.
-#![allow(missing_docs)]
 //! `Array`: a device buffer plus dtype, shape, strides and offset. Views (reshape, transpose,
 //! swapaxes, slice, broadcast) share the buffer; `contiguous` and `astype` copy through the
 //! strided-copy kernel.

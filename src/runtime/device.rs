@@ -1,5 +1,3 @@
-// Documented separately (in progress); remove this allow when done.
-#![allow(missing_docs)]
 //! One `Device` per GPU ordinal, created lazily: its context, properties, allocator and loaded
 //! kernels.
 

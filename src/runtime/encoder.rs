@@ -1,5 +1,3 @@
-// Documented separately (in progress); remove this allow when done.
-#![allow(missing_docs)]
 //! The command encoder: one per stream. Direct mode calls `cuLaunchKernel` at once; graph mode
 //! (the default) records kernel nodes with their dependencies and, at commit, launches a CUDA
 //! graph executable cached by the graph's topology key.
