@@ -354,15 +354,16 @@ fn split_spec(kind: Kind, dtype: DType, n_reads: usize, vectors: usize) -> Optio
 
 /// Threads per block of the split-row VJP.
 const VJP_SPLIT_BLOCK: usize = 512;
-/// Blocks per cluster of the split-row VJP: the portable 8, then Hopper's non-portable 16 for
-/// rows that 8 blocks' registers do not hold.
-const VJP_SPLIT_CLUSTERS: [usize; 2] = [8, 16];
+/// Blocks per cluster of the split-row VJP: the fewest of these whose registers hold the row
+/// (2 to the portable 8, then Hopper's non-portable 16). Blocks beyond the row's length would
+/// only wait on its exchanges, and every block spared lets another row be in flight.
+const VJP_SPLIT_CLUSTERS: [usize; 8] = [2, 3, 4, 5, 6, 7, 8, 16];
 /// The most elements a split-row VJP thread holds per row: 16 each of x, the cotangent, the next
 /// row's x and cotangent, and the partial sums of dweight and dbias (96 registers of 128).
 const VJP_SPLIT_ELEMENTS: usize = 16;
 
-/// The split-row VJP's layouts in order of preference: (blocks per cluster, most elements per
-/// thread, partial sums in shared memory). A row's time is bound by the latency of its two
+/// The split-row VJP's layouts in order of preference: (most blocks per cluster, most elements
+/// per thread, partial sums in shared memory). A row's time is bound by the latency of its two
 /// exchanges more than by its bytes, so 16-bit rows (half the bytes of f32 rows) keep their
 /// partial sums of dweight and dbias in shared memory, where 64 registers suffice and two blocks,
 /// two rows, share each SM (1118 x 30,000 f16 LayerNorm: 38% of copy against 29%). At 16
@@ -378,11 +379,17 @@ fn vjp_split_layouts(dtype: DType) -> &'static [(usize, usize, bool)] {
 }
 
 /// The split-row VJP for rows of `vectors` vectors, if a cluster's registers hold them: the
-/// first layout of `vjp_split_layouts` that does, each thread holding a power of two of vectors.
+/// first layout of `vjp_split_layouts` that does, with the fewest blocks per cluster (up to the
+/// layout's) whose threads, each holding a power of two of vectors within the layout's elements,
+/// cover the row.
 fn vjp_split_spec(kind: Kind, dtype: DType, n_reads: usize, vectors: usize) -> Option<KernelSpec> {
     vjp_split_layouts(dtype)
         .iter()
-        .find_map(|&(cluster, elements, smem_sums)| {
+        .find_map(|&(most, elements, smem_sums)| {
+            let per_block = VJP_SPLIT_BLOCK * (elements / n_reads).max(1);
+            let cluster = *VJP_SPLIT_CLUSTERS
+                .iter()
+                .find(|&&c| c <= most && c * per_block >= vectors)?;
             let items = vectors
                 .div_ceil(VJP_SPLIT_BLOCK * cluster)
                 .next_power_of_two();
