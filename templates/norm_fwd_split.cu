@@ -1,10 +1,10 @@
 // LayerNorm (RMS = 0) or RMSNorm (RMS = 1) forward for rows too long for one block's registers
-// (sm_90): a thread-block cluster of CLUSTER blocks takes a row, each block a contiguous chunk
-// of BLOCK_DIM * ITEMS vectors held in registers, so x is read once and y written once.
-// The statistics are exact two-pass sums over the whole row: each block puts its chunk's sum
-// in its shared memory, and after a cluster barrier every block adds all CLUSTER of them, read
-// through distributed shared memory in rank order (so every block gets the same mean); then the
-// same for the squares about that mean.
+// (sm_90). A thread-block cluster of CLUSTER blocks takes a row, each block a contiguous chunk
+// of BLOCK_DIM * ITEMS vectors of x held in registers, so x is read once and y written once.
+// The clusters loop over rows (a grid no larger than the GPU holds), loading the next row while
+// the current one is reduced; each block keeps its columns of the weight and bias in shared
+// memory for all its rows. The statistics are exact two-pass sums over the whole row, combined
+// through distributed shared memory without cluster barriers (kiln_cluster_sum2).
 {{> prelude}}
 {{> norm}}
 {{> cluster}}
@@ -15,85 +15,97 @@ constexpr int N_READS = {{n_reads}};
 constexpr bool RMS = {{RMS}};
 constexpr int ITEMS = {{ITEMS}};
 constexpr int CLUSTER = {{CLUSTER}};
-static_assert(CLUSTER >= 2 && CLUSTER <= 8, "a portable cluster of at least two blocks");
+static_assert(CLUSTER >= 2 && CLUSTER <= 16, "a cluster of at least two blocks");
+// Up to 8 elements a thread (x and the next row's: 16 registers), two blocks share an SM, so
+// that one row's exchanges wait while the other's computes.
+constexpr int MIN_BLOCKS = ITEMS * N_READS <= 8 ? 2 : 1;
 
-// `local` (a shared variable) as block `rank` of the cluster holds it.
-__device__ __forceinline__ float kiln_cluster_read(const float* local, unsigned rank) {
-  unsigned remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
-               : "=r"(remote)
-               : "r"((unsigned)__cvta_generic_to_shared(local)), "r"(rank));
-  float v;
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-  return v;
-}
-
-// The sum over the cluster of each block's `slot`, in rank order.
-__device__ __forceinline__ float kiln_cluster_total(const float* slot) {
-  float total = 0.0f;
-#pragma unroll
-  for (int r = 0; r < CLUSTER; ++r) total += kiln_cluster_read(slot, r);
-  return total;
-}
-
-extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(BLOCK_DIM)
+extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(BLOCK_DIM, MIN_BLOCKS)
     {{kernel}}(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b,
                T* __restrict__ y, long long rows, int d, long long x_row_stride,
                long long w_stride, long long b_stride, int w_vec, int b_vec, float eps) {
-  __shared__ float scratch[KILN_SCRATCH(BLOCK_DIM)];
-  // This block's sum, then its sum of squares: two slots, so that a block writing the second
-  // never overwrites what a slower block may still be reading of the first.
-  __shared__ float partial[2];
-  int round = 0;
-  // The grid is rows x CLUSTER blocks; a cluster is CLUSTER consecutive blocks.
-  const long long row = blockIdx.x / CLUSTER;
+  __shared__ kiln_cluster_sums<CLUSTER, BLOCK_DIM> sums;
+  kiln_cluster_sums_init(sums);
+  int exchange = 0;
+  const long long cluster = blockIdx.x / CLUSTER, clusters = gridDim.x / CLUSTER;
   const int base = (int)kiln_cluster_rank() * BLOCK_DIM * ITEMS * N_READS;
-  const T* xr = x + row * x_row_stride + base;
   const int left = d - base;  // this chunk's elements run to here (none when <= 0)
   const float inv_d = 1.0f / d;
+  auto inside = [&](int k) { return (k * BLOCK_DIM + (int)threadIdx.x) * N_READS < left; };
 
-  float v[ITEMS][N_READS];
-  kiln_load_row<ITEMS, N_READS, BLOCK_DIM>(xr, true, threadIdx.x, left, v);
-
-  float mean = 0.0f;
-  if (!RMS) {
-    float s = 0.0f;
-#pragma unroll
-    for (int k = 0; k < ITEMS; ++k)
-#pragma unroll
-      for (int j = 0; j < N_READS; ++j) s += v[k][j];
-    s = kiln_group_sum<BLOCK_DIM, BLOCK_DIM>(s, scratch, round);
-    if (threadIdx.x == 0) partial[0] = s;
-    kiln_cluster_sync();
-    mean = kiln_cluster_total(&partial[0]) * inv_d;
-  }
-  float q = 0.0f;
-#pragma unroll
-  for (int k = 0; k < ITEMS; ++k) {
-    if ((k * BLOCK_DIM + (int)threadIdx.x) * N_READS >= left) break;  // zeros past d
-#pragma unroll
-    for (int j = 0; j < N_READS; ++j) {
-      const float c = v[k][j] - mean;
-      q += c * c;
-    }
-  }
-  q = kiln_group_sum<BLOCK_DIM, BLOCK_DIM>(q, scratch, round);
-  if (threadIdx.x == 0) partial[1] = q;
-  kiln_cluster_sync();
-  const float rstd = rsqrtf(kiln_cluster_total(&partial[1]) * inv_d + eps);
-
-  T* yr = y + row * (long long)d;
+  // The weight and bias of this thread's columns, as floats; each thread writes and reads only
+  // its own.
+  typedef kiln_vec<float, N_READS> F;
+  extern __shared__ F w_own[];
+  F* b_own = w_own + ITEMS * BLOCK_DIM;
 #pragma unroll
   for (int k = 0; k < ITEMS; ++k) {
     const int i = base + (k * BLOCK_DIM + (int)threadIdx.x) * N_READS;
-    if (i >= d) break;
-    float wv[N_READS], bv[N_READS];
-    kiln_load_param<N_READS>(w, w_stride, w_vec, i, d, 1.0f, wv);
-    kiln_load_param<N_READS>(RMS ? nullptr : b, b_stride, b_vec, i, d, 0.0f, bv);
+    float wk[N_READS], bk[N_READS];
+    kiln_load_param<N_READS>(w, w_stride, w_vec, i, d, 1.0f, wk);
+    kiln_load_param<N_READS>(RMS ? nullptr : b, b_stride, b_vec, i, d, 0.0f, bk);
+    F fw, fb;
 #pragma unroll
-    for (int j = 0; j < N_READS; ++j) v[k][j] = (v[k][j] - mean) * rstd * wv[j] + bv[j];
-    kiln_store_floats<N_READS>(yr, i, d, v[k]);
+    for (int j = 0; j < N_READS; ++j) {
+      fw.v[j] = wk[j];
+      fb.v[j] = bk[j];
+    }
+    w_own[k * BLOCK_DIM + threadIdx.x] = fw;
+    b_own[k * BLOCK_DIM + threadIdx.x] = fb;
   }
-  // No block may leave while another can still read its partial sums.
+
+  // This chunk of row r (zeros past d, or for rows past the end).
+  auto load = [&](long long r, float(&v)[ITEMS][N_READS]) {
+    const bool active = r < rows;
+    kiln_load_row<ITEMS, N_READS, BLOCK_DIM>(x + (active ? r : 0) * x_row_stride + base, active,
+                                            threadIdx.x, left, v);
+  };
+  float v[ITEMS][N_READS];
+  load(cluster, v);
+  for (long long row = cluster; row < rows; row += clusters) {
+    // The next row's loads go out before this row's exchanges.
+    float nv[ITEMS][N_READS];
+    load(row + clusters, nv);
+
+    float mean = 0.0f;
+    if constexpr (!RMS) {
+      float s = 0.0f, unused = 0.0f;
+#pragma unroll
+      for (int k = 0; k < ITEMS; ++k)
+#pragma unroll
+        for (int j = 0; j < N_READS; ++j) s += v[k][j];
+      kiln_cluster_sum2(s, unused, sums, exchange);
+      mean = s * inv_d;
+    }
+    float q = 0.0f, unused = 0.0f;
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      if (!inside(k)) break;  // zeros past d: their deviation would be -mean
+#pragma unroll
+      for (int j = 0; j < N_READS; ++j) {
+        const float c = v[k][j] - mean;
+        q += c * c;
+      }
+    }
+    kiln_cluster_sum2(q, unused, sums, exchange);
+    const float rstd = rsqrtf(q * inv_d + eps);
+
+    T* yr = y + row * (long long)d;
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      if (!inside(k)) break;
+      const int i = base + (k * BLOCK_DIM + (int)threadIdx.x) * N_READS;
+      const F fw = w_own[k * BLOCK_DIM + threadIdx.x], fb = b_own[k * BLOCK_DIM + threadIdx.x];
+      float o[N_READS];
+#pragma unroll
+      for (int j = 0; j < N_READS; ++j) o[j] = (v[k][j] - mean) * rstd * fw.v[j] + fb.v[j];
+      kiln_store_floats<N_READS>(yr, i, d, o);
+    }
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k)
+#pragma unroll
+      for (int j = 0; j < N_READS; ++j) v[k][j] = nv[k][j];
+  }
+  // No block may leave while another's pushes into it may still be in flight.
   kiln_cluster_sync();
 }

@@ -270,7 +270,9 @@ fn ring_bytes(spec: &KernelSpec) -> usize {
         return floats * 4 * if spec.consts[3] != 0 { 3 } else { 1 };
     }
     if is_split(spec) {
-        return 0;
+        // Each thread's weight and bias as floats.
+        let floats = spec.consts[1] as usize * spec.block_dim as usize * spec.n_reads as usize;
+        return 2 * floats * 4;
     }
     let vjp = spec.template.name == VJP.name;
     let arrays = if vjp { 2 } else { 1 };
@@ -321,34 +323,35 @@ fn fits(spec: &KernelSpec, shared_limit: usize) -> bool {
     ring_bytes(spec) + 1024 <= shared_limit
 }
 
-/// Threads per block of the split-row forward, and blocks per cluster (per row): always the
-/// largest portable cluster, so that few long rows still spread over many SMs.
-const SPLIT_BLOCK: usize = 256;
-const SPLIT_CLUSTER: usize = 8;
-/// The most vectors a split-row thread holds: 64 floats.
-fn split_max_items(n_reads: usize) -> usize {
-    64 / n_reads
-}
+/// Threads per block of the split-row forward.
+const SPLIT_BLOCK: usize = 512;
+/// The split-row forward's layouts in order of preference: (most blocks per cluster, most
+/// elements per thread). Up to 8 elements (x and the next row's x in 16 registers), two blocks
+/// share each SM; longer rows take up to 16 elements and Hopper's non-portable 16 blocks.
+const SPLIT_LAYOUTS: [(usize, usize); 2] = [(8, 8), (16, 16)];
+/// The most elements a split-row forward thread holds per row.
+const SPLIT_ELEMENTS: usize = 16;
 
-/// The split-row forward for rows of `vectors` vectors, if one cluster's registers hold them:
-/// each thread holds a power of two of vectors, enough for its share of the row.
+/// The split-row forward for rows of `vectors` vectors, if a cluster's registers hold them: the
+/// first layout that does, with the fewest blocks per cluster (of `VJP_SPLIT_CLUSTERS`, up to
+/// the layout's) whose threads, each holding a power of two of vectors, cover the row.
 fn split_spec(kind: Kind, dtype: DType, n_reads: usize, vectors: usize) -> Option<KernelSpec> {
-    let items = vectors
-        .div_ceil(SPLIT_BLOCK * SPLIT_CLUSTER)
-        .next_power_of_two();
-    (items <= split_max_items(n_reads)).then(|| {
-        let consts = [
-            (kind == Kind::RmsNorm) as i32,
-            items as i32,
-            SPLIT_CLUSTER as i32,
-        ];
-        KernelSpec::new(
-            &FORWARD_SPLIT,
-            dtype,
-            SPLIT_BLOCK as u16,
-            n_reads as u8,
-            &consts,
-        )
+    SPLIT_LAYOUTS.iter().find_map(|&(most, elements)| {
+        let per_block = SPLIT_BLOCK * (elements / n_reads).max(1);
+        let cluster = *VJP_SPLIT_CLUSTERS
+            .iter()
+            .find(|&&c| c <= most && c * per_block >= vectors)?;
+        let items = vectors.div_ceil(SPLIT_BLOCK * cluster).next_power_of_two();
+        (items * n_reads <= elements).then(|| {
+            let consts = [(kind == Kind::RmsNorm) as i32, items as i32, cluster as i32];
+            KernelSpec::new(
+                &FORWARD_SPLIT,
+                dtype,
+                SPLIT_BLOCK as u16,
+                n_reads as u8,
+                &consts,
+            )
+        })
     })
 }
 
@@ -504,8 +507,7 @@ pub fn specs(gpu: Gpu) -> Vec<KernelSpec> {
                         .max(RESIDENT_GROUP * RESIDENT_ITEMS)
                         .max(SHARED_SUMS_GROUP * max_items(pass, n_reads));
                     if pass == Pass::Forward && gpu.clusters {
-                        longest =
-                            longest.max(SPLIT_BLOCK * SPLIT_CLUSTER * split_max_items(n_reads));
+                        longest = longest.max(SPLIT_BLOCK * 16 * SPLIT_ELEMENTS / n_reads);
                     }
                     if pass == Pass::Vjp && gpu.clusters {
                         let widest = VJP_SPLIT_CLUSTERS[VJP_SPLIT_CLUSTERS.len() - 1];
@@ -680,9 +682,9 @@ fn forward(
         None => {
             let mut gpu = Gpu::of(enc.device());
             // Where clusters pay, from `--long` on an H100: with fewer rows than SMs, where the
-            // one-block-per-row streamed path leaves SMs idle (16 rows of 65,536: 35-72% of
-            // copy); for f32 at any row count (512 x 65,536: 77% against 58% streamed). Many
-            // 16-bit rows stream faster (512 x 65,536 LayerNorm: 54% against 43% split).
+            // one-block-per-row streamed path leaves SMs idle; for f32 at any row count (82-92%
+            // of copy from 16,385 to 131,072 elements). Many 16-bit rows stream faster
+            // (512 x 65,536 LayerNorm: 55% against 35% split).
             let sms = enc.device().info().multiprocessors as usize;
             gpu.clusters &= x.dtype() == DType::F32 || rows < sms;
             choose_spec(Pass::Forward, kind, x.dtype(), d, vectorized, gpu)
@@ -717,8 +719,11 @@ fn forward(
     let (block, groups) = geometry(&spec);
     let shared = ring_bytes(&spec);
     let grid = if is_split(&spec) {
-        // A cluster of consecutive blocks per row.
-        rows * spec.consts[2] as usize
+        // Clusters of consecutive blocks loop over rows: as many as the GPU holds at once.
+        kernel.allow_shared(shared)?;
+        let cluster = spec.consts[2] as usize;
+        let slots = kernel.max_active_clusters(block as u32, shared)?;
+        balanced_grid(rows, slots) * cluster
     } else if shared > 0 {
         // Each block loops over rows, with the next rows' loads in flight.
         kernel.allow_shared(shared)?;
@@ -1050,10 +1055,10 @@ fn check_chosen(
             && spec.dtype == dtype
             && legal_width
             && items.is_power_of_two()
-            && items <= split_max_items(n_reads)
-            && cluster == SPLIT_CLUSTER
+            && items * n_reads <= SPLIT_ELEMENTS
+            && VJP_SPLIT_CLUSTERS.contains(&cluster)
             && spec.block_dim as usize == SPLIT_BLOCK
-            && SPLIT_BLOCK * SPLIT_CLUSTER * items * n_reads >= d
+            && SPLIT_BLOCK * cluster * items * n_reads >= d
             && spec.consts[0] == (kind == Kind::RmsNorm) as i32;
         if !ok {
             return Err(bad(
