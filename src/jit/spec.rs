@@ -63,6 +63,12 @@ pub struct KernelSpec {
 }
 
 impl KernelSpec {
+    /// The value of the family's constant `name`, if the family declares one by that name.
+    pub fn constant(&self, name: &str) -> Option<i32> {
+        let i = self.template.const_names.iter().position(|n| *n == name)?;
+        self.consts.get(i).copied()
+    }
+
     /// Whether the family can be built for architecture `arch` (compute capability x 10).
     pub fn builds_for(&self, arch: u32) -> bool {
         self.template.only_arch.map_or(true, |a| a == arch)

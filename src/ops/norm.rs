@@ -225,11 +225,22 @@ const RESIDENT_ITEMS: usize = 4;
 /// memory (the kernel's SHARED_SUMS), so that the row is read once, all of it in flight at once.
 const SHARED_SUMS_GROUP: usize = 1024;
 
+/// A norm spec's constant `name`, by name (the families share names, not positions); 0 where
+/// the family has none (RESIDENT is the VJP's alone). `constants_are_declared` checks the names.
+fn constant(spec: &KernelSpec, name: &str) -> usize {
+    spec.constant(name).map_or(0, |v| v.max(0) as usize)
+}
+
+/// Whether `spec` is for RMSNorm (else LayerNorm).
+fn is_rms(spec: &KernelSpec) -> bool {
+    constant(spec, "RMS") != 0
+}
+
 /// Whether a register-path VJP spec keeps its weights and partial sums in shared memory.
 fn shared_sums(spec: &KernelSpec) -> bool {
     spec.template.name == VJP.name
-        && spec.consts[2] > 0
-        && spec.consts[4] == 0
+        && constant(spec, "ITEMS") > 0
+        && constant(spec, "RESIDENT") == 0
         && spec.block_dim as usize == SHARED_SUMS_GROUP
 }
 
@@ -266,21 +277,27 @@ fn stages(dtype: DType, n_reads: usize, items: usize) -> usize {
 fn ring_bytes(spec: &KernelSpec) -> usize {
     if is_vjp_split(spec) {
         // Each thread's weights as floats, and with SMEM_SUMS its partial sums of dw and db.
-        let floats = spec.consts[1] as usize * spec.block_dim as usize * spec.n_reads as usize;
-        return floats * 4 * if spec.consts[3] != 0 { 3 } else { 1 };
+        let floats = constant(spec, "ITEMS") * spec.block_dim as usize * spec.n_reads as usize;
+        return floats
+            * 4
+            * if constant(spec, "SMEM_SUMS") != 0 {
+                3
+            } else {
+                1
+            };
     }
     if is_split(spec) {
         // Each thread's weight and bias as floats.
-        let floats = spec.consts[1] as usize * spec.block_dim as usize * spec.n_reads as usize;
+        let floats = constant(spec, "ITEMS") * spec.block_dim as usize * spec.n_reads as usize;
         return 2 * floats * 4;
     }
     let vjp = spec.template.name == VJP.name;
     let arrays = if vjp { 2 } else { 1 };
-    let (rms, group) = (spec.consts[0] != 0, spec.consts[1] as usize);
-    let (items, stages) = (spec.consts[2] as usize, spec.consts[3] as usize);
+    let (rms, group) = (is_rms(spec), constant(spec, "GROUP"));
+    let (items, stages) = (constant(spec, "ITEMS"), constant(spec, "STAGES"));
     let vectors = items * spec.block_dim as usize;
     let floats = vectors * spec.n_reads as usize * 4;
-    let extra = if vjp && spec.consts[4] != 0 {
+    let extra = if vjp && constant(spec, "RESIDENT") != 0 {
         vectors * 16
     } else if shared_sums(spec) {
         3 * floats
@@ -656,7 +673,7 @@ fn geometry(spec: &KernelSpec) -> (usize, usize) {
     if is_split(spec) {
         return (block, 1);
     }
-    let group = spec.consts[1] as usize;
+    let group = constant(spec, "GROUP");
     (block, block / group)
 }
 
@@ -721,7 +738,7 @@ fn forward(
     let grid = if is_split(&spec) {
         // Clusters of consecutive blocks loop over rows: as many as the GPU holds at once.
         kernel.allow_shared(shared)?;
-        let cluster = spec.consts[2] as usize;
+        let cluster = constant(&spec, "CLUSTER");
         let slots = kernel.max_active_clusters(block as u32, shared)?;
         balanced_grid(rows, slots) * cluster
     } else if shared > 0 {
@@ -826,7 +843,7 @@ fn vjp(
     let kernel = enc.device().kernel(&spec)?;
     let (block, groups) = geometry(&spec);
     // The looped path keeps its partial sums in shared memory when two rows of d floats fit.
-    let looped = spec.consts[2] == 0;
+    let looped = constant(&spec, "ITEMS") == 0;
     let smem_bytes = 2 * d * 4;
     let smem_partials =
         looped && (w.is_some() || want_db) && smem_bytes + 1024 <= enc.device().shared_limit();
@@ -839,7 +856,7 @@ fn vjp(
     // Each block (split rows: each cluster) loops over rows, writing one partial row of dweight
     // and dbias, so fewer blocks means fewer partial rows to reduce.
     let (grid, partial_rows) = if is_vjp_split(&spec) {
-        let cluster = spec.consts[2] as usize;
+        let cluster = constant(&spec, "CLUSTER");
         let slots = kernel.max_active_clusters(block as u32, shared)?;
         let clusters = balanced_grid(rows, slots);
         (clusters * cluster, clusters)
@@ -1029,7 +1046,7 @@ fn check_chosen(
     let legal_width = n_reads == 1 || (vectorized && n_reads == dtype.vec_width());
     if is_vjp_split(&spec) {
         // Any power of two of vectors a thread, within its registers, that covers the row.
-        let (items, cluster) = (spec.consts[1] as usize, spec.consts[2] as usize);
+        let (items, cluster) = (constant(&spec, "ITEMS"), constant(&spec, "CLUSTER"));
         let ok = pass == Pass::Vjp
             && spec.dtype == dtype
             && legal_width
@@ -1038,8 +1055,12 @@ fn check_chosen(
             && VJP_SPLIT_CLUSTERS.contains(&cluster)
             && spec.block_dim as usize == VJP_SPLIT_BLOCK
             && VJP_SPLIT_BLOCK * cluster * items * n_reads >= d
-            && spec.consts[0] == (kind == Kind::RmsNorm) as i32
-            && (spec.consts[3] == 0 || (spec.consts[3] == 1 && items * n_reads <= 8));
+            && constant(&spec, "RMS") == (kind == Kind::RmsNorm) as usize
+            && match constant(&spec, "SMEM_SUMS") {
+                0 => true,
+                1 => items * n_reads <= 8,
+                _ => false,
+            };
         if !ok {
             return Err(bad(
                 "spec",
@@ -1050,7 +1071,7 @@ fn check_chosen(
     }
     if is_split(&spec) {
         // Any power of two of vectors a thread that, over the cluster, covers the row.
-        let (items, cluster) = (spec.consts[1] as usize, spec.consts[2] as usize);
+        let (items, cluster) = (constant(&spec, "ITEMS"), constant(&spec, "CLUSTER"));
         let ok = pass == Pass::Forward
             && spec.dtype == dtype
             && legal_width
@@ -1059,7 +1080,7 @@ fn check_chosen(
             && VJP_SPLIT_CLUSTERS.contains(&cluster)
             && spec.block_dim as usize == SPLIT_BLOCK
             && SPLIT_BLOCK * cluster * items * n_reads >= d
-            && spec.consts[0] == (kind == Kind::RmsNorm) as i32;
+            && constant(&spec, "RMS") == (kind == Kind::RmsNorm) as usize;
         if !ok {
             return Err(bad(
                 "spec",
@@ -1068,8 +1089,8 @@ fn check_chosen(
         }
         return Ok(spec);
     }
-    let (group, items) = (spec.consts[1] as usize, spec.consts[2] as usize);
-    let stages = spec.consts[3] as usize;
+    let (group, items) = (constant(&spec, "GROUP"), constant(&spec, "ITEMS"));
+    let stages = constant(&spec, "STAGES");
     let resident = spec.consts.get(4).is_some_and(|&r| r != 0);
     // 1,024 threads: the looped path, and VJP rows resident or with SHARED_SUMS (no ring).
     let max = match pass {
@@ -1264,6 +1285,32 @@ mod tests {
     }
 
     #[test]
+    fn constants_are_declared() {
+        // Every name `constant` reads, in the families that have it.
+        for (family, names) in [
+            (&FORWARD, &["RMS", "GROUP", "ITEMS", "STAGES"][..]),
+            (&VJP, &["RMS", "GROUP", "ITEMS", "STAGES", "RESIDENT"][..]),
+            (&FORWARD_SPLIT, &["RMS", "ITEMS", "CLUSTER"][..]),
+            (&VJP_SPLIT, &["RMS", "ITEMS", "CLUSTER", "SMEM_SUMS"][..]),
+        ] {
+            for name in names {
+                assert!(family.const_names.contains(name), "{} {name}", family.name);
+            }
+        }
+        let spec = choose_spec(
+            Pass::Vjp,
+            Kind::RmsNorm,
+            DType::BF16,
+            100_000,
+            true,
+            Gpu::for_arch(90),
+        );
+        assert!(is_vjp_split(&spec) && is_rms(&spec));
+        assert_eq!(spec.constant("CLUSTER"), Some(spec.consts[2]));
+        assert_eq!(spec.constant("GROUP"), None);
+    }
+
+    #[test]
     fn every_chosen_spec_is_registered_and_fits() {
         // Turing, Volta, consumer Ampere and Ada, A100, H100 (with and without clusters).
         for limit in [64, 96, 99, 163, 227].map(|k| k * 1024) {
@@ -1334,7 +1381,8 @@ mod tests {
                                 assert!(!is_vjp_split(&s), "{s} chosen for d={d}");
                             }
                             if is_split(&s) {
-                                let (items, cluster) = (s.consts[1] as usize, s.consts[2] as usize);
+                                let (items, cluster) =
+                                    (constant(&s, "ITEMS"), constant(&s, "CLUSTER"));
                                 let covered = s.block_dim as usize * items * cluster;
                                 assert!(
                                     covered * s.n_reads as usize >= d,
@@ -1343,7 +1391,7 @@ mod tests {
                                 assert!(check_chosen(s, pass, kind, dtype, d, vectorized).is_ok());
                                 continue;
                             }
-                            let (group, items) = (s.consts[1] as usize, s.consts[2] as usize);
+                            let (group, items) = (constant(&s, "GROUP"), constant(&s, "ITEMS"));
                             if items > 0 {
                                 assert!(
                                     group * items * s.n_reads as usize >= d,
