@@ -1,0 +1,576 @@
+//! Which spec runs rows of d elements: threads per row, registers or a ring of stages, shared
+//! sums, clusters; and the checks on a spec a caller chose.
+
+use super::*;
+
+pub(super) const MIN_BLOCK: usize = 256;
+pub(super) const GROUPS: [usize; 6] = [32, 64, 128, 256, 512, 1024];
+/// Threads per row, at most: 1024 forward; 512 for the VJP, whose x and g rows need more than
+/// the 64 registers a 1024-thread block leaves each thread.
+pub(super) fn max_group(pass: Pass) -> usize {
+    match pass {
+        Pass::Forward => 1024,
+        Pass::Vjp => 512,
+    }
+}
+
+/// The most vectors a thread holds in registers: 16 floats of x forward (more costs occupancy:
+/// measured), 16 each of x and the cotangent in the VJP, whose partial sums of dweight and dbias
+/// take as many registers again.
+pub(super) fn max_items(_pass: Pass, n_reads: usize) -> usize {
+    (16 / n_reads).clamp(1, 4)
+}
+
+/// Vectors per thread the choice starts from, from the `--sweep` of benches/norm.rs on an H100:
+/// fewer threads per row with more items wins (fewer barriers, more rows per block), except for
+/// 16-bit VJPs, whose x, g and four partial sums per element press on registers: they start at
+/// one item and take more only once a row would need more than 256 threads.
+pub(super) fn preferred_items(pass: Pass, dtype: DType, n_reads: usize, vectors: usize) -> usize {
+    let max = max_items(pass, n_reads);
+    if pass == Pass::Vjp && dtype.size() == 2 && vectors <= 256 {
+        return 1;
+    }
+    max
+}
+
+/// Whether a row takes one warp with up to four vectors per thread, whatever the item rule:
+/// vectorised 16-bit forward rows of up to 128 vectors (1,024 elements). Their statistics need
+/// no barrier, and with a ring of stages they beat wider groups of fewer items (`--sweep` on an
+/// H100, bf16 LayerNorm: 16384x768 2,639 GB/s for 32 x 3 against 2,378 for 64 x 2; 8192x1024
+/// 2,645 for 32 x 4 against 2,499 for 64 x 2).
+pub(super) fn one_warp_rows(pass: Pass, dtype: DType, n_reads: usize, vectors: usize) -> bool {
+    pass == Pass::Forward && dtype.size() == 2 && n_reads > 1 && vectors <= 4 * 32
+}
+
+/// Whether a row takes one vector per thread on as many whole warps as it needs (96 threads
+/// for 768 elements, not 128): vectorised 16-bit VJP rows of up to 256 vectors, whose cost
+/// is the instructions each row's threads issue, idle lanes included.
+pub(super) fn one_vector_rows(pass: Pass, dtype: DType, n_reads: usize, vectors: usize) -> bool {
+    pass == Pass::Vjp && dtype.size() == 2 && n_reads > 1 && vectors <= 256
+}
+
+/// Threads per block: whole rows, at least MIN_BLOCK threads where rows are short.
+pub(super) fn block_of(group: usize) -> usize {
+    group * (MIN_BLOCK / group).max(1)
+}
+
+/// The spec for `group` threads per row with `items` vectors each (0: the looped path).
+pub(super) fn spec_of(
+    pass: Pass,
+    kind: Kind,
+    dtype: DType,
+    n_reads: usize,
+    group: usize,
+    items: usize,
+) -> KernelSpec {
+    let stages = stages(dtype, n_reads, items);
+    let resident = resident(pass, dtype, n_reads, group, items);
+    spec_with(pass, kind, dtype, n_reads, group, items, stages, resident)
+}
+
+/// The spec of every choice spelt out (`spec_of` derives the ring and residency from the rules).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn spec_with(
+    pass: Pass,
+    kind: Kind,
+    dtype: DType,
+    n_reads: usize,
+    group: usize,
+    items: usize,
+    stages: usize,
+    resident: bool,
+) -> KernelSpec {
+    let def = match pass {
+        Pass::Forward => &FORWARD,
+        Pass::Vjp => &VJP,
+    };
+    let block = block_of(group);
+    let mut consts = vec![
+        (kind == Kind::RmsNorm) as i32,
+        group as i32,
+        items as i32,
+        stages as i32,
+    ];
+    if pass == Pass::Vjp {
+        consts.push(resident as i32);
+    }
+    KernelSpec::new(def, dtype, block as u16, n_reads as u8, &consts)
+}
+
+/// Threads per row of a VJP whose x and cotangent rows stay in their shared memory stages
+/// (RESIDENT), and vectors per thread: rows longer than registers hold (16-bit rows of 8,192 to
+/// 16,384 elements), with only the partial sums in registers. The stages of two rows of x and g
+/// take 128 KiB of shared memory, the weights 32 KiB more. Measured on an H100
+/// (notes/performance.md item 12): 512 threads of 4 vectors (118 registers) run 2-6% faster than
+/// 1,024 of 2 (64 registers, twice the warps).
+pub(super) const RESIDENT_GROUP: usize = 512;
+pub(super) const RESIDENT_ITEMS: usize = 4;
+
+/// Threads per row of a VJP whose rows are too long for 512 threads' registers and are not
+/// resident (f32 rows of 8,193 to 16,384 elements, unaligned rows of up to 4,096): 1,024
+/// threads hold x and g in registers and keep the weights and their partial sums in shared
+/// memory (the kernel's SHARED_SUMS), so that the row is read once, all of it in flight at once.
+pub(super) const SHARED_SUMS_GROUP: usize = 1024;
+
+/// A norm spec's constant `name`, by name (the families share names, not positions); 0 where
+/// the family has none (RESIDENT is the VJP's alone). `constants_are_declared` checks the names.
+pub(super) fn constant(spec: &KernelSpec, name: &str) -> usize {
+    spec.constant(name).map_or(0, |v| v.max(0) as usize)
+}
+
+/// Whether `spec` is for RMSNorm (else LayerNorm).
+pub(super) fn is_rms(spec: &KernelSpec) -> bool {
+    constant(spec, "RMS") != 0
+}
+
+/// Whether a register-path VJP spec keeps its weights and partial sums in shared memory.
+pub(super) fn shared_sums(spec: &KernelSpec) -> bool {
+    spec.template.name == VJP.name
+        && constant(spec, "ITEMS") > 0
+        && constant(spec, "RESIDENT") == 0
+        && spec.block_dim as usize == SHARED_SUMS_GROUP
+}
+
+/// Whether a VJP spec reads x and the cotangent from their stages on every pass instead of
+/// holding them in registers: staged rows of more vectors than the register path takes.
+pub(super) fn resident(
+    pass: Pass,
+    dtype: DType,
+    n_reads: usize,
+    group: usize,
+    items: usize,
+) -> bool {
+    pass == Pass::Vjp
+        && group * items > max_group(pass) * max_items(pass, n_reads)
+        && stages(dtype, n_reads, items) > 0
+}
+
+/// Rows a kernel keeps in flight (the current one included) in a ring of shared memory stages
+/// filled by cp.async, 0 for none: vectorised 16-bit rows held in registers (and the VJP's
+/// resident rows). One-warp forward rows of one vector ran 2-3% faster without while each row
+/// loaded its own weights; with the weights staged once per block the ring wins there too
+/// (`--sweep`, bf16 65536x256: 2,763 GB/s against 2,529). The kernel then runs on a grid no
+/// larger than the GPU holds at once, each block looping over rows. 16-bit rows carry half the
+/// bytes of f32 rows for the same work per row, and one row at a time left their loads
+/// latency-bound (one-warp VJP rows of 256 elements: 1,778 -> 2,111 GB/s with the ring). Two stages (one row ahead): three and four were
+/// no faster on an H100 and take more shared memory (notes/performance.md). f32 rows take none:
+/// they already run near copy speed.
+pub(super) fn stages(dtype: DType, n_reads: usize, items: usize) -> usize {
+    if dtype.size() == 2 && n_reads > 1 && items > 0 {
+        2
+    } else {
+        0
+    }
+}
+
+/// Dynamic shared memory of a spec's ring of stages: 16 bytes per vector, one row of x (and one
+/// of the cotangent in the VJP) per stage; resident VJP rows add their weights (one more row),
+/// SHARED_SUMS rows their weights and partial sums of dw and db as floats, and forward rings
+/// one row's weights and bias (RMSNorm: weights only), shared by the block's groups.
+pub(super) fn ring_bytes(spec: &KernelSpec) -> usize {
+    if is_vjp_split(spec) {
+        // Each thread's weights as floats, and with SMEM_SUMS its partial sums of dw and db.
+        let floats = constant(spec, "ITEMS") * spec.block_dim as usize * spec.n_reads as usize;
+        return floats
+            * 4
+            * if constant(spec, "SMEM_SUMS") != 0 {
+                3
+            } else {
+                1
+            };
+    }
+    if is_split(spec) {
+        // Each thread's weight and bias as floats.
+        let floats = constant(spec, "ITEMS") * spec.block_dim as usize * spec.n_reads as usize;
+        return 2 * floats * 4;
+    }
+    let vjp = spec.template.name == VJP.name;
+    let arrays = if vjp { 2 } else { 1 };
+    let (rms, group) = (is_rms(spec), constant(spec, "GROUP"));
+    let (items, stages) = (constant(spec, "ITEMS"), constant(spec, "STAGES"));
+    let vectors = items * spec.block_dim as usize;
+    let floats = vectors * spec.n_reads as usize * 4;
+    let extra = if vjp && constant(spec, "RESIDENT") != 0 {
+        vectors * 16
+    } else if shared_sums(spec) {
+        3 * floats
+    } else if !vjp && stages > 0 {
+        let params = if rms { 1 } else { 2 };
+        params * items * group * 16
+    } else {
+        0
+    };
+    stages * arrays * vectors * 16 + extra
+}
+
+/// The grid of a kernel whose blocks loop over rows, `blocks` being what one row per group
+/// would take: no more blocks than the GPU holds at once (of `block` threads and `shared`
+/// dynamic bytes), and as few as give every block the same number of turns, so that no last
+/// turn runs with a few blocks alone (bf16 forward 16384x768, 5 blocks per SM: 3.1 turns each
+/// on average meant a fourth turn for a tenth of the blocks).
+pub(super) fn resident_grid(
+    enc: &CommandEncoder,
+    kernel: &LoadedKernel,
+    block: usize,
+    shared: usize,
+    blocks: usize,
+) -> Result<usize> {
+    let sms = enc.device().info().multiprocessors as usize;
+    let per_sm = kernel.blocks_per_sm(block as u32, shared)?;
+    Ok(balanced_grid(blocks, sms * per_sm))
+}
+
+/// The fewest blocks, at most `slots`, that take `blocks` turns of work in as few turns each as
+/// `slots` blocks would (the last block may take fewer).
+pub(super) fn balanced_grid(blocks: usize, slots: usize) -> usize {
+    let turns = blocks.div_ceil(slots.max(1)).max(1);
+    blocks.div_ceil(turns).max(1)
+}
+
+/// Whether a block of `spec` fits in `shared_limit` bytes of shared memory: its ring (or
+/// shared sums) and 1 KiB for the kernel's static scratch.
+pub(super) fn fits(spec: &KernelSpec, shared_limit: usize) -> bool {
+    ring_bytes(spec) + 1024 <= shared_limit
+}
+
+/// Threads per block of the split-row forward.
+pub(super) const SPLIT_BLOCK: usize = 512;
+/// The split-row forward's layouts in order of preference: (most blocks per cluster, most
+/// elements per thread). Up to 8 elements (x and the next row's x in 16 registers), two blocks
+/// share each SM; longer rows take up to 16 elements and Hopper's non-portable 16 blocks.
+pub(super) const SPLIT_LAYOUTS: [(usize, usize); 2] = [(8, 8), (16, 16)];
+/// The most elements a split-row forward thread holds per row.
+pub(super) const SPLIT_ELEMENTS: usize = 16;
+
+/// The split-row forward for rows of `vectors` vectors, if a cluster's registers hold them: the
+/// first layout that does, with the fewest blocks per cluster (of `VJP_SPLIT_CLUSTERS`, up to
+/// the layout's) whose threads, each holding a power of two of vectors, cover the row.
+pub(super) fn split_spec(
+    kind: Kind,
+    dtype: DType,
+    n_reads: usize,
+    vectors: usize,
+) -> Option<KernelSpec> {
+    SPLIT_LAYOUTS.iter().find_map(|&(most, elements)| {
+        let per_block = SPLIT_BLOCK * (elements / n_reads).max(1);
+        let cluster = *VJP_SPLIT_CLUSTERS
+            .iter()
+            .find(|&&c| c <= most && c * per_block >= vectors)?;
+        let items = vectors.div_ceil(SPLIT_BLOCK * cluster).next_power_of_two();
+        (items * n_reads <= elements).then(|| {
+            let consts = [(kind == Kind::RmsNorm) as i32, items as i32, cluster as i32];
+            KernelSpec::new(
+                &FORWARD_SPLIT,
+                dtype,
+                SPLIT_BLOCK as u16,
+                n_reads as u8,
+                &consts,
+            )
+        })
+    })
+}
+
+/// Threads per block of the split-row VJP.
+pub(super) const VJP_SPLIT_BLOCK: usize = 512;
+/// Blocks per cluster of the split-row VJP: the fewest of these whose registers hold the row
+/// (2 to the portable 8, then Hopper's non-portable 16). Blocks beyond the row's length would
+/// only wait on its exchanges, and every block spared lets another row be in flight.
+pub(super) const VJP_SPLIT_CLUSTERS: [usize; 8] = [2, 3, 4, 5, 6, 7, 8, 16];
+/// The most elements a split-row VJP thread holds per row: 16 each of x, the cotangent, the next
+/// row's x and cotangent, and the partial sums of dweight and dbias (96 registers of 128).
+pub(super) const VJP_SPLIT_ELEMENTS: usize = 16;
+
+/// The split-row VJP's layouts in order of preference: (most blocks per cluster, most elements
+/// per thread, partial sums in shared memory). A row's time is bound by the latency of its two
+/// exchanges more than by its bytes, so 16-bit rows (half the bytes of f32 rows) keep their
+/// partial sums of dweight and dbias in shared memory, where 64 registers suffice and two blocks,
+/// two rows, share each SM (1118 x 30,000 f16 LayerNorm: 38% of copy against 29%). At 16
+/// elements such a thread spills, so longer rows hold their sums in registers, one block per SM
+/// (512 x 65,536 f16: 37% of copy, against 33% for 16 blocks of 8 elements with shared sums,
+/// which compute-sanitizer's synccheck also flagged, "missing init" of a pushed-to mbarrier).
+pub(super) fn vjp_split_layouts(dtype: DType) -> &'static [(usize, usize, bool)] {
+    if dtype.size() == 2 {
+        &[(8, 8, true), (8, 16, false), (16, 16, false)]
+    } else {
+        &[(8, 16, false), (16, 16, false)]
+    }
+}
+
+/// The split-row VJP for rows of `vectors` vectors, if a cluster's registers hold them: the
+/// first layout of `vjp_split_layouts` that does, with the fewest blocks per cluster (up to the
+/// layout's) whose threads, each holding a power of two of vectors within the layout's elements,
+/// cover the row.
+pub(super) fn vjp_split_spec(
+    kind: Kind,
+    dtype: DType,
+    n_reads: usize,
+    vectors: usize,
+) -> Option<KernelSpec> {
+    vjp_split_layouts(dtype)
+        .iter()
+        .find_map(|&(most, elements, smem_sums)| {
+            let per_block = VJP_SPLIT_BLOCK * (elements / n_reads).max(1);
+            let cluster = *VJP_SPLIT_CLUSTERS
+                .iter()
+                .find(|&&c| c <= most && c * per_block >= vectors)?;
+            let items = vectors
+                .div_ceil(VJP_SPLIT_BLOCK * cluster)
+                .next_power_of_two();
+            (items * n_reads <= elements).then(|| {
+                let consts = [
+                    (kind == Kind::RmsNorm) as i32,
+                    items as i32,
+                    cluster as i32,
+                    smem_sums as i32,
+                ];
+                KernelSpec::new(
+                    &VJP_SPLIT,
+                    dtype,
+                    VJP_SPLIT_BLOCK as u16,
+                    n_reads as u8,
+                    &consts,
+                )
+            })
+        })
+}
+
+/// Whether `spec` is a split-row spec (a cluster per row), forward or VJP.
+pub(super) fn is_split(spec: &KernelSpec) -> bool {
+    *spec.template == FORWARD_SPLIT || is_vjp_split(spec)
+}
+
+/// Whether `spec` is a split-row VJP spec.
+pub(super) fn is_vjp_split(spec: &KernelSpec) -> bool {
+    *spec.template == VJP_SPLIT
+}
+
+/// The spec for rows of `d` elements on a GPU whose blocks may use `shared_limit` bytes of
+/// shared memory ([`Device::shared_limit`](crate::runtime::Device::shared_limit)).
+/// `vectorized`: 16-byte loads are legal (rows aligned, `d` a multiple of the vector width).
+/// Where a ring of stages or resident rows would not fit, rows are held in registers without a
+/// ring, or take the looped path (GPUs with 64-99 KiB: Turing, consumer Ampere and Ada).
+pub fn choose_spec(
+    pass: Pass,
+    kind: Kind,
+    dtype: DType,
+    d: usize,
+    vectorized: bool,
+    gpu: Gpu,
+) -> KernelSpec {
+    let shared_limit = gpu.shared_limit;
+    let n_reads = if vectorized { dtype.vec_width() } else { 1 };
+    let vectors = d.div_ceil(n_reads).max(1);
+    let max = max_items(pass, n_reads);
+    if vectors > max_group(pass) * max {
+        if pass == Pass::Forward && gpu.clusters {
+            if let Some(spec) = split_spec(kind, dtype, n_reads, vectors) {
+                return spec;
+            }
+        }
+        if vectors <= RESIDENT_GROUP * RESIDENT_ITEMS
+            && resident(pass, dtype, n_reads, RESIDENT_GROUP, RESIDENT_ITEMS)
+        {
+            let spec = spec_of(pass, kind, dtype, n_reads, RESIDENT_GROUP, RESIDENT_ITEMS);
+            if fits(&spec, shared_limit) {
+                return spec;
+            }
+        }
+        if pass == Pass::Vjp && vectors <= SHARED_SUMS_GROUP * max {
+            let items = vectors.div_ceil(SHARED_SUMS_GROUP).next_power_of_two();
+            let spec = spec_of(pass, kind, dtype, n_reads, SHARED_SUMS_GROUP, items);
+            if fits(&spec, shared_limit) {
+                return spec;
+            }
+        }
+        if pass == Pass::Vjp && gpu.clusters {
+            if let Some(spec) = vjp_split_spec(kind, dtype, n_reads, vectors) {
+                if fits(&spec, shared_limit) {
+                    return spec;
+                }
+            }
+        }
+        return spec_of(pass, kind, dtype, n_reads, 1024, 0);
+    }
+    let (group, items) = if one_warp_rows(pass, dtype, n_reads, vectors) {
+        (32, vectors.div_ceil(32))
+    } else if one_vector_rows(pass, dtype, n_reads, vectors) {
+        (vectors.next_multiple_of(32), 1)
+    } else {
+        let group = vectors
+            .div_ceil(preferred_items(pass, dtype, n_reads, vectors))
+            .next_power_of_two()
+            .clamp(32, max_group(pass));
+        (group, vectors.div_ceil(group).next_power_of_two())
+    };
+    let spec = spec_of(pass, kind, dtype, n_reads, group, items);
+    if fits(&spec, shared_limit) {
+        spec
+    } else {
+        // The same rows in registers, without the ring.
+        spec_with(pass, kind, dtype, n_reads, group, items, 0, false)
+    }
+}
+
+/// Every spec the norm ops can choose where blocks may use `shared_limit` bytes of shared
+/// memory, and the column reductions: `choose_spec` depends on d only through its count of
+/// vectors and is the same past the longest rows held in registers, so every count up to one
+/// past those gives every choice.
+pub fn specs(gpu: Gpu) -> Vec<KernelSpec> {
+    let mut out = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    for pass in [Pass::Forward, Pass::Vjp] {
+        for kind in [Kind::LayerNorm, Kind::RmsNorm] {
+            for dtype in DType::ALL {
+                for n_reads in [1, dtype.vec_width()] {
+                    let longest = max_group(pass) * max_items(pass, n_reads);
+                    let mut longest = longest
+                        .max(RESIDENT_GROUP * RESIDENT_ITEMS)
+                        .max(SHARED_SUMS_GROUP * max_items(pass, n_reads));
+                    if pass == Pass::Forward && gpu.clusters {
+                        longest = longest.max(SPLIT_BLOCK * 16 * SPLIT_ELEMENTS / n_reads);
+                    }
+                    if pass == Pass::Vjp && gpu.clusters {
+                        let widest = VJP_SPLIT_CLUSTERS[VJP_SPLIT_CLUSTERS.len() - 1];
+                        longest =
+                            longest.max(VJP_SPLIT_BLOCK * widest * VJP_SPLIT_ELEMENTS / n_reads);
+                    }
+                    for vectors in 1..=longest + 1 {
+                        let d = vectors * n_reads;
+                        let spec = choose_spec(pass, kind, dtype, d, n_reads > 1, gpu);
+                        if seen.insert(spec) {
+                            out.push(spec);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    for dtype in DType::ALL {
+        for columns_per_thread in [1, 4] {
+            out.push(reduce_cols_spec(dtype, columns_per_thread));
+        }
+    }
+    out
+}
+
+/// The column sum storing `dtype`, each thread summing `columns_per_thread` adjacent columns
+/// (4: one 16-byte load per row).
+pub fn reduce_cols_spec(dtype: DType, columns_per_thread: usize) -> KernelSpec {
+    KernelSpec::new(
+        &REDUCE_COLS,
+        dtype,
+        REDUCE_BLOCK as u16,
+        columns_per_thread as u8,
+        &[],
+    )
+}
+
+pub(super) const REDUCE_BLOCK: usize = 256;
+
+/// Column threads per block of the column sum (the rest of the block are row lanes): as many
+/// as 32 (whole 128-byte rows per warp), fewer while that leaves the GPU's SMs with under two
+/// blocks each, down to one 32-byte sector per row.
+pub(super) fn reduce_col_threads(
+    d: usize,
+    sets: usize,
+    columns_per_thread: usize,
+    sms: usize,
+) -> usize {
+    let fewest = 8 / columns_per_thread;
+    let mut col_threads = 32;
+    while col_threads > fewest && d.div_ceil(col_threads * columns_per_thread) * sets < 2 * sms {
+        col_threads /= 2;
+    }
+    col_threads
+}
+
+/// Checks a caller-chosen spec: the right family, kind and dtype, a legal vector width, enough
+/// registers for the row and a ring only where it can run (a wrong one would compute garbage or
+/// fault on misaligned loads). Structural, not a lookup: it runs on every tuned call.
+pub(super) fn check_chosen(
+    spec: KernelSpec,
+    pass: Pass,
+    kind: Kind,
+    dtype: DType,
+    d: usize,
+    vectorized: bool,
+) -> Result<KernelSpec> {
+    let family = match pass {
+        Pass::Forward => &FORWARD,
+        Pass::Vjp => &VJP,
+    };
+    let n_reads = spec.n_reads as usize;
+    let legal_width = n_reads == 1 || (vectorized && n_reads == dtype.vec_width());
+    if is_vjp_split(&spec) {
+        // Any power of two of vectors a thread, within its registers, that covers the row.
+        let (items, cluster) = (constant(&spec, "ITEMS"), constant(&spec, "CLUSTER"));
+        let ok = pass == Pass::Vjp
+            && spec.dtype == dtype
+            && legal_width
+            && items.is_power_of_two()
+            && items * n_reads <= VJP_SPLIT_ELEMENTS
+            && VJP_SPLIT_CLUSTERS.contains(&cluster)
+            && spec.block_dim as usize == VJP_SPLIT_BLOCK
+            && VJP_SPLIT_BLOCK * cluster * items * n_reads >= d
+            && constant(&spec, "RMS") == (kind == Kind::RmsNorm) as usize
+            && match constant(&spec, "SMEM_SUMS") {
+                0 => true,
+                1 => items * n_reads <= 8,
+                _ => false,
+            };
+        if !ok {
+            return Err(bad(
+                "spec",
+                format!("{spec} cannot run {pass:?} {kind:?} {dtype} rows of {d}"),
+            ));
+        }
+        return Ok(spec);
+    }
+    if is_split(&spec) {
+        // Any power of two of vectors a thread that, over the cluster, covers the row.
+        let (items, cluster) = (constant(&spec, "ITEMS"), constant(&spec, "CLUSTER"));
+        let ok = pass == Pass::Forward
+            && spec.dtype == dtype
+            && legal_width
+            && items.is_power_of_two()
+            && items * n_reads <= SPLIT_ELEMENTS
+            && VJP_SPLIT_CLUSTERS.contains(&cluster)
+            && spec.block_dim as usize == SPLIT_BLOCK
+            && SPLIT_BLOCK * cluster * items * n_reads >= d
+            && constant(&spec, "RMS") == (kind == Kind::RmsNorm) as usize;
+        if !ok {
+            return Err(bad(
+                "spec",
+                format!("{spec} cannot run {pass:?} {kind:?} {dtype} rows of {d}"),
+            ));
+        }
+        return Ok(spec);
+    }
+    let (group, items) = (constant(&spec, "GROUP"), constant(&spec, "ITEMS"));
+    let stages = constant(&spec, "STAGES");
+    let resident = spec.consts.get(4).is_some_and(|&r| r != 0);
+    // 1,024 threads: the looped path, and VJP rows resident or with SHARED_SUMS (no ring).
+    let max = match pass {
+        _ if items == 0 => 1024,
+        Pass::Vjp if resident || (stages == 0 && n_reads <= 4) => 1024,
+        _ => max_group(pass),
+    };
+    let ok = *spec.template == *family
+        && spec.dtype == dtype
+        && legal_width
+        && group % 32 == 0
+        && (group <= 256 || GROUPS.contains(&group))
+        && group <= max
+        && items <= 4
+        && (items == 0 || group * items * n_reads >= d)
+        && (stages == 0 || (stages == 2 && items > 0 && dtype.size() * n_reads == 16))
+        && (!resident || stages > 0)
+        && spec == spec_with(pass, kind, dtype, n_reads, group, items, stages, resident);
+    if !ok {
+        return Err(bad(
+            "spec",
+            format!("{spec} cannot run {pass:?} {kind:?} {dtype} rows of {d}"),
+        ));
+    }
+    Ok(spec)
+}

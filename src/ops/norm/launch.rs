@@ -1,0 +1,455 @@
+//! Argument checks and launches: the forward, the VJP and its column sums.
+
+use super::choose::*;
+use super::*;
+
+/// Checks x, eps, and an optional 1-D parameter of length d and x's dtype.
+pub(super) fn check_inputs(
+    x: &Array,
+    params: &[(&'static str, Option<&Array>)],
+    eps: f32,
+) -> Result<usize> {
+    if x.ndim() == 0 {
+        return Err(bad(
+            "x",
+            "must have at least one axis (normalised over the last)".into(),
+        ));
+    }
+    if eps.is_nan() || eps < 0.0 || eps.is_infinite() {
+        return Err(bad("eps", format!("must be finite and >= 0, got {eps}")));
+    }
+    let d = *x.shape().last().expect("ndim >= 1");
+    for (name, p) in params {
+        let Some(p) = p else { continue };
+        if p.shape() != [d] {
+            // 1-D, of x's last axis' length.
+            return Err(Error::ShapeMismatch {
+                arg: name,
+                expected: vec![d],
+                got: p.shape().to_vec(),
+            });
+        }
+        if p.dtype() != x.dtype() {
+            return Err(Error::DTypeMismatch {
+                arg: name,
+                expected: x.dtype(),
+                got: p.dtype(),
+            });
+        }
+        if p.device().ordinal() != x.device().ordinal() {
+            return Err(bad(name, "is on another device than x".into()));
+        }
+    }
+    Ok(d)
+}
+
+/// x as rows of d elements with unit stride: (the array to read, its row stride). Views whose
+/// leading axes collapse into one stride are read in place; anything else is copied once.
+pub(super) fn as_rows(enc: &mut CommandEncoder, x: &Array) -> Result<(Array, i64)> {
+    let n = x.ndim();
+    let d = x.shape()[n - 1];
+    let unit_last = d <= 1 || x.strides()[n - 1] == 1;
+    let mut row_stride: Option<isize> = None;
+    let mut collapses = unit_last;
+    // Walk the leading axes inwards-out: each must step over the whole of the ones inside it.
+    let mut inner: Option<(isize, usize)> = None; // (stride, extent) of the next inner axis > 1
+    for i in (0..n - 1).rev() {
+        let (extent, stride) = (x.shape()[i], x.strides()[i]);
+        if extent <= 1 {
+            continue;
+        }
+        match inner {
+            None => row_stride = Some(stride),
+            Some((s, e)) => collapses &= stride == s * e as isize,
+        }
+        inner = Some((stride, extent));
+    }
+    if collapses && row_stride.unwrap_or(0) >= 0 {
+        return Ok((x.clone(), row_stride.unwrap_or(d as isize) as i64));
+    }
+    let c = x.contiguous(enc)?;
+    Ok((c, d as i64))
+}
+
+pub(super) fn aligned(a: &Array) -> bool {
+    a.device_ptr() % 16 == 0
+}
+
+/// Whether 16-byte loads are legal on these row views and parameters.
+pub(super) fn can_vectorize(dtype: DType, d: usize, rows: &[(&Array, i64)]) -> bool {
+    let v = dtype.vec_width();
+    d % v == 0
+        && rows
+            .iter()
+            .all(|(a, stride)| aligned(a) && stride % v as i64 == 0)
+}
+
+pub(super) fn param_args(p: Option<&Array>, vectorized: bool) -> (u64, i64, i32) {
+    match p {
+        None => (0, 0, 0),
+        Some(p) => {
+            let stride = p.strides()[0] as i64;
+            let vec = vectorized && stride == 1 && aligned(p);
+            (p.device_ptr(), stride, vec as i32)
+        }
+    }
+}
+
+pub(super) fn geometry(spec: &KernelSpec) -> (usize, usize) {
+    let block = spec.block_dim as usize;
+    if is_split(spec) {
+        return (block, 1);
+    }
+    let group = constant(spec, "GROUP");
+    (block, block / group)
+}
+
+pub(super) fn forward(
+    enc: &mut CommandEncoder,
+    kind: Kind,
+    x: &Array,
+    w: Option<&Array>,
+    b: Option<&Array>,
+    eps: f32,
+    chosen: Option<KernelSpec>,
+) -> Result<Array> {
+    let d = check_inputs(x, &[("weight", w), ("bias", b)], eps)?;
+    let y = Array::empty_on(enc, x.dtype(), x.shape())?;
+    if x.size() == 0 {
+        return Ok(y);
+    }
+    let rows = x.size() / d;
+    let (xr, x_stride) = as_rows(enc, x)?;
+    let vectorized = can_vectorize(x.dtype(), d, &[(&xr, x_stride)]);
+    let spec = match chosen {
+        Some(spec) => check_chosen(spec, Pass::Forward, kind, x.dtype(), d, vectorized)?,
+        None => {
+            let mut gpu = Gpu::of(enc.device());
+            // Where clusters pay, from `--long` on an H100: with fewer rows than SMs, where the
+            // one-block-per-row streamed path leaves SMs idle; for f32 at any row count (82-92%
+            // of copy from 16,385 to 131,072 elements). Many 16-bit rows stream faster
+            // (512 x 65,536 LayerNorm: 55% against 35% split).
+            let sms = enc.device().info().multiprocessors as usize;
+            gpu.clusters &= x.dtype() == DType::F32 || rows < sms;
+            choose_spec(Pass::Forward, kind, x.dtype(), d, vectorized, gpu)
+        }
+    };
+    if !enc.device().has_kernel(&spec) {
+        // A first forward of this shape: training calls the VJP next (with a cotangent laid out
+        // like x), whose kernel and column sums compile in the background meanwhile.
+        let gpu = Gpu::of(enc.device());
+        let columns_per_thread = if d % 4 == 0 { 4 } else { 1 };
+        enc.device().prefetch([
+            choose_spec(Pass::Vjp, kind, x.dtype(), d, vectorized, gpu),
+            reduce_cols_spec(x.dtype(), columns_per_thread),
+        ]);
+    }
+    let kernel = enc.device().kernel(&spec)?;
+    let (wp, ws, wv) = param_args(w, vectorized);
+    let (bp, bs, bv) = param_args(b, vectorized);
+    let mut args = KernelArgs::new();
+    args.push(xr.device_ptr())
+        .push(wp)
+        .push(bp)
+        .push(y.device_ptr())
+        .push(rows as i64)
+        .push(d as i32)
+        .push(x_stride)
+        .push(ws)
+        .push(bs)
+        .push(wv)
+        .push(bv)
+        .push(eps);
+    let (block, groups) = geometry(&spec);
+    let shared = ring_bytes(&spec);
+    let grid = if is_split(&spec) {
+        // Clusters of consecutive blocks loop over rows: as many as the GPU holds at once.
+        kernel.allow_shared(shared)?;
+        let cluster = constant(&spec, "CLUSTER");
+        let slots = kernel.max_active_clusters(block as u32, shared)?;
+        balanced_grid(rows, slots) * cluster
+    } else if shared > 0 {
+        // Each block loops over rows, with the next rows' loads in flight.
+        kernel.allow_shared(shared)?;
+        resident_grid(enc, &kernel, block, shared, rows.div_ceil(groups))?
+    } else {
+        rows.div_ceil(groups)
+    };
+    let mut reads = vec![&xr];
+    reads.extend(w);
+    reads.extend(b);
+    // SAFETY: the arguments are norm_fwd's (or norm_fwd_split's) in order and type; x's rows, the
+    // weight and bias (when given) are read and y written, within the rows x d elements and
+    // strides checked above.
+    unsafe {
+        enc.launch(
+            &kernel,
+            grid as u32,
+            block as u32,
+            shared as u32,
+            args,
+            &reads,
+            &[&y],
+        )
+    }?;
+    Ok(y)
+}
+
+/// `(x - mean) / sqrt(var + eps) * weight + bias` over the last axis.
+pub fn layer_norm(
+    enc: &mut CommandEncoder,
+    x: &Array,
+    weight: Option<&Array>,
+    bias: Option<&Array>,
+    eps: f32,
+) -> Result<Array> {
+    forward(enc, Kind::LayerNorm, x, weight, bias, eps, None)
+}
+
+/// `x / sqrt(mean(x^2) + eps) * weight` over the last axis.
+pub fn rms_norm(
+    enc: &mut CommandEncoder,
+    x: &Array,
+    weight: Option<&Array>,
+    eps: f32,
+) -> Result<Array> {
+    forward(enc, Kind::RmsNorm, x, weight, None, eps, None)
+}
+
+pub(super) fn zeros(enc: &mut CommandEncoder, dtype: DType, n: usize) -> Result<Array> {
+    Array::from_f64(enc, dtype, &vec![0.0; n], &[n])
+}
+
+/// (dx, dweight if weight, dbias if want_db).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn vjp(
+    enc: &mut CommandEncoder,
+    kind: Kind,
+    x: &Array,
+    w: Option<&Array>,
+    want_db: bool,
+    g: &Array,
+    eps: f32,
+    chosen: Option<KernelSpec>,
+) -> Result<(Array, Option<Array>, Option<Array>)> {
+    let d = check_inputs(x, &[("weight", w)], eps)?;
+    if g.shape() != x.shape() {
+        return Err(Error::ShapeMismatch {
+            arg: "cotangent",
+            expected: x.shape().to_vec(),
+            got: g.shape().to_vec(),
+        });
+    }
+    if g.dtype() != x.dtype() {
+        return Err(Error::DTypeMismatch {
+            arg: "cotangent",
+            expected: x.dtype(),
+            got: g.dtype(),
+        });
+    }
+    let dx = Array::empty_on(enc, x.dtype(), x.shape())?;
+    let dtype = x.dtype();
+    if x.size() == 0 {
+        // No rows: the parameter gradients are sums over nothing.
+        let dw = w.map(|_| zeros(enc, dtype, d)).transpose()?;
+        let db = if want_db {
+            Some(zeros(enc, dtype, d)?)
+        } else {
+            None
+        };
+        return Ok((dx, dw, db));
+    }
+    let rows = x.size() / d;
+    let (xr, xs) = as_rows(enc, x)?;
+    let (gr, gs) = as_rows(enc, g)?;
+    let vectorized = can_vectorize(dtype, d, &[(&xr, xs), (&gr, gs)]);
+    let spec = match chosen {
+        Some(spec) => check_chosen(spec, Pass::Vjp, kind, dtype, d, vectorized)?,
+        None => choose_spec(Pass::Vjp, kind, dtype, d, vectorized, Gpu::of(enc.device())),
+    };
+    let kernel = enc.device().kernel(&spec)?;
+    let (block, groups) = geometry(&spec);
+    // The looped path keeps its partial sums in shared memory when two rows of d floats fit.
+    let looped = constant(&spec, "ITEMS") == 0;
+    let smem_bytes = 2 * d * 4;
+    let smem_partials =
+        looped && (w.is_some() || want_db) && smem_bytes + 1024 <= enc.device().shared_limit();
+    let shared = if smem_partials {
+        smem_bytes
+    } else {
+        ring_bytes(&spec)
+    };
+    kernel.allow_shared(shared)?;
+    // Each block (split rows: each cluster) loops over rows, writing one partial row of dweight
+    // and dbias, so fewer blocks means fewer partial rows to reduce.
+    let (grid, partial_rows) = if is_vjp_split(&spec) {
+        let cluster = constant(&spec, "CLUSTER");
+        let slots = kernel.max_active_clusters(block as u32, shared)?;
+        let clusters = balanced_grid(rows, slots);
+        (clusters * cluster, clusters)
+    } else {
+        let grid = resident_grid(enc, &kernel, block, shared, rows.div_ceil(groups))?;
+        (grid, grid)
+    };
+    // The partial sums of dweight then dbias, [sets, partial_rows, d], reduced in one launch.
+    let sets = w.is_some() as usize + want_db as usize;
+    let partial = (sets > 0)
+        .then(|| Array::empty_on(enc, DType::F32, &[sets, partial_rows, d]))
+        .transpose()?;
+    let set_ptr = |set: usize| {
+        partial
+            .as_ref()
+            .map_or(0, |p| p.device_ptr() + (set * partial_rows * d * 4) as u64)
+    };
+    let (pw, pb) = match (w.is_some(), want_db) {
+        (true, true) => (set_ptr(0), set_ptr(1)),
+        (true, false) => (set_ptr(0), 0),
+        (false, true) => (0, set_ptr(0)),
+        (false, false) => (0, 0),
+    };
+    let (wp, ws, wv) = param_args(w, vectorized);
+    let mut args = KernelArgs::new();
+    args.push(xr.device_ptr())
+        .push(wp)
+        .push(gr.device_ptr())
+        .push(dx.device_ptr())
+        .push(pw)
+        .push(pb)
+        .push(rows as i64)
+        .push(d as i32)
+        .push(xs)
+        .push(gs)
+        .push(ws)
+        .push(wv)
+        .push(eps)
+        .push(smem_partials as i32);
+    let mut reads = vec![&xr, &gr];
+    reads.extend(w);
+    let mut writes = vec![&dx];
+    writes.extend(partial.as_ref());
+    // SAFETY: the arguments are the VJP templates' in order and type; x, the cotangent and the
+    // weight are read, dx and the f32 partial rows written, within the shapes checked above and
+    // the partial rows sized for this grid.
+    unsafe {
+        enc.launch(
+            &kernel,
+            grid as u32,
+            block as u32,
+            shared as u32,
+            args,
+            &reads,
+            &writes,
+        )
+    }?;
+    let dw = w.map(|_| Array::empty_on(enc, dtype, &[d])).transpose()?;
+    let db = if want_db {
+        Some(Array::empty_on(enc, dtype, &[d])?)
+    } else {
+        None
+    };
+    if let Some(partial) = &partial {
+        let outs: Vec<&Array> = dw.iter().chain(db.iter()).collect();
+        reduce_col_sets(enc, partial, partial_rows, d, &outs)?;
+    }
+    Ok((dx, dw, db))
+}
+
+/// Column sums of an f32 [rows, d] array, as `dtype`. Another rank or dtype is an error.
+pub fn reduce_cols(enc: &mut CommandEncoder, partial: &Array, dtype: DType) -> Result<Array> {
+    let &[rows, d] = partial.shape() else {
+        return Err(bad(
+            "partial",
+            format!("must be 2-D [rows, d], got shape {:?}", partial.shape()),
+        ));
+    };
+    if partial.dtype() != DType::F32 {
+        return Err(Error::DTypeMismatch {
+            arg: "partial",
+            expected: DType::F32,
+            got: partial.dtype(),
+        });
+    }
+    if d == 0 {
+        return Array::empty_on(enc, dtype, &[0]);
+    }
+    // The kernel reads rows `d` apart: a view is copied once.
+    let partial = partial.contiguous(enc)?;
+    let partial = &partial;
+    let out = Array::empty_on(enc, dtype, &[d])?;
+    reduce_col_sets(enc, partial, rows, d, &[&out])?;
+    Ok(out)
+}
+
+/// Column sums of `outs.len()` f32 [rows, d] matrices stored one after another in `partial`,
+/// into `outs` (one launch for all).
+pub(super) fn reduce_col_sets(
+    enc: &mut CommandEncoder,
+    partial: &Array,
+    rows: usize,
+    d: usize,
+    outs: &[&Array],
+) -> Result<()> {
+    // 16-byte loads when every row starts 16-byte aligned.
+    let columns_per_thread = if d % 4 == 0 { 4 } else { 1 };
+    let spec = reduce_cols_spec(outs[0].dtype(), columns_per_thread);
+    let kernel = enc.device().kernel(&spec)?;
+    let sms = enc.device().info().multiprocessors as usize;
+    let col_threads = reduce_col_threads(d, outs.len(), columns_per_thread, sms);
+    let mut args = KernelArgs::new();
+    args.push(partial.device_ptr())
+        .push(outs[0].device_ptr())
+        .push(outs.last().expect("one output at least").device_ptr())
+        .push(rows as i64)
+        .push(d as i32)
+        .push(col_threads as i32);
+    let blocks = d.div_ceil(col_threads * columns_per_thread);
+    // SAFETY: the arguments are reduce_cols' in order and type; partial holds rows x d f32 per
+    // output, every output d elements.
+    unsafe {
+        enc.launch(
+            &kernel,
+            (blocks as u32, outs.len() as u32, 1),
+            REDUCE_BLOCK as u32,
+            0,
+            args,
+            &[partial],
+            outs,
+        )
+    }
+}
+
+/// LayerNorm's VJP: (dx, dweight if weight is given, dbias if bias is given).
+pub fn layer_norm_vjp(
+    enc: &mut CommandEncoder,
+    x: &Array,
+    weight: Option<&Array>,
+    bias: Option<&Array>,
+    cotangent: &Array,
+    eps: f32,
+) -> Result<(Array, Option<Array>, Option<Array>)> {
+    if let Some(b) = bias {
+        check_inputs(x, &[("bias", Some(b))], eps)?;
+    }
+    vjp(
+        enc,
+        Kind::LayerNorm,
+        x,
+        weight,
+        bias.is_some(),
+        cotangent,
+        eps,
+        None,
+    )
+}
+
+/// RMSNorm's VJP: (dx, dweight if weight is given).
+pub fn rms_norm_vjp(
+    enc: &mut CommandEncoder,
+    x: &Array,
+    weight: Option<&Array>,
+    cotangent: &Array,
+    eps: f32,
+) -> Result<(Array, Option<Array>)> {
+    let (dx, dw, _) = vjp(enc, Kind::RmsNorm, x, weight, false, cotangent, eps, None)?;
+    Ok((dx, dw))
+}

@@ -1,0 +1,190 @@
+use super::choose::*;
+use super::reference::*;
+use super::*;
+
+#[test]
+fn a_balanced_grid_gives_every_block_the_same_turns() {
+    // bf16 forward 16384x768: 2,048 blocks of 8 rows, 660 at once -> 4 turns on 512 blocks.
+    assert_eq!(balanced_grid(2048, 660), 512);
+    assert_eq!(balanced_grid(2048, 132), 128);
+    assert_eq!(balanced_grid(10, 660), 10);
+    assert_eq!(balanced_grid(0, 660), 1);
+    for blocks in 1..400 {
+        for slots in 1..40 {
+            let grid = balanced_grid(blocks, slots);
+            let turns = blocks.div_ceil(slots);
+            assert!(
+                grid <= slots && grid <= blocks,
+                "{blocks} on {slots}: {grid}"
+            );
+            // No more turns than the full grid takes, and no block without work.
+            assert!(grid * turns >= blocks && (grid - 1) * turns < blocks);
+        }
+    }
+}
+
+#[test]
+fn constants_are_declared() {
+    // Every name `constant` reads, in the families that have it.
+    for (family, names) in [
+        (&FORWARD, &["RMS", "GROUP", "ITEMS", "STAGES"][..]),
+        (&VJP, &["RMS", "GROUP", "ITEMS", "STAGES", "RESIDENT"][..]),
+        (&FORWARD_SPLIT, &["RMS", "ITEMS", "CLUSTER"][..]),
+        (&VJP_SPLIT, &["RMS", "ITEMS", "CLUSTER", "SMEM_SUMS"][..]),
+    ] {
+        for name in names {
+            assert!(family.const_names.contains(name), "{} {name}", family.name);
+        }
+    }
+    let spec = choose_spec(
+        Pass::Vjp,
+        Kind::RmsNorm,
+        DType::BF16,
+        100_000,
+        true,
+        Gpu::for_arch(90),
+    );
+    assert!(is_vjp_split(&spec) && is_rms(&spec));
+    assert_eq!(spec.constant("CLUSTER"), Some(spec.consts[2]));
+    assert_eq!(spec.constant("GROUP"), None);
+}
+
+#[test]
+fn every_chosen_spec_is_registered_and_fits() {
+    // Turing, Volta, consumer Ampere and Ada, A100, H100 (with and without clusters).
+    for limit in [64, 96, 99, 163, 227].map(|k| k * 1024) {
+        every_chosen_spec_is_registered_for(Gpu {
+            shared_limit: limit,
+            clusters: false,
+        });
+    }
+    every_chosen_spec_is_registered_for(Gpu::for_arch(SPLIT_ARCH));
+}
+
+fn every_chosen_spec_is_registered_for(gpu: Gpu) {
+    let limit = gpu.shared_limit;
+    let registered = specs(gpu);
+    for pass in [Pass::Forward, Pass::Vjp] {
+        for kind in [Kind::LayerNorm, Kind::RmsNorm] {
+            for dtype in DType::ALL {
+                for d in (1..=70).chain([
+                    255,
+                    256,
+                    768,
+                    1000,
+                    1024,
+                    4096,
+                    8192,
+                    16384,
+                    16392,
+                    18432,
+                    30000,
+                    32768,
+                    65536,
+                    65537,
+                    131072,
+                    131073,
+                    1 << 20,
+                ]) {
+                    for vectorized in [false, true] {
+                        if vectorized && d % dtype.vec_width() != 0 {
+                            continue;
+                        }
+                        let s = choose_spec(pass, kind, dtype, d, vectorized, gpu);
+                        assert!(
+                            registered.contains(&s),
+                            "{s} chosen for d={d} but not registered"
+                        );
+                        assert!(fits(&s, limit), "{s}: {} bytes", ring_bytes(&s));
+                        assert_eq!(
+                            *s.template == FORWARD_SPLIT,
+                            gpu.clusters && pass == Pass::Forward && {
+                                let n_reads = s.n_reads as usize;
+                                d.div_ceil(n_reads) > 1024 * max_items(pass, n_reads)
+                                    && split_spec(kind, dtype, n_reads, d.div_ceil(n_reads))
+                                        .is_some()
+                            }
+                        );
+                        // The split VJP takes what a block's registers and shared memory
+                        // do not, up to what a cluster's registers hold.
+                        let n_reads = s.n_reads as usize;
+                        let vectors = d.div_ceil(n_reads);
+                        if pass == Pass::Vjp && gpu.clusters {
+                            let beyond_a_block = vectors > 1024 * max_items(pass, n_reads);
+                            let fits_cluster =
+                                vectors <= VJP_SPLIT_BLOCK * 16 * VJP_SPLIT_ELEMENTS / n_reads;
+                            if beyond_a_block && fits_cluster {
+                                assert!(is_vjp_split(&s), "{s} chosen for d={d}");
+                            }
+                        } else {
+                            assert!(!is_vjp_split(&s), "{s} chosen for d={d}");
+                        }
+                        if is_split(&s) {
+                            let (items, cluster) = (constant(&s, "ITEMS"), constant(&s, "CLUSTER"));
+                            let covered = s.block_dim as usize * items * cluster;
+                            assert!(
+                                covered * s.n_reads as usize >= d,
+                                "{s} does not cover d={d}"
+                            );
+                            assert!(check_chosen(s, pass, kind, dtype, d, vectorized).is_ok());
+                            continue;
+                        }
+                        let (group, items) = (constant(&s, "GROUP"), constant(&s, "ITEMS"));
+                        if items > 0 {
+                            assert!(
+                                group * items * s.n_reads as usize >= d,
+                                "{s} does not cover d={d}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn references_agree_with_finite_differences() {
+    // d/dx of sum(g * f(x)) by central differences, against reference_vjp.
+    let d = 5;
+    let x = [0.3, -1.2, 2.0, 0.7, -0.4, 1.1, 0.0, -0.9, 0.5, 2.2];
+    let w = [1.5, -0.5, 0.8, 1.0, 2.0];
+    let b = [0.1, 0.2, 0.3, 0.4, 0.5];
+    let g = [0.2, -0.7, 1.0, 0.4, -1.3, 0.9, 0.1, -0.2, 0.6, 0.3];
+    for kind in [Kind::LayerNorm, Kind::RmsNorm] {
+        let f = |x: &[f64], w: &[f64], b: &[f64]| -> f64 {
+            reference_forward(kind, x, Some(w), Some(b), d, 1e-5)
+                .iter()
+                .zip(&g)
+                .map(|(y, g)| y * g)
+                .sum()
+        };
+        let (dx, dw, db) = reference_vjp(kind, &x, Some(&w), &g, d, 1e-5);
+        let h = 1e-6;
+        for i in 0..x.len() {
+            let (mut p, mut m) = (x, x);
+            p[i] += h;
+            m[i] -= h;
+            let num = (f(&p, &w, &b) - f(&m, &w, &b)) / (2.0 * h);
+            assert!(
+                (num - dx[i]).abs() < 1e-6,
+                "{kind:?} dx[{i}]: {num} vs {}",
+                dx[i]
+            );
+        }
+        for j in 0..d {
+            let (mut p, mut m) = (w, w);
+            p[j] += h;
+            m[j] -= h;
+            let num = (f(&x, &p, &b) - f(&x, &m, &b)) / (2.0 * h);
+            assert!((num - dw[j]).abs() < 1e-6, "{kind:?} dw[{j}]");
+            if kind == Kind::LayerNorm {
+                let (mut p, mut m) = (b, b);
+                p[j] += h;
+                m[j] -= h;
+                let num = (f(&x, &w, &p) - f(&x, &w, &m)) / (2.0 * h);
+                assert!((num - db[j]).abs() < 1e-6, "db[{j}]");
+            }
+        }
+    }
+}

@@ -1,0 +1,70 @@
+//! Entry points that take an explicit specialisation, for benchmarks that compare them. The ops
+//! above choose for themselves; these refuse a spec that does not fit.
+
+use super::choose::*;
+use super::launch::*;
+use super::*;
+
+/// Every vectorised spec that could serve rows of `d` without a wasted half: threads per
+/// row, 1-4 vectors each, with and without a ring of stages (16-bit), resident or not (VJP).
+/// A superset of what `choose_spec` picks from, for `--sweep` to measure.
+/// Shared memory a Hopper block may opt into (227 KiB): candidates needing more are left out.
+const MAX_SHARED: usize = 227 * 1024;
+
+pub fn candidates(pass: Pass, kind: Kind, dtype: DType, d: usize) -> Vec<KernelSpec> {
+    let n_reads = dtype.vec_width();
+    let mut out = Vec::new();
+    let groups = (1..8).map(|w| 32 * w).chain(GROUPS.into_iter().skip(3));
+    for group in groups {
+        for items in 1..=4 {
+            let covers = |g: usize| g * items * n_reads >= d;
+            if !covers(group) || (group > 32 && covers(group / 2)) {
+                continue;
+            }
+            let mut variants = vec![(0, false)];
+            if dtype.size() == 2 {
+                variants.push((2, false));
+                if pass == Pass::Vjp {
+                    variants.push((2, true));
+                }
+            }
+            for (stages, resident) in variants {
+                // Past 512 threads a VJP row is resident or keeps SHARED_SUMS (no ring).
+                let wide_ok = pass == Pass::Vjp && (resident || (stages == 0 && n_reads <= 4));
+                let spec = spec_with(pass, kind, dtype, n_reads, group, items, stages, resident);
+                if group > max_group(pass) && !wide_ok || ring_bytes(&spec) > MAX_SHARED {
+                    continue;
+                }
+                out.push(spec);
+            }
+        }
+    }
+    out
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn forward_with(
+    enc: &mut CommandEncoder,
+    kind: Kind,
+    x: &Array,
+    w: Option<&Array>,
+    b: Option<&Array>,
+    eps: f32,
+    spec: KernelSpec,
+) -> Result<Array> {
+    forward(enc, kind, x, w, b, eps, Some(spec))
+}
+
+#[allow(clippy::too_many_arguments, clippy::type_complexity)]
+pub fn vjp_with(
+    enc: &mut CommandEncoder,
+    kind: Kind,
+    x: &Array,
+    w: Option<&Array>,
+    want_db: bool,
+    g: &Array,
+    eps: f32,
+    spec: KernelSpec,
+) -> Result<(Array, Option<Array>, Option<Array>)> {
+    vjp(enc, kind, x, w, want_db, g, eps, Some(spec))
+}
