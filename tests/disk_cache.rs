@@ -237,3 +237,26 @@ fn notes_are_kept_by_name_and_follow_the_cache_mode() {
     assert_eq!(on.load_note("conv a"), None);
     assert_eq!(on.load_note("conv b"), None);
 }
+
+/// `KILN_CACHE=off` touches no disk: over a directory full of entries it lists none, verifies
+/// none and removes nothing.
+#[test]
+fn an_off_cache_reads_and_removes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let on = common::jit_in(dir.path());
+    let spec = kiln::ops::axpby::spec(kiln::DType::F32);
+    on.compile(&spec, kiln::jit::Target::sass(90)).unwrap();
+    let files = on.disk_cache().entry_files().len();
+    assert_eq!(files, 1);
+    let off = DiskCache::open(dir.path(), CacheMode::Off, 1 << 30);
+    assert!(off.entry_files().is_empty());
+    let report = off.verify();
+    assert_eq!((report.checked, report.bad.len()), (0, 0));
+    let gc = off.gc();
+    assert_eq!(gc.remaining_entries, 0);
+    assert_eq!(
+        on.disk_cache().entry_files().len(),
+        files,
+        "off removed an entry"
+    );
+}

@@ -338,9 +338,13 @@ impl DiskCache {
         self.gc();
     }
 
-    /// Every entry file (by name; contents are not read).
+    /// Every entry file (by name; contents are not read). None with `KILN_CACHE=off`, which
+    /// touches no disk: so `verify` and `gc` find nothing either.
     pub fn entry_files(&self) -> Vec<EntryFile> {
         let mut out = Vec::new();
+        if !self.readable() {
+            return out;
+        }
         for path in self.files_with_ext(ENTRY_EXT) {
             let Ok(meta) = fs::metadata(&path) else {
                 continue;
