@@ -213,6 +213,19 @@ impl Jit {
     ) -> Result<Compiled> {
         let target = self.resolve_target(spec, requested)?;
         let parts = self.key_parts(spec, target)?;
+        self.slot_or_load(&spec.to_string(), target, parts, any_nvrtc)
+    }
+
+    /// The module `parts` describe on `target`: this process's (its key's slot, whose lock is
+    /// the single flight; another NVRTC's module only with `any_nvrtc`), or from disk or NVRTC,
+    /// then kept in the slot.
+    fn slot_or_load(
+        &self,
+        what: &str,
+        target: Target,
+        parts: KeyParts,
+        any_nvrtc: bool,
+    ) -> Result<Compiled> {
         let key = parts.key();
         let slot = self.modules.entry(key).or_default().clone();
         let mut slot = slot.lock().unwrap_or_else(|e| e.into_inner());
@@ -224,7 +237,7 @@ impl Jit {
                 });
             }
         }
-        let compiled = self.load_or_compile(&spec.to_string(), target, key, parts, any_nvrtc)?;
+        let compiled = self.load_or_compile(what, target, key, parts, any_nvrtc)?;
         *slot = Some(compiled.entry.clone());
         Ok(compiled)
     }
@@ -256,18 +269,7 @@ impl Jit {
             nvrtc_version: self.nvrtc()?.version_string(),
             ..recipe.parts.clone()
         };
-        let key = parts.key();
-        let slot = self.modules.entry(key).or_default().clone();
-        let mut slot = slot.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(entry) = slot.as_ref() {
-            return Ok(Compiled {
-                entry: entry.clone(),
-                origin: Origin::Memory,
-            });
-        }
-        let compiled = self.load_or_compile(&recipe.spec, target, key, parts, false)?;
-        *slot = Some(compiled.entry.clone());
-        Ok(compiled)
+        self.slot_or_load(&recipe.spec, target, parts, false)
     }
 
     /// The target `requested` resolves to when there is no NVRTC to ask: the arch-specific

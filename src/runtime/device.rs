@@ -178,16 +178,16 @@ impl Device {
             .get_or_load(self.jit, &self.ctx, self.target(), spec)
     }
 
-    /// Whether `spec` is already loaded here (one table lookup).
-    pub fn has_kernel(&self, spec: &KernelSpec) -> bool {
-        self.kernels.get(self.info.ordinal, spec).is_some()
+    /// The kernel for `spec` if it is already loaded here (one table lookup, no compile).
+    pub fn loaded(&self, spec: &KernelSpec) -> Option<Arc<LoadedKernel>> {
+        self.kernels.get(self.info.ordinal, spec)
     }
 
     /// Queues `specs` for compiling in the background for this device, where they are not
     /// loaded yet: for the kernels a call's next calls will likely need (see
     /// [`Jit::prefetch`]). Loading still happens on first use.
     pub fn prefetch(&self, specs: impl IntoIterator<Item = KernelSpec>) {
-        let missing = specs.into_iter().filter(|s| !self.has_kernel(s));
+        let missing = specs.into_iter().filter(|s| self.loaded(s).is_none());
         self.jit.prefetch(missing, self.target());
     }
 

@@ -242,6 +242,24 @@ pub(super) const SPLIT_LAYOUTS: [(usize, usize); 2] = [(8, 8), (16, 16)];
 /// The most elements a split-row forward thread holds per row.
 pub(super) const SPLIT_ELEMENTS: usize = 16;
 
+/// A split-row layout for rows of `vectors` vectors, blocks of `block` threads: (blocks per
+/// cluster, vectors per thread), the fewest blocks of `VJP_SPLIT_CLUSTERS` up to `most` whose
+/// threads, each holding a power of two of vectors within `elements` elements, cover the row.
+fn fit_cluster(
+    block: usize,
+    most: usize,
+    elements: usize,
+    n_reads: usize,
+    vectors: usize,
+) -> Option<(usize, usize)> {
+    let per_block = block * (elements / n_reads).max(1);
+    let cluster = *VJP_SPLIT_CLUSTERS
+        .iter()
+        .find(|&&c| c <= most && c * per_block >= vectors)?;
+    let items = vectors.div_ceil(block * cluster).next_power_of_two();
+    (items * n_reads <= elements).then_some((cluster, items))
+}
+
 /// The split-row forward for rows of `vectors` vectors, if a cluster's registers hold them: the
 /// first layout that does, with the fewest blocks per cluster (of `VJP_SPLIT_CLUSTERS`, up to
 /// the layout's) whose threads, each holding a power of two of vectors, cover the row.
@@ -252,21 +270,15 @@ pub(super) fn split_spec(
     vectors: usize,
 ) -> Option<KernelSpec> {
     SPLIT_LAYOUTS.iter().find_map(|&(most, elements)| {
-        let per_block = SPLIT_BLOCK * (elements / n_reads).max(1);
-        let cluster = *VJP_SPLIT_CLUSTERS
-            .iter()
-            .find(|&&c| c <= most && c * per_block >= vectors)?;
-        let items = vectors.div_ceil(SPLIT_BLOCK * cluster).next_power_of_two();
-        (items * n_reads <= elements).then(|| {
-            let consts = [(kind == Kind::RmsNorm) as i32, items as i32, cluster as i32];
-            KernelSpec::new(
-                &FORWARD_SPLIT,
-                dtype,
-                SPLIT_BLOCK as u16,
-                n_reads as u8,
-                &consts,
-            )
-        })
+        let (cluster, items) = fit_cluster(SPLIT_BLOCK, most, elements, n_reads, vectors)?;
+        let consts = [(kind == Kind::RmsNorm) as i32, items as i32, cluster as i32];
+        Some(KernelSpec::new(
+            &FORWARD_SPLIT,
+            dtype,
+            SPLIT_BLOCK as u16,
+            n_reads as u8,
+            &consts,
+        ))
     })
 }
 
@@ -309,28 +321,20 @@ pub(super) fn vjp_split_spec(
     vjp_split_layouts(dtype)
         .iter()
         .find_map(|&(most, elements, smem_sums)| {
-            let per_block = VJP_SPLIT_BLOCK * (elements / n_reads).max(1);
-            let cluster = *VJP_SPLIT_CLUSTERS
-                .iter()
-                .find(|&&c| c <= most && c * per_block >= vectors)?;
-            let items = vectors
-                .div_ceil(VJP_SPLIT_BLOCK * cluster)
-                .next_power_of_two();
-            (items * n_reads <= elements).then(|| {
-                let consts = [
-                    (kind == Kind::RmsNorm) as i32,
-                    items as i32,
-                    cluster as i32,
-                    smem_sums as i32,
-                ];
-                KernelSpec::new(
-                    &VJP_SPLIT,
-                    dtype,
-                    VJP_SPLIT_BLOCK as u16,
-                    n_reads as u8,
-                    &consts,
-                )
-            })
+            let (cluster, items) = fit_cluster(VJP_SPLIT_BLOCK, most, elements, n_reads, vectors)?;
+            let consts = [
+                (kind == Kind::RmsNorm) as i32,
+                items as i32,
+                cluster as i32,
+                smem_sums as i32,
+            ];
+            Some(KernelSpec::new(
+                &VJP_SPLIT,
+                dtype,
+                VJP_SPLIT_BLOCK as u16,
+                n_reads as u8,
+                &consts,
+            ))
         })
 }
 

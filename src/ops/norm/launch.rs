@@ -3,6 +3,21 @@
 use super::choose::*;
 use super::*;
 
+/// The grid of a split-row spec whose clusters loop over `rows`: as many clusters as the GPU
+/// holds at once (of `block` threads and `shared` dynamic bytes), balanced over the rows.
+/// Returns (blocks, clusters).
+fn cluster_grid(
+    kernel: &LoadedKernel,
+    spec: &KernelSpec,
+    block: usize,
+    shared: usize,
+    rows: usize,
+) -> Result<(usize, usize)> {
+    let slots = kernel.max_active_clusters(block as u32, shared)?;
+    let clusters = balanced_grid(rows, slots);
+    Ok((clusters * constant(spec, "CLUSTER"), clusters))
+}
+
 /// Checks x, eps, and an optional 1-D parameter of length d and x's dtype.
 pub(super) fn check_inputs(
     x: &Array,
@@ -134,17 +149,20 @@ pub(super) fn forward(
             choose_spec(Pass::Forward, kind, x.dtype(), d, vectorized, gpu)
         }
     };
-    if !enc.device().has_kernel(&spec) {
-        // A first forward of this shape: training calls the VJP next (with a cotangent laid out
-        // like x), whose kernel and column sums compile in the background meanwhile.
-        let gpu = Gpu::of(enc.device());
-        let columns_per_thread = if d % 4 == 0 { 4 } else { 1 };
-        enc.device().prefetch([
-            choose_spec(Pass::Vjp, kind, x.dtype(), d, vectorized, gpu),
-            reduce_cols_spec(x.dtype(), columns_per_thread),
-        ]);
-    }
-    let kernel = enc.device().kernel(&spec)?;
+    let kernel = match enc.device().loaded(&spec) {
+        Some(kernel) => kernel,
+        None => {
+            // A first forward of this shape: training calls the VJP next (with a cotangent laid
+            // out like x), whose kernel and column sums compile in the background meanwhile.
+            let gpu = Gpu::of(enc.device());
+            let columns_per_thread = if d % 4 == 0 { 4 } else { 1 };
+            enc.device().prefetch([
+                choose_spec(Pass::Vjp, kind, x.dtype(), d, vectorized, gpu),
+                reduce_cols_spec(x.dtype(), columns_per_thread),
+            ]);
+            enc.device().kernel(&spec)?
+        }
+    };
     let (wp, ws, wv) = param_args(w, vectorized);
     let (bp, bs, bv) = param_args(b, vectorized);
     let mut args = KernelArgs::new();
@@ -165,9 +183,7 @@ pub(super) fn forward(
     let grid = if is_split(&spec) {
         // Clusters of consecutive blocks loop over rows: as many as the GPU holds at once.
         kernel.allow_shared(shared)?;
-        let cluster = constant(&spec, "CLUSTER");
-        let slots = kernel.max_active_clusters(block as u32, shared)?;
-        balanced_grid(rows, slots) * cluster
+        cluster_grid(&kernel, &spec, block, shared, rows)?.0
     } else if shared > 0 {
         // Each block loops over rows, with the next rows' loads in flight.
         kernel.allow_shared(shared)?;
@@ -283,10 +299,7 @@ pub(super) fn vjp(
     // Each block (split rows: each cluster) loops over rows, writing one partial row of dweight
     // and dbias, so fewer blocks means fewer partial rows to reduce.
     let (grid, partial_rows) = if is_vjp_split(&spec) {
-        let cluster = constant(&spec, "CLUSTER");
-        let slots = kernel.max_active_clusters(block as u32, shared)?;
-        let clusters = balanced_grid(rows, slots);
-        (clusters * cluster, clusters)
+        cluster_grid(&kernel, &spec, block, shared, rows)?
     } else {
         let grid = resident_grid(enc, &kernel, block, shared, rows.div_ceil(groups))?;
         (grid, grid)
