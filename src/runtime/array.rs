@@ -1,6 +1,6 @@
-//! `Array`: a device buffer plus dtype, shape, strides and offset. Views (reshape, transpose,
-//! swapaxes, slice, broadcast) share the buffer; `contiguous` and `astype` copy through the
-//! strided-copy kernel.
+//! `Array`: a device buffer plus dtype, shape, strides and offset. Views (reshape, split_axis,
+//! transpose, swapaxes, slice, broadcast) share the buffer; `contiguous` and `astype` copy
+//! through the strided-copy kernel.
 
 use std::sync::Arc;
 
@@ -322,6 +322,15 @@ impl Array {
         Ok(self.view(shape.to_vec(), contiguous_strides(shape), self.offset))
     }
 
+    /// A view with `axis` split into axes of extents `parts` (outermost first), whose product
+    /// must be the axis's extent: `[PH, kh]` turns (N, H, W, C) with H = PH x kh into
+    /// (N, PH, kh, W, C). Unlike [`Array::reshape`] it takes any view (sliced, transposed,
+    /// broadcast): the new axes step through the old one's elements in order.
+    pub fn split_axis(&self, axis: usize, parts: &[usize]) -> Result<Array> {
+        let (shape, strides) = split_layout(&self.shape, &self.strides, axis, parts)?;
+        Ok(self.view(shape, strides, self.offset))
+    }
+
     /// A view with the axes permuted: axis i of the result is axis `perm[i]` of `self`.
     pub fn transpose(&self, perm: &[usize]) -> Result<Array> {
         let mut seen = vec![false; self.ndim()];
@@ -423,5 +432,117 @@ impl Array {
             return self.contiguous(enc);
         }
         super::copy::copy(enc, self, dtype)
+    }
+}
+
+/// The shape and strides of [`Array::split_axis`]'s view.
+pub(crate) fn split_layout(
+    shape: &[usize],
+    strides: &[isize],
+    axis: usize,
+    parts: &[usize],
+) -> Result<(Vec<usize>, Vec<isize>)> {
+    if axis >= shape.len() {
+        return Err(invalid(
+            "axis",
+            format!("axis {axis} of a rank-{} array", shape.len()),
+        ));
+    }
+    if parts.is_empty() {
+        return Err(invalid("parts", "needs at least one extent".into()));
+    }
+    let product = parts.iter().try_fold(1usize, |acc, &p| acc.checked_mul(p));
+    if product != Some(shape[axis]) {
+        return Err(invalid(
+            "parts",
+            format!(
+                "{parts:?} do not multiply to axis {axis}'s extent {} (shape {shape:?})",
+                shape[axis]
+            ),
+        ));
+    }
+    let rank = shape.len() - 1 + parts.len();
+    if rank > MAX_RANK {
+        return Err(invalid(
+            "parts",
+            format!("the split has rank {rank}, more than kiln's maximum, {MAX_RANK}"),
+        ));
+    }
+    // The innermost part keeps the axis's stride; each outer one steps over the parts inside it.
+    let mut split = vec![0isize; parts.len()];
+    let mut step = strides[axis];
+    for (s, &p) in split.iter_mut().zip(parts).rev() {
+        *s = step;
+        step = step.wrapping_mul(p as isize);
+    }
+    let mut new_shape = shape[..axis].to_vec();
+    new_shape.extend_from_slice(parts);
+    new_shape.extend_from_slice(&shape[axis + 1..]);
+    let mut new_strides = strides[..axis].to_vec();
+    new_strides.extend_from_slice(&split);
+    new_strides.extend_from_slice(&strides[axis + 1..]);
+    Ok((new_shape, new_strides))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn arg(r: Result<(Vec<usize>, Vec<isize>)>) -> &'static str {
+        match r {
+            Err(Error::InvalidArgument { arg, .. }) => arg,
+            other => panic!("expected an argument error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn split_keeps_the_axis_stride_innermost() {
+        // A contiguous (2, 6, 5, 3) array: H = 6 split into (3, 2).
+        let strides = contiguous_strides(&[2, 6, 5, 3]);
+        let (s, t) = split_layout(&[2, 6, 5, 3], &strides, 1, &[3, 2]).unwrap();
+        assert_eq!(s, vec![2, 3, 2, 5, 3]);
+        assert_eq!(t, vec![90, 30, 15, 3, 1]);
+        // The same as reshaping the contiguous array.
+        assert_eq!(t, contiguous_strides(&s));
+    }
+
+    #[test]
+    fn split_of_a_strided_view() {
+        // The first 8 columns of a (7, 10) array, split into (2, 4); the rows of a step-2 slice
+        // (row stride 20) split into (1, 3).
+        let (s, t) = split_layout(&[7, 8], &[10, 1], 1, &[2, 4]).unwrap();
+        assert_eq!((s, t), (vec![7, 2, 4], vec![10, 4, 1]));
+        let (s, t) = split_layout(&[3, 8], &[20, 1], 0, &[1, 3]).unwrap();
+        assert_eq!((s, t), (vec![1, 3, 8], vec![60, 20, 1]));
+        // Into three parts, and a broadcast axis (stride 0) stays broadcast.
+        let (s, t) = split_layout(&[24], &[2], 0, &[2, 3, 4]).unwrap();
+        assert_eq!((s, t), (vec![2, 3, 4], vec![24, 8, 2]));
+        let (_, t) = split_layout(&[4, 6], &[0, 1], 0, &[2, 2]).unwrap();
+        assert_eq!(t, vec![0, 0, 1]);
+        // One part is the axis itself; an empty axis splits into parts with a zero.
+        assert_eq!(
+            split_layout(&[5, 3], &[3, 1], 0, &[5]).unwrap().1,
+            vec![3, 1]
+        );
+        assert_eq!(
+            split_layout(&[0, 3], &[3, 1], 0, &[0, 4]).unwrap().0,
+            vec![0, 4, 3]
+        );
+    }
+
+    #[test]
+    fn bad_splits_are_argument_errors() {
+        let strides = contiguous_strides(&[4, 6]);
+        assert_eq!(arg(split_layout(&[4, 6], &strides, 2, &[2, 3])), "axis");
+        assert_eq!(arg(split_layout(&[4, 6], &strides, 1, &[4, 2])), "parts");
+        assert_eq!(arg(split_layout(&[4, 6], &strides, 1, &[])), "parts");
+        assert_eq!(
+            arg(split_layout(&[4, 6], &strides, 1, &[usize::MAX, 2])),
+            "parts"
+        );
+        // Rank 7 split into three parts is rank 9.
+        let shape = [1, 1, 1, 1, 1, 1, 8];
+        let strides = contiguous_strides(&shape);
+        assert_eq!(arg(split_layout(&shape, &strides, 6, &[2, 2, 2])), "parts");
     }
 }
