@@ -15,9 +15,13 @@ struct kiln_bf16 { unsigned short bits; };
 
 __device__ __forceinline__ float kiln_to_float(float v) { return v; }
 __device__ __forceinline__ float kiln_to_float(kiln_f16 v) {
+#ifdef KILN_HOST
+  return kiln_host_f16_to_float(v.bits);  // host emulation (tests): tests/host/cuda_host.h
+#else
   float f;
   asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.bits));
   return f;
+#endif
 }
 __device__ __forceinline__ float kiln_to_float(kiln_bf16 v) {
   // bf16 is the top half of an f32: widening is a shift.
@@ -28,7 +32,11 @@ template <typename T> __device__ __forceinline__ T kiln_from_float(float f);
 template <> __device__ __forceinline__ float kiln_from_float<float>(float f) { return f; }
 template <> __device__ __forceinline__ kiln_f16 kiln_from_float<kiln_f16>(float f) {
   kiln_f16 r;
+#ifdef KILN_HOST
+  r.bits = kiln_host_float_to_f16(f);
+#else
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(f));
+#endif
   return r;
 }
 template <> __device__ __forceinline__ kiln_bf16 kiln_from_float<kiln_bf16>(float f) {

@@ -14,7 +14,7 @@ mod common;
 use std::sync::{Arc, Mutex};
 
 use kiln::env::{Config, ConvPath};
-use kiln::ops::conv::{self, hopper, plan, reference, tuning, ConvParams, Geometry, Pass};
+use kiln::ops::conv::{self, direct, hopper, plan, reference, tuning, ConvParams, Geometry, Pass};
 use kiln::runtime::{Array, CommandEncoder, Device};
 use kiln::selfcheck::TestRng;
 use kiln::DType;
@@ -51,7 +51,13 @@ fn case(name: &'static str, x: &[usize], w: &[usize], p: ConvParams) -> Case {
 
 fn cases() -> Vec<Case> {
     let d = ConvParams::default;
-    vec![
+    let direct = common::conv_cases::direct().into_iter().map(|c| Case {
+        name: c.name,
+        x: c.x,
+        w: c.w,
+        p: c.p,
+    });
+    let mut all = vec![
         case("1d pad 1", &[2, 17, 8], &[16, 3, 8], d().padding(&[1])),
         case(
             "1d stride 3 > kernel 2, pad 0/2",
@@ -106,18 +112,6 @@ fn cases() -> Vec<Case> {
             d().groups(2).padding(&[1]),
         ),
         case(
-            "2d depthwise",
-            &[2, 9, 9, 24],
-            &[24, 3, 3, 1],
-            d().groups(24).padding(&[1]),
-        ),
-        case(
-            "2d depthwise x2 stride 2",
-            &[1, 10, 10, 8],
-            &[16, 3, 3, 1],
-            d().groups(8).strides(&[2]),
-        ),
-        case(
             "2d flip, stride 2, pad 2/1",
             &[2, 9, 8, 16],
             &[8, 3, 2, 16],
@@ -163,17 +157,6 @@ fn cases() -> Vec<Case> {
             &[2, 5, 6, 7, 8],
             &[8, 3, 2, 3, 8],
             d().strides(&[1, 2, 1]).padding(&[1, 0, 1]),
-        ),
-        case(
-            "3d dilations, groups 2, flip",
-            &[1, 4, 5, 5, 8],
-            &[8, 2, 2, 3, 4],
-            d().kernel_dilation(&[2, 1, 2])
-                .input_dilation(&[1, 2, 1])
-                .groups(2)
-                .flip(true)
-                .padding_lo(&[1, 0, 2])
-                .padding_hi(&[0, 1, 1]),
         ),
         // Channels per group a multiple of 32: every k tile is one kernel tap (TAP_TILES) for
         // 16-bit types too, in forward and backward-data.
@@ -259,7 +242,9 @@ fn cases() -> Vec<Case> {
             &[24, 3, 3, 16],
             d().padding(&[1]),
         ),
-    ]
+    ];
+    all.extend(direct);
+    all
 }
 
 /// A kernel chosen by the test instead of the plan: a tile and a split of each family.
@@ -370,6 +355,7 @@ fn aligned_key(dev: &Device, dtype: DType, pass: Pass, g: Geometry) -> plan::Pla
         geometry: g,
         vec_a: true,
         vec_b: true,
+        aligned: true,
     }
 }
 
@@ -377,7 +363,7 @@ fn matrix(graphs: bool) {
     let dev = Device::get(0).unwrap();
     let mut enc = encoder(&dev, graphs);
     let mut failures = Vec::new();
-    let (mut checked, mut on_hopper) = (0, 0);
+    let (mut checked, mut on_hopper, mut on_direct) = (0, 0, 0);
     let path = Config::from_env().unwrap().conv_path;
     for (ci, c) in cases().iter().enumerate() {
         for dtype in DType::ALL {
@@ -387,11 +373,19 @@ fn matrix(graphs: bool) {
                 let (ratio, at) = worst(dtype, &got, &want);
                 checked += 1;
                 let key = aligned_key(&dev, dtype, pass, g);
-                let hopper = hopper::unsupported(&key).is_none() && path == ConvPath::Auto;
-                if hopper {
-                    on_hopper += 1;
-                }
-                if family != if hopper { "conv_wgmma" } else { "conv_igemm" } {
+                let direct = direct::unsupported(path, &key).is_none();
+                let hopper =
+                    !direct && hopper::unsupported(&key).is_none() && path == ConvPath::Auto;
+                on_hopper += hopper as usize;
+                on_direct += direct as usize;
+                let expected = if direct {
+                    "conv_direct"
+                } else if hopper {
+                    "conv_wgmma"
+                } else {
+                    "conv_igemm"
+                };
+                if family != expected {
                     failures.push(format!("{} {dtype} {}: ran {family}", c.name, pass.name()));
                 }
                 if ratio > 1.0 {
@@ -407,7 +401,8 @@ fn matrix(graphs: bool) {
         }
     }
     eprintln!(
-        "conv matrix ({}): {checked} checks ({on_hopper} on the Hopper path), {} failed",
+        "conv matrix ({}): {checked} checks ({on_hopper} on the Hopper path, {on_direct} on the \
+         direct family), {} failed",
         if graphs { "graph" } else { "direct" },
         failures.len()
     );

@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
+pub mod conv_cases;
+
 use std::path::Path;
 
 use kiln::env::{CacheMode, Config};

@@ -626,6 +626,7 @@ mod tests {
             geometry: Geometry::new(input, weight, p).unwrap(),
             vec_a: true,
             vec_b: true,
+            aligned: true,
         }
     }
 
@@ -731,6 +732,7 @@ mod tests {
                 geometry: g,
                 vec_a: true,
                 vec_b: true,
+                aligned: true,
             },
             tile,
             splits,

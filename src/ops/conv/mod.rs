@@ -1,5 +1,6 @@
 //! Convolution with MLX's `conv_general` semantics, channels last, 1 to 3 spatial dims: the
-//! forward pass and both gradients, each an implicit GEMM (see `templates/conv_igemm.cu`).
+//! forward pass and both gradients, each an implicit GEMM (`templates/conv_igemm.cu`, and on
+//! sm_90 `conv_wgmma.cu`), or for few channels per group a stencil (`conv_direct.cu`).
 //!
 //! Layouts: input (N, spatial..., C_in), weight (C_out, spatial..., C_in / groups), output
 //! (N, spatial..., C_out). f16 and bf16 multiply on tensor cores with f32 accumulation, f32 on
@@ -8,6 +9,9 @@
 // Internal: public for kiln's own tests, benches and CLI; not part of the stable API.
 #[doc(hidden)]
 pub mod autotune;
+// Internal: public for kiln's own tests, benches and CLI; not part of the stable API.
+#[doc(hidden)]
+pub mod direct;
 pub mod geometry;
 // Internal: public for kiln's own tests, benches and CLI; not part of the stable API.
 #[doc(hidden)]
@@ -276,6 +280,7 @@ fn plan_key(enc: &CommandEncoder, pass: Pass, g: &Geometry, a: &Array, b: &Array
         geometry: *g,
         vec_a: vec_a && aligned(a),
         vec_b: vec_b && aligned(b),
+        aligned: aligned(a) && aligned(b),
     }
 }
 
@@ -424,6 +429,34 @@ fn launch(enc: &mut CommandEncoder, plan: &Plan, a: &Array, b: &Array, out: &Arr
                     )
                 }?;
             }
+        }
+        Kind::Direct(launch) => {
+            // Forward and backward-data read (source, weight), backward-weight (input,
+            // cotangent): the GEMM operands (cotangent, input) in the other order.
+            let (src, other) = match launch.pass {
+                Pass::BackwardWeight => (b, a),
+                _ => (a, b),
+            };
+            let mut args = KernelArgs::new();
+            args.push(src.device_ptr())
+                .push(other.device_ptr())
+                .push(out.device_ptr())
+                .push(partial_ptr)
+                .push(launch.problem);
+            // SAFETY: the arguments are conv_direct's (source, weight or cotangent, out,
+            // partial, problem); the problem was built from the geometry the operands and the
+            // output were checked against, and only the target is written.
+            unsafe {
+                enc.launch(
+                    &plan.kernel,
+                    launch.grid,
+                    launch.block,
+                    plan.shared,
+                    args,
+                    &[a, b],
+                    &[target],
+                )
+            }?;
         }
     }
     if let (Some(p), Some(kernel)) = (&partial, &plan.split_sum) {

@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use lru::LruCache;
 
+use super::direct;
 use super::geometry::{Geometry, Pass, Problem};
 use super::hopper;
 use crate::dtype::DType;
@@ -195,6 +196,7 @@ pub fn specs(arch: u32) -> Vec<KernelSpec> {
         }
         out.push(split_sum_spec(dtype));
     }
+    out.extend(direct::specs());
     if arch == hopper::ARCH {
         out.extend(hopper::specs());
     }
@@ -240,6 +242,8 @@ pub enum Kind {
     Igemm(Problem),
     /// The Hopper family (`conv_wgmma`), operands read through tensor maps.
     Wgmma(hopper::Launch),
+    /// The direct family (`conv_direct`) for few channels per group.
+    Direct(direct::Launch),
 }
 
 /// The plan cache's key: MLX's `ConvCacheKey` fields (device, dtype, shapes, stride, padding,
@@ -256,6 +260,9 @@ pub struct PlanKey {
     /// Whether each operand may use 16-byte loads (channels and base addresses allow it).
     pub vec_a: bool,
     pub vec_b: bool,
+    /// Whether both operands' base addresses are 16-byte aligned (the direct family's vector
+    /// loads need it whatever the channel counts).
+    pub aligned: bool,
 }
 
 impl PlanKey {
@@ -317,12 +324,13 @@ pub fn cached(key: &PlanKey) -> Option<Arc<Plan>> {
 pub fn create(device: &Device, key: PlanKey) -> Result<Arc<Plan>> {
     let path = Config::from_env()?.conv_path;
     device.prefetch(companion_specs(device, path, &key));
-    let plan = match hopper::plan(device, path, &key) {
-        Some((spec, launch)) => Arc::new(build_wgmma(device, &key, spec, launch)?),
-        None => {
-            let (t, splits) = choose(device, &key);
-            Arc::new(build(device, &key, t, splits)?)
-        }
+    let plan = if let Some((spec, launch)) = direct::plan(device, path, &key) {
+        Arc::new(build_direct(device, &key, spec, launch)?)
+    } else if let Some((spec, launch)) = hopper::plan(device, path, &key) {
+        Arc::new(build_wgmma(device, &key, spec, launch)?)
+    } else {
+        let (t, splits) = choose(device, &key);
+        Arc::new(build(device, &key, t, splits)?)
     };
     remember(key, plan.clone());
     Ok(plan)
@@ -352,21 +360,22 @@ fn companion_specs(device: &Device, path: ConvPath, key: &PlanKey) -> Vec<Kernel
             pass,
             vec_a,
             vec_b,
+            aligned: true,
             ..*key
         };
         if cached_quietly(&other) {
             continue;
         }
-        let splits = match hopper::plan(device, path, &other) {
-            Some((spec, launch)) => {
-                out.push(spec);
-                launch.splits
-            }
-            None => {
-                let (t, splits) = choose(device, &other);
-                out.push(igemm_spec_for(&other, t));
-                splits
-            }
+        let splits = if let Some((spec, launch)) = direct::plan(device, path, &other) {
+            out.push(spec);
+            launch.splits
+        } else if let Some((spec, launch)) = hopper::plan(device, path, &other) {
+            out.push(spec);
+            launch.splits
+        } else {
+            let (t, splits) = choose(device, &other);
+            out.push(igemm_spec_for(&other, t));
+            splits
         };
         if splits > 1 {
             out.push(split_sum_spec(key.dtype));
@@ -534,6 +543,27 @@ fn build_wgmma(
     })
 }
 
+fn build_direct(
+    device: &Device,
+    key: &PlanKey,
+    spec: KernelSpec,
+    launch: direct::Launch,
+) -> Result<Plan> {
+    let kernel = device.kernel(&spec)?;
+    kernel.allow_shared(launch.shared)?;
+    let split_sum = split_sum_for(device, key.dtype, launch.splits)?;
+    Ok(Plan {
+        kernel,
+        spec,
+        grid: launch.grid,
+        threads: launch.block.0 * launch.block.1 * launch.block.2,
+        shared: launch.shared as u32,
+        splits: launch.splits,
+        split_sum,
+        kind: Kind::Direct(launch),
+    })
+}
+
 /// Largest grid dims the driver takes along y and z.
 const MAX_GRID_YZ: usize = 65535;
 
@@ -664,6 +694,7 @@ mod tests {
             geometry: Geometry::new(&[2, 9, 9, cin], &[cout, 3, 3, cin / p.groups], &p).unwrap(),
             vec_a: true,
             vec_b: true,
+            aligned: true,
         };
         let d = ConvParams::default;
         let (f16, f32) = (DType::F16, DType::F32);
@@ -710,6 +741,7 @@ mod tests {
                 geometry: Geometry::new(&[n, h, w, c], &[k, r, s, c], &p).unwrap(),
                 vec_a: true,
                 vec_b: true,
+                aligned: true,
             }
         };
         let picked = |shape, pass| {
@@ -769,6 +801,7 @@ mod tests {
                         geometry: g,
                         vec_a: true,
                         vec_b: true,
+                        aligned: true,
                     };
                     let (t, _) = pick(40, optin, &key);
                     assert!(tiles(key.tensor()).contains(&t));

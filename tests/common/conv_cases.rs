@@ -1,0 +1,138 @@
+//! Convolution cases shared by the GPU tests and the host emulation of the direct family.
+
+use kiln::ops::conv::ConvParams;
+
+/// A convolution: input and weight shapes and the parameters.
+pub struct ConvCase {
+    pub name: &'static str,
+    pub x: Vec<usize>,
+    pub w: Vec<usize>,
+    pub p: ConvParams,
+}
+
+impl ConvCase {
+    pub fn new(name: &'static str, x: &[usize], w: &[usize], p: ConvParams) -> ConvCase {
+        ConvCase {
+            name,
+            x: x.to_vec(),
+            w: w.to_vec(),
+            p,
+        }
+    }
+}
+
+/// Cases for the direct family (few channels per group).
+pub fn direct() -> Vec<ConvCase> {
+    let d = ConvParams::default;
+    vec![
+        // The direct family (few channels per group): depthwise with multipliers 1, 2 and 4,
+        // kernels wider than a window step, 1-D causal and 3-D, dilation and flip; groups of 2,
+        // 4, 8 and 16 channels; channel counts that leave one channel a thread; a long
+        // backward-weight sum that splits.
+        ConvCase::new(
+            "direct depthwise 7x7, 40 channels",
+            &[2, 13, 15, 40],
+            &[40, 7, 7, 1],
+            d().groups(40).padding(&[3]),
+        ),
+        ConvCase::new(
+            "direct depthwise x2 5x5 stride 2",
+            &[2, 11, 12, 16],
+            &[32, 5, 5, 1],
+            d().groups(16).strides(&[2]).padding(&[2]),
+        ),
+        ConvCase::new(
+            "direct depthwise x4, 5 channels",
+            &[1, 7, 9, 5],
+            &[20, 3, 3, 1],
+            d().groups(5).padding(&[1]),
+        ),
+        ConvCase::new(
+            "direct depthwise 1d kernel 9 causal",
+            &[2, 30, 16],
+            &[16, 9, 1],
+            d().groups(16).padding_lo(&[8]).padding_hi(&[0]),
+        ),
+        ConvCase::new(
+            "direct depthwise 3d 3x3x3",
+            &[1, 4, 5, 6, 24],
+            &[24, 3, 3, 3, 1],
+            d().groups(24).padding(&[1]),
+        ),
+        ConvCase::new(
+            "direct depthwise dilation 2, flip, pad 2/1",
+            &[1, 12, 11, 16],
+            &[16, 3, 3, 1],
+            d().groups(16)
+                .kernel_dilation(&[2])
+                .flip(true)
+                .padding_lo(&[2])
+                .padding_hi(&[1]),
+        ),
+        ConvCase::new(
+            "direct depthwise input dilation 2",
+            &[1, 6, 5, 8],
+            &[8, 3, 3, 1],
+            d().groups(8).input_dilation(&[2]).padding(&[1]),
+        ),
+        ConvCase::new(
+            "direct groups of 2",
+            &[2, 9, 10, 32],
+            &[32, 3, 3, 2],
+            d().groups(16).padding(&[1]),
+        ),
+        ConvCase::new(
+            "direct groups of 4, stride 2",
+            &[2, 9, 9, 64],
+            &[64, 3, 3, 4],
+            d().groups(16).strides(&[2]).padding(&[1]),
+        ),
+        ConvCase::new(
+            "direct groups of 8",
+            &[2, 10, 9, 64],
+            &[64, 3, 3, 8],
+            d().groups(8).padding(&[1]),
+        ),
+        ConvCase::new(
+            "direct groups of 16, 5x5",
+            &[2, 8, 9, 64],
+            &[64, 5, 5, 16],
+            d().groups(4).padding(&[2]),
+        ),
+        ConvCase::new(
+            "direct 5 groups of 4 (one channel a thread)",
+            &[1, 7, 6, 20],
+            &[20, 3, 3, 4],
+            d().groups(5).padding(&[1]),
+        ),
+        ConvCase::new(
+            "direct depthwise long backward-weight sum",
+            &[8, 30, 30, 16],
+            &[16, 3, 3, 1],
+            d().groups(16).padding(&[1]),
+        ),
+        ConvCase::new(
+            "2d depthwise",
+            &[2, 9, 9, 24],
+            &[24, 3, 3, 1],
+            d().groups(24).padding(&[1]),
+        ),
+        ConvCase::new(
+            "2d depthwise x2 stride 2",
+            &[1, 10, 10, 8],
+            &[16, 3, 3, 1],
+            d().groups(8).strides(&[2]),
+        ),
+        ConvCase::new(
+            "3d dilations, groups 2, flip",
+            &[1, 4, 5, 5, 8],
+            &[8, 2, 2, 3, 4],
+            d().kernel_dilation(&[2, 1, 2])
+                .input_dilation(&[1, 2, 1])
+                .groups(2)
+                .flip(true)
+                .padding_lo(&[1, 0, 2])
+                .padding_hi(&[0, 1, 1]),
+        ),
+    ]
+}

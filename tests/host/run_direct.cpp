@@ -1,0 +1,83 @@
+// Runs one launch of a conv_direct kernel on the host (see cuda_host.h). KILN_KERNEL names the
+// rendered kernel source. Usage: run_direct IN OUT. IN holds, little-endian: grid and block (3 x
+// u32 each), dynamic shared bytes (u64), the problem (sizeof(kiln_direct) bytes), then the
+// source, the second operand and the output as (bytes u64, data) each and the partials' f32
+// count (u64). OUT receives the output's bytes, then the partials. The output starts as all-ones
+// bytes (a NaN in every dtype), so an element the kernel never writes shows.
+#include "cuda_host.h"
+
+#include <fstream>
+#include <thread>
+#include <vector>
+
+#include KILN_KERNEL
+
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#endif
+
+// The running block's dynamic shared memory (the template's extern __shared__ array).
+constexpr size_t kSharedFloat4s = 1 << 16;
+float4 kiln_w4[kSharedFloat4s];
+
+template <typename V> static V take(std::ifstream& in) {
+  V v;
+  in.read(reinterpret_cast<char*>(&v), sizeof v);
+  return v;
+}
+
+static std::vector<unsigned char> take_bytes(std::ifstream& in) {
+  std::vector<unsigned char> v(take<uint64_t>(in));
+  in.read(reinterpret_cast<char*>(v.data()), v.size());
+  return v;
+}
+
+int main(int argc, char** argv) {
+  if (argc != 3) return 2;
+  std::ifstream in(argv[1], std::ios::binary);
+  unsigned g[3], b[3];
+  for (auto& x : g) x = take<unsigned>(in);
+  for (auto& x : b) x = take<unsigned>(in);
+  const uint64_t shared = take<uint64_t>(in);
+  const kiln_direct p = take<kiln_direct>(in);
+  std::vector<unsigned char> src = take_bytes(in), second = take_bytes(in);
+  std::vector<unsigned char> out(take<uint64_t>(in), 0xff);
+  std::vector<float> partial(take<uint64_t>(in), NAN);
+  if (!in || shared > sizeof kiln_w4) return 3;
+  // What a CUDA launch refuses: more than 1024 threads a block, 1024 along x or y, 64 along
+  // z; more than 65535 blocks along y or z.
+  if (b[0] * b[1] * b[2] > 1024 || b[0] > 1024 || b[1] > 1024 || b[2] > 64 || g[1] > 65535 ||
+      g[2] > 65535 || g[0] == 0 || g[1] == 0 || g[2] == 0) {
+    std::fprintf(stderr, "a launch CUDA refuses: grid %u %u %u, block %u %u %u\n", g[0], g[1], g[2],
+                 b[0], b[1], b[2]);
+    return 5;
+  }
+#if defined(__SANITIZE_ADDRESS__)
+  // Shared memory past what the launch asked for is out of bounds.
+  ASAN_POISON_MEMORY_REGION(reinterpret_cast<char*>(kiln_w4) + shared, sizeof kiln_w4 - shared);
+#endif
+  gridDim = {g[0], g[1], g[2]};
+  blockDim = {b[0], b[1], b[2]};
+  const unsigned threads = b[0] * b[1] * b[2];
+  for (unsigned bz = 0; bz < g[2]; ++bz)
+    for (unsigned by = 0; by < g[1]; ++by)
+      for (unsigned bx = 0; bx < g[0]; ++bx) {
+        std::barrier<> barrier(threads);
+        std::vector<std::thread> pool;
+        for (unsigned t = 0; t < threads; ++t)
+          pool.emplace_back([&, t] {
+            threadIdx = {t % b[0], t / b[0] % b[1], t / (b[0] * b[1])};
+            blockIdx = {bx, by, bz};
+            kiln_host_barrier = &barrier;
+            kiln_conv_direct(reinterpret_cast<const T*>(src.data()),
+                             reinterpret_cast<const T*>(second.data()),
+                             reinterpret_cast<T*>(out.data()),
+                             partial.empty() ? nullptr : partial.data(), p);
+          });
+        for (auto& t : pool) t.join();
+      }
+  std::ofstream o(argv[2], std::ios::binary);
+  o.write(reinterpret_cast<const char*>(out.data()), out.size());
+  o.write(reinterpret_cast<const char*>(partial.data()), partial.size() * sizeof(float));
+  return o ? 0 : 4;
+}
