@@ -1,6 +1,7 @@
 //! Convolution with MLX's `conv_general` semantics, channels last, 1 to 3 spatial dims: the
 //! forward pass and both gradients, each an implicit GEMM (`templates/conv_igemm.cu`, and on
-//! sm_90 `conv_wgmma.cu`), or for few channels per group a stencil (`conv_direct.cu`).
+//! sm_90 `conv_wgmma.cu`), or for few channels per group a stencil (`conv_direct.cu`); patch
+//! convolutions run as a 1x1 convolution over rearranged operands (`patch`).
 //!
 //! Layouts: input (N, spatial..., C_in), weight (C_out, spatial..., C_in / groups), output
 //! (N, spatial..., C_out). f16 and bf16 multiply on tensor cores with f32 accumulation, f32 on
@@ -16,6 +17,9 @@ pub mod geometry;
 // Internal: public for kiln's own tests, benches and CLI; not part of the stable API.
 #[doc(hidden)]
 pub mod hopper;
+// Internal: public for kiln's own tests, benches and CLI; not part of the stable API.
+#[doc(hidden)]
+pub mod patch;
 // Internal: public for kiln's own tests, benches and CLI; not part of the stable API.
 #[doc(hidden)]
 pub mod plan;
@@ -158,7 +162,9 @@ pub fn conv_pass(
 }
 
 /// The plan [`conv_pass`] runs with these tensors: from the plan cache, or built (its kernel
-/// loaded or compiled) and cached now.
+/// loaded or compiled) and cached now. For a patch convolution ([`patch::is_patch`]) it is the
+/// plan of the geometry as given, which explicit tiles run; `conv_pass` runs the 1x1 plan of
+/// [`patch::inner`] instead.
 pub fn plan_for(
     enc: &CommandEncoder,
     pass: Pass,
@@ -347,6 +353,11 @@ fn run(
     b: &Array,
     chosen: Option<Chosen>,
 ) -> Result<Array> {
+    // Non-overlapping patches run as a 1x1 convolution (see patch.rs); explicit tiles (sweeps)
+    // run the geometry as given.
+    if chosen.is_none() && patch::is_patch(g) {
+        return patch::run(enc, pass, g, dtype, a, b);
+    }
     let (out, prepared) = prepare(enc, pass, g, dtype, a, b)?;
     let Some(Prepared { a, b, key }) = prepared else {
         return Ok(out);
