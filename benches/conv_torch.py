@@ -33,15 +33,18 @@ def timed(fn):
 
 
 def parse(shape):
-    """(n, c, spatial, k, kernel, stride, pad) from "N,C,H,W,K,R,S,stride,pad" (2-D) or
-    "N,C,D1xD2..,K,R1xR2..,stride,pad" (any rank)."""
+    """(n, c, spatial, k, kernel, stride, pad, groups) from "N,C,H,W,K,R,S,stride,pad" (2-D)
+    or "N,C,D1xD2..,K,R1xR2..,stride,pad" (any rank), either followed by ",gG" for G groups."""
     f = shape.split(",")
+    groups = 1
+    if f[-1].startswith("g"):
+        groups = int(f.pop()[1:])
     if len(f) == 9:
         n, c, h, w, k, r, s, stride, pad = map(int, f)
-        return n, c, [h, w], k, [r, s], stride, pad
+        return n, c, [h, w], k, [r, s], stride, pad, groups
     n, c, sp, k, kr, stride, pad = f
     dims = lambda t: [int(v) for v in t.split("x")]
-    return int(n), int(c), dims(sp), int(k), dims(kr), int(stride), int(pad)
+    return int(n), int(c), dims(sp), int(k), dims(kr), int(stride), int(pad), groups
 
 
 def channels_last(t):
@@ -61,23 +64,23 @@ if args[:1] == ["--dtypes"]:
     args = args[2:]
 out = {"torch": torch.__version__, "cudnn": torch.backends.cudnn.version()}
 for shape in args:
-    n, c, spatial, k, kernel, stride, pad = parse(shape)
+    n, c, spatial, k, kernel, stride, pad, groups = parse(shape)
     rank = len(spatial)
     conv = CONV[rank]
     for name, dt in DTYPES.items():
         x = channels_last(torch.randn(n, c, *spatial, device="cuda", dtype=dt))
-        wt = channels_last(torch.randn(k, c, *kernel, device="cuda", dtype=dt))
-        y = conv(x, wt, stride=stride, padding=pad)
+        wt = channels_last(torch.randn(k, c // groups, *kernel, device="cuda", dtype=dt))
+        y = conv(x, wt, stride=stride, padding=pad, groups=groups)
         gy = channels_last(torch.randn_like(y))
 
         def backward(mask):
             return lambda: torch.ops.aten.convolution_backward(
                 gy, x, wt, None, [stride] * rank, [pad] * rank, [1] * rank, False,
-                [0] * rank, 1, mask
+                [0] * rank, groups, mask
             )
 
         key = f"{shape} {name}"
-        out[f"{key} forward"] = timed(lambda: conv(x, wt, stride=stride, padding=pad))
+        out[f"{key} forward"] = timed(lambda: conv(x, wt, stride=stride, padding=pad, groups=groups))
         out[f"{key} backward_data"] = timed(backward([True, False, False]))
         out[f"{key} backward_weight"] = timed(backward([False, True, False]))
         del x, wt, y, gy
