@@ -877,19 +877,34 @@ enum Refresh {
     AsIs,
     /// Only these kernel nodes changed, each keeping its function: set their parameters.
     Patch(Vec<usize>),
-    /// A change a node patch cannot make: `cuGraphExecUpdate` with the whole graph.
+    /// A change a node patch cannot make: `cuGraphExecUpdate` with the whole graph (and
+    /// re-instantiation if the driver refuses it).
     Whole,
+    /// A new executable from the batch's graph.
+    Reinstantiate,
+}
+
+/// The refresh for a change no node patch makes (or one the driver refused): a whole-graph
+/// update, unless a cluster kernel is in the old graph or the new one. Those are instantiated
+/// afresh: on an H100, `cuGraphExecUpdate` accepted a graph whose cluster kernel node became
+/// another kernel, and later launches computed garbage.
+fn whole_refresh(clusters: bool) -> Refresh {
+    if clusters {
+        Refresh::Reinstantiate
+    } else {
+        Refresh::Whole
+    }
 }
 
 /// Decides the refresh from what kiln knows of each node, so that no driver call is made that
-/// the driver would refuse.
-fn plan_refresh(changes: impl IntoIterator<Item = NodeChange>) -> Refresh {
+/// the driver would refuse. `clusters`: a cluster kernel is in the cached graph or the batch.
+fn plan_refresh(changes: impl IntoIterator<Item = NodeChange>, clusters: bool) -> Refresh {
     let mut patch = Vec::new();
     for (i, change) in changes.into_iter().enumerate() {
         match change {
             NodeChange::Same => {}
             NodeChange::KernelParams => patch.push(i),
-            NodeChange::Other => return Refresh::Whole,
+            NodeChange::Other => return whole_refresh(clusters),
         }
     }
     if patch.is_empty() {
@@ -906,12 +921,17 @@ fn update_cached(
     nodes: &mut [Node],
     stats: &mut EncoderStats,
 ) -> Result<Option<CachedExec>> {
+    let clusters = cached.nodes.iter().any(NodeState::is_cluster_kernel)
+        || nodes
+            .iter()
+            .any(|n| matches!(&n.work, NodeWork::Kernel(k) if k.cluster));
     let refresh = plan_refresh(
         cached
             .nodes
             .iter()
             .zip(nodes.iter())
             .map(|(state, node)| state.change_to(&node.work)),
+        clusters,
     );
     if tracing::enabled!(tracing::Level::DEBUG) {
         if let Refresh::Patch(changed) = &refresh {
@@ -924,31 +944,24 @@ fn update_cached(
             );
         }
     }
-    let whole = match refresh {
+    let refresh = match refresh {
         Refresh::AsIs => {
             stats.exec_reuses += 1;
             return Ok(None);
         }
         Refresh::Patch(changed) => {
-            let refused = !patch_kernel_nodes(cached, nodes, &changed);
-            stats.refused_patches += u64::from(refused);
-            refused
+            if patch_kernel_nodes(cached, nodes, &changed) {
+                stats.updates += 1;
+                return Ok(None);
+            }
+            stats.refused_patches += 1;
+            whole_refresh(clusters)
         }
-        Refresh::Whole => true,
+        other => other,
     };
-    if !whole {
-        stats.updates += 1;
-        return Ok(None);
-    }
-    // Whole-graph update; a refusal means re-instantiation. Graphs with cluster kernels on
-    // either side are re-instantiated at once: on an H100, cuGraphExecUpdate accepted a graph
-    // whose cluster kernel node became another kernel, and later launches computed garbage.
+    // Whole-graph update (a refusal means re-instantiation), or re-instantiation at once.
     let (graph, handles) = build_graph(nodes)?;
-    let clusters = cached.nodes.iter().any(NodeState::is_cluster_kernel)
-        || nodes
-            .iter()
-            .any(|n| matches!(&n.work, NodeWork::Kernel(k) if k.cluster));
-    if clusters {
+    if refresh == Refresh::Reinstantiate {
         let fresh = instantiate_from(graph, handles, nodes)?;
         stats.instantiations += 1;
         stats.reinstantiations += 1;
@@ -1147,12 +1160,25 @@ mod tests {
     #[test]
     fn refresh_decisions() {
         use NodeChange::*;
-        assert_eq!(plan_refresh([Same, Same]), Refresh::AsIs);
-        assert_eq!(plan_refresh([]), Refresh::AsIs);
+        for clusters in [false, true] {
+            assert_eq!(plan_refresh([Same, Same], clusters), Refresh::AsIs);
+            assert_eq!(plan_refresh([], clusters), Refresh::AsIs);
+            // Kernel parameters are patched node by node, clusters or not.
+            assert_eq!(
+                plan_refresh([Same, KernelParams, Same, KernelParams], clusters),
+                Refresh::Patch(vec![1, 3])
+            );
+        }
         assert_eq!(
-            plan_refresh([Same, KernelParams, Same, KernelParams]),
-            Refresh::Patch(vec![1, 3])
+            plan_refresh([KernelParams, Other, Same], false),
+            Refresh::Whole
         );
-        assert_eq!(plan_refresh([KernelParams, Other, Same]), Refresh::Whole);
+        // A graph with a cluster kernel is never updated whole: it is instantiated afresh.
+        assert_eq!(
+            plan_refresh([KernelParams, Other, Same], true),
+            Refresh::Reinstantiate
+        );
+        assert_eq!(whole_refresh(false), Refresh::Whole);
+        assert_eq!(whole_refresh(true), Refresh::Reinstantiate);
     }
 }
