@@ -30,6 +30,8 @@ typedef {{dtype}} T;
 constexpr int PASS = {{PASS}};
 constexpr int CG = {{CG}}, MG = {{MG}};
 constexpr int NO = {{NO}}, OT = {{OT}}, KT = {{KT}};
+// Launch bounds (THREADS, 1): without the second bound ptxas held some variants to 128
+// registers and spilled; with it none spills (at most 255 registers, one block an SM at worst).
 constexpr int THREADS = {{block_dim}};
 
 // The gather's outputs per group and the source channels each output reads. Backward-weight
@@ -119,7 +121,7 @@ __device__ __forceinline__ void kiln_fma(float (&acc)[NO], const float (&s)[NS],
 
 #if {{PASS}} != 2  // a preprocessor test: PASS above is a C++ constant
 // Forward and backward-data. Block: (slots, lanes); grid: (slot blocks, task blocks).
-extern "C" __global__ void __launch_bounds__(THREADS) {{kernel}}(
+extern "C" __global__ void __launch_bounds__(THREADS, 1) {{kernel}}(
     const T* __restrict__ src, const T* __restrict__ weight, T* __restrict__ out, float* unused,
     kiln_direct p) {
   extern __shared__ float4 kiln_w4[];
@@ -229,7 +231,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) {{kernel}}(
 // Backward-weight. Block: (slots, tap groups, lanes); grid: (slot blocks x tap-group blocks,
 // splits). `src` is the input, `dy` the cotangent; `out` the weight gradient, or with splits
 // the f32 partials, one weight's worth per split.
-extern "C" __global__ void __launch_bounds__(THREADS) {{kernel}}(
+extern "C" __global__ void __launch_bounds__(THREADS, 1) {{kernel}}(
     const T* __restrict__ src, const T* __restrict__ dy, T* __restrict__ out,
     float* __restrict__ partial, kiln_direct p) {
   extern __shared__ float4 kiln_w4[];
