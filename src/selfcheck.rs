@@ -15,7 +15,8 @@ use crate::runtime::{Array, CommandEncoder, Device, GpuInfo};
 pub const SHAPES: &[(usize, usize)] = &[(7, 1), (5, 33), (4, 1000), (3, 4096), (2, 65536)];
 
 /// Convolutions the self-check runs, as (input shape, weight shape, params): a strided, padded
-/// 3x3 whose channels take 16-byte loads, and 3 input channels (one element at a time).
+/// 3x3 whose channels take 16-byte loads, 3 input channels (one element at a time), a depthwise
+/// 3x3 and a 4x4 patch embedding.
 #[doc(hidden)]
 pub fn conv_cases() -> Vec<(Vec<usize>, Vec<usize>, ConvParams)> {
     vec![
@@ -28,6 +29,18 @@ pub fn conv_cases() -> Vec<(Vec<usize>, Vec<usize>, ConvParams)> {
             vec![2, 12, 10, 3],
             vec![16, 5, 5, 3],
             ConvParams::default().padding(&[2]),
+        ),
+        // Depthwise (the direct family) and a patch embedding (a 1x1 convolution over the
+        // patches laid out as channels).
+        (
+            vec![2, 9, 9, 32],
+            vec![32, 3, 3, 1],
+            ConvParams::default().groups(32).padding(&[1]),
+        ),
+        (
+            vec![2, 18, 16, 3],
+            vec![8, 4, 4, 3],
+            ConvParams::default().strides(&[4]),
         ),
     ]
 }
