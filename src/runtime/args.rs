@@ -27,6 +27,9 @@ pub struct KernelArgs {
     offsets: [u16; MAX_ARGS],
     count: usize,
     used: usize,
+    /// Why a push was refused (too many arguments, or too wide an alignment): the launch that
+    /// takes these arguments returns it as an error.
+    refused: Option<&'static str>,
 }
 
 impl Default for KernelArgs {
@@ -36,6 +39,7 @@ impl Default for KernelArgs {
             offsets: [0; MAX_ARGS],
             count: 0,
             used: 0,
+            refused: None,
         }
     }
 }
@@ -50,21 +54,25 @@ impl KernelArgs {
     /// struct, an integer, a float, a device address as `u64`, or a
     /// [`TensorMap`](super::tensor_map::TensorMap) for a `const __grid_constant__` parameter).
     ///
-    /// # Panics
-    /// When the arguments exceed kiln's fixed capacity (512 bytes, 24 arguments) or `T` needs
-    /// more than 128-byte alignment: a programming error in an op, not a user input.
+    /// Arguments beyond kiln's fixed capacity (512 bytes, 24 arguments), or a `T` that needs
+    /// more than 128-byte alignment, are refused: the value is dropped, and the launch given
+    /// these arguments returns `Error::InvalidArgument` (arg `args`) saying why (see
+    /// [`KernelArgs::refused`]).
     pub fn push<T: Copy + 'static>(&mut self, value: T) -> &mut Self {
         let size = std::mem::size_of::<T>();
         let align = std::mem::align_of::<T>();
-        assert!(
-            align <= MAX_ARG_ALIGN,
-            "kernel arguments are at most {MAX_ARG_ALIGN}-byte aligned"
-        );
+        if self.refused.is_some() {
+            return self;
+        }
+        if align > MAX_ARG_ALIGN {
+            self.refused = Some("an argument needs more than the 128-byte alignment kiln packs");
+            return self;
+        }
         let offset = self.used.div_ceil(align) * align;
-        assert!(
-            self.count < MAX_ARGS && offset + size <= CAPACITY_WORDS * 8,
-            "too many kernel arguments"
-        );
+        if self.count >= MAX_ARGS || offset + size > CAPACITY_WORDS * 8 {
+            self.refused = Some("more than 24 arguments or 512 bytes of them");
+            return self;
+        }
         // SAFETY: the destination range lies inside `words` (checked above); T is Copy.
         unsafe {
             let dst = (self.words.0.as_mut_ptr() as *mut u8).add(offset);
@@ -74,6 +82,11 @@ impl KernelArgs {
         self.count += 1;
         self.used = offset + size;
         self
+    }
+
+    /// Why a push was refused, if one was: such arguments cannot be launched.
+    pub fn refused(&self) -> Option<&'static str> {
+        self.refused
     }
 
     /// The number of arguments pushed.
@@ -129,6 +142,28 @@ impl PartialEq for KernelArgs {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn too_many_or_too_wide_arguments_are_refused_not_a_panic() {
+        let mut a = KernelArgs::new();
+        for i in 0..MAX_ARGS as u32 {
+            a.push(i);
+        }
+        assert_eq!(a.refused(), None);
+        a.push(1u32).push(2u64);
+        assert!(a.refused().unwrap().contains("24 arguments"));
+        assert_eq!(a.len(), MAX_ARGS, "refused values are dropped");
+        let mut big = KernelArgs::new();
+        big.push([0u64; CAPACITY_WORDS]).push(1u8);
+        assert!(big.refused().is_some(), "past 512 bytes");
+        #[derive(Clone, Copy)]
+        #[repr(align(256))]
+        struct Wide(#[allow(dead_code)] u8);
+        let mut wide = KernelArgs::new();
+        wide.push(Wide(0));
+        assert!(wide.refused().unwrap().contains("alignment"));
+        assert_eq!(wide.len(), 0);
+    }
 
     #[test]
     fn values_are_aligned_and_readable() {

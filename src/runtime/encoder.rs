@@ -434,6 +434,12 @@ impl CommandEncoder {
     ) -> Result<()> {
         self.check_device(reads)?;
         self.check_device(writes)?;
+        if let Some(why) = args.refused() {
+            return Err(Error::InvalidArgument {
+                arg: "args",
+                reason: why.into(),
+            });
+        }
         let mut node = KernelNode {
             // The LoadedKernel (and so its module) is retained until the commit completes.
             function: kernel.function.cu_function(),
