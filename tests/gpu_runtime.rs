@@ -822,3 +822,75 @@ fn an_error_met_in_drop_comes_back_at_the_next_call() {
     let mut enc = CommandEncoder::with_config(&dev, &config).unwrap();
     enc.synchronize().unwrap();
 }
+
+/// Arguments KernelArgs refused (too many) make the launch an error, before anything reaches
+/// the driver; the encoder goes on working.
+#[test]
+fn refused_arguments_are_a_launch_error() {
+    let Some((_serial, dev)) = device("refused_arguments") else {
+        return;
+    };
+    let kernel = dev.kernel(&kiln::ops::axpby::spec(DType::F32)).unwrap();
+    for graphs in [false, true] {
+        let mut enc = encoder(&dev, graphs, 1000, 4);
+        let x = Array::from_f64(&mut enc, DType::F32, &[1.0; 64], &[64]).unwrap();
+        let mut args = KernelArgs::new();
+        for _ in 0..25 {
+            args.push(x.device_ptr());
+        }
+        // SAFETY: refused before the launch; nothing runs.
+        let got = unsafe { enc.launch(&kernel, 1, 64, 0, args, &[&x], &[&x]) };
+        assert!(
+            matches!(&got, Err(kiln::Error::InvalidArgument { arg: "args", .. })),
+            "{got:?}"
+        );
+        enc.synchronize().unwrap();
+        assert_eq!(x.to_f64(&mut enc).unwrap(), vec![1.0; 64]);
+    }
+}
+
+/// With two GPUs: an array of the other GPU is refused by launches, captured work and the ops,
+/// in both modes. Skipped with fewer than two GPUs.
+#[test]
+fn arrays_of_another_gpu_are_refused() {
+    let Some(gpus) = common::gpus_or_skip("arrays_of_another_gpu") else {
+        return;
+    };
+    if gpus.len() < 2 {
+        eprintln!("arrays_of_another_gpu: skipped (one GPU)");
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (dev0, dev1) = (Device::get(0).unwrap(), Device::get(1).unwrap());
+    let kernel = dev0.kernel(&kiln::ops::axpby::spec(DType::F32)).unwrap();
+    for graphs in [false, true] {
+        let mut enc0 = encoder(&dev0, graphs, 1000, 4);
+        let mut enc1 = encoder(&dev1, graphs, 1000, 4);
+        let mine = Array::from_f64(&mut enc0, DType::F32, &[1.0; 64], &[64]).unwrap();
+        let theirs = Array::from_f64(&mut enc1, DType::F32, &[2.0; 64], &[64]).unwrap();
+        enc1.synchronize().unwrap();
+        let is_refusal = |r: &kiln::Result<_>| {
+            matches!(r, Err(kiln::Error::InvalidArgument { arg: "arrays", .. }))
+        };
+        let mut args = KernelArgs::new();
+        args.push(theirs.device_ptr())
+            .push(mine.device_ptr())
+            .push(mine.device_ptr())
+            .push(64i64)
+            .push(1.0f32)
+            .push(1.0f32);
+        // SAFETY: refused before the launch (theirs is on GPU 1); nothing runs.
+        let got = unsafe { enc0.launch(&kernel, 1, 64, 0, args, &[&theirs, &mine], &[&mine]) };
+        assert!(is_refusal(&got), "launch: {got:?}");
+        // The ops check through the same launch path.
+        let sum = kiln::ops::axpby::axpby(&mut enc0, 1.0, &theirs, 1.0, &mine, &mine);
+        assert!(sum.is_err(), "axpby took an array of another GPU");
+        let p = kiln::ops::conv::ConvParams::default();
+        let x1 = Array::from_f64(&mut enc1, DType::F32, &[1.0; 16], &[1, 4, 4, 1]).unwrap();
+        let w0 = Array::from_f64(&mut enc0, DType::F32, &[1.0; 1], &[1, 1, 1, 1]).unwrap();
+        let y = kiln::ops::conv::conv_forward(&mut enc0, &x1, &w0, &p);
+        assert!(y.is_err(), "conv took an input of another GPU");
+        enc0.synchronize().unwrap();
+        assert_eq!(mine.to_f64(&mut enc0).unwrap(), vec![1.0; 64]);
+    }
+}
