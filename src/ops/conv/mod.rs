@@ -308,16 +308,9 @@ struct Prepared {
     key: PlanKey,
 }
 
-/// Checks a pass's operands and allocates its output; the operands and key come with it unless
-/// the output is empty (nothing to launch).
-fn prepare(
-    enc: &mut CommandEncoder,
-    pass: Pass,
-    g: &Geometry,
-    dtype: DType,
-    a: &Array,
-    b: &Array,
-) -> Result<(Array, Option<Prepared>)> {
+/// Checks the shapes of a pass's GEMM operands (see [`run`]) against `g`, naming the argument
+/// that differs; returns the output's shape.
+fn check_operands(pass: Pass, g: &Geometry, a: &Array, b: &Array) -> Result<Vec<usize>> {
     let (a_shape, b_shape, out_shape) = match pass {
         Pass::Forward => (g.input_shape(), g.weight_shape(), g.output_shape()),
         Pass::BackwardData => (g.output_shape(), g.weight_shape(), g.input_shape()),
@@ -330,6 +323,20 @@ fn prepare(
     };
     check_shape(a_name, a, &a_shape)?;
     check_shape(b_name, b, &b_shape)?;
+    Ok(out_shape)
+}
+
+/// Checks a pass's operands and allocates its output; the operands and key come with it unless
+/// the output is empty (nothing to launch).
+fn prepare(
+    enc: &mut CommandEncoder,
+    pass: Pass,
+    g: &Geometry,
+    dtype: DType,
+    a: &Array,
+    b: &Array,
+) -> Result<(Array, Option<Prepared>)> {
+    let out_shape = check_operands(pass, g, a, b)?;
     let out = Array::empty_on(enc, dtype, &out_shape)?;
     let (m, n, _) = pass.gemm(g);
     if m == 0 || n == 0 {

@@ -114,17 +114,8 @@ pub(super) fn run(
     a: &Array,
     b: &Array,
 ) -> Result<Array> {
-    // The public ops have checked these; the views below rely on them.
-    let ((a_name, a_shape), (b_name, b_shape)) = match pass {
-        Pass::Forward => (("input", g.input_shape()), ("weight", g.weight_shape())),
-        Pass::BackwardData => (
-            ("cotangent", g.output_shape()),
-            ("weight", g.weight_shape()),
-        ),
-        Pass::BackwardWeight => (("cotangent", g.output_shape()), ("input", g.input_shape())),
-    };
-    super::check_shape(a_name, a, &a_shape)?;
-    super::check_shape(b_name, b, &b_shape)?;
+    // The views below rely on the operands' shapes.
+    super::check_operands(pass, g, a, b)?;
     let one = inner(g)?;
     TAKEN.fetch_add(1, Ordering::Relaxed);
     match pass {
