@@ -119,6 +119,17 @@ __device__ __forceinline__ void kiln_fma(float (&acc)[NO], const float (&s)[NS],
     for (int r = 0; r < R; ++r) acc[o] += s[kiln_src_index(o, r)] * w[o * R + r];
 }
 
+// The weights of one tap for this thread's outputs, from the block's staged [tap][chunk][slot]
+// float4s (`ws` at the tap and the thread's slot).
+__device__ __forceinline__ void kiln_tap_weights(const float4* ws, int sb,
+                                                 float (&wv)[4 * ((NO * R + 3) / 4)]) {
+#pragma unroll
+  for (int c = 0; c < (NO * R + 3) / 4; ++c) {
+    const float4 q = ws[c * sb];
+    wv[4 * c] = q.x, wv[4 * c + 1] = q.y, wv[4 * c + 2] = q.z, wv[4 * c + 3] = q.w;
+  }
+}
+
 #if {{PASS}} != 2  // a preprocessor test: PASS above is a C++ constant
 // Forward and backward-data. Block: (slots, lanes); grid: (slot blocks, task blocks).
 extern "C" __global__ void __launch_bounds__(THREADS, 1) {{kernel}}(
@@ -170,42 +181,42 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {{kernel}}(
           if (sh < 0) continue;
           const long long row = (((long long)n * p.src[0] + sd) * p.src[1] + sh) * p.src[2];
           const int trow = (td * p.ks[1] + th) * p.ks[2];
-          for (int kw0 = 0; kw0 < p.ks[2]; kw0 += KT) {
-            // Sources: a window of OT + KT - 1 positions, or one per (position, tap).
-            constexpr int WIN = OT + KT - 1;
-            float win[WIN][NS];
-            if (p.window) {
+          const float4* ws = kiln_w4 + (size_t)trow * CH * sb + slot_l;
+          if (p.window) {
+            // A window of OT + KT - 1 source positions serves KT taps.
+            for (int kw0 = 0; kw0 < p.ks[2]; kw0 += KT) {
+              constexpr int WIN = OT + KT - 1;
+              float win[WIN][NS];
               const int first = ow0 + kw0 + p.offset[2];
 #pragma unroll
               for (int i = 0; i < WIN; ++i) {
                 const int sw = first + i;
-                const bool ok = sw >= 0 && sw < p.src[2];
-                kiln_load_source(src, (row + sw) * p.src_c + sc0, ok, win[i]);
+                kiln_load_source(src, (row + sw) * p.src_c + sc0, sw >= 0 && sw < p.src[2],
+                                 win[i]);
               }
-            }
 #pragma unroll
-            for (int kk = 0; kk < KT; ++kk) {
-              const int kw = kw0 + kk;
-              if (kw >= p.ks[2]) break;
-              float wv[4 * CH];
-              const float4* ws = kiln_w4 + (size_t)(trow + kw) * CH * sb + slot_l;
-#pragma unroll
-              for (int c = 0; c < CH; ++c) {
-                const float4 q = ws[c * sb];
-                wv[4 * c] = q.x, wv[4 * c + 1] = q.y, wv[4 * c + 2] = q.z, wv[4 * c + 3] = q.w;
-              }
-              if (p.window) {
+              for (int kk = 0; kk < KT; ++kk) {
+                if (kw0 + kk >= p.ks[2]) break;
+                float wv[4 * CH];
+                kiln_tap_weights(ws + (size_t)(kw0 + kk) * CH * sb, sb, wv);
 #pragma unroll
                 for (int j = 0; j < OT; ++j) kiln_fma(acc[j], win[j + kk], wv);
-              } else {
+              }
+            }
+          } else {
+            // One source per (position, tap); the taps stay a loop (nothing is indexed by them
+            // in registers), which keeps the kernel small to compile.
+#pragma unroll 1
+            for (int kw = 0; kw < p.ks[2]; ++kw) {
+              float wv[4 * CH];
+              kiln_tap_weights(ws + (size_t)kw * CH * sb, sb, wv);
 #pragma unroll
-                for (int j = 0; j < OT; ++j) {
-                  float one[NS];
-                  const int sw = kiln_source(p, 2, ow0 + j, kw);
-                  kiln_load_source(src, (row + sw) * p.src_c + sc0, sw >= 0 && ow0 + j < p.out[2],
-                                   one);
-                  kiln_fma(acc[j], one, wv);
-                }
+              for (int j = 0; j < OT; ++j) {
+                float one[NS];
+                const int sw = kiln_source(p, 2, ow0 + j, kw);
+                kiln_load_source(src, (row + sw) * p.src_c + sc0, sw >= 0 && ow0 + j < p.out[2],
+                                 one);
+                kiln_fma(acc[j], one, wv);
               }
             }
           }
