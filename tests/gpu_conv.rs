@@ -11,6 +11,8 @@
 
 mod common;
 
+use common::conv_cases::{random, worst};
+
 use std::sync::{Arc, Mutex};
 
 use kiln::env::{Config, ConvPath};
@@ -26,11 +28,6 @@ fn encoder(dev: &Arc<Device>, graphs: bool) -> CommandEncoder {
     let mut config = Config::from_env().unwrap();
     config.use_cuda_graphs = graphs;
     CommandEncoder::with_config(dev, &config).unwrap()
-}
-
-fn random(rng: &mut TestRng, dtype: DType, n: usize) -> Vec<f64> {
-    let v: Vec<f64> = (0..n).map(|_| rng.next_f64() * 2.0 - 1.0).collect();
-    kiln::dtype::decode(dtype, &kiln::dtype::encode(dtype, &v))
 }
 
 struct Case {
@@ -320,28 +317,6 @@ fn run_pass(
         },
     };
     (out.to_f64(enc).unwrap(), want, g, family)
-}
-
-/// The largest error over the tolerance (<= 1 passes) and where it is.
-fn worst(dtype: DType, got: &[f64], want: &reference::Reference) -> (f64, usize) {
-    assert_eq!(got.len(), want.values.len());
-    let mut worst = (0.0, 0);
-    for (i, (&g, (&r, &s))) in got
-        .iter()
-        .zip(want.values.iter().zip(&want.magnitude))
-        .enumerate()
-    {
-        let tol = kiln::selfcheck::conv_rounding(dtype) * r.abs() + 2e-5 * s + 1e-30;
-        let ratio = if g.is_finite() {
-            (g - r).abs() / tol
-        } else {
-            f64::INFINITY
-        };
-        if ratio > worst.0 {
-            worst = (ratio, i);
-        }
-    }
-    worst
 }
 
 /// The plan key a call on `dev` gets for operands of `g` whose channels and bases allow 16-byte

@@ -8,6 +8,8 @@
 
 mod common;
 
+use common::conv_cases::{random, worst};
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -86,11 +88,6 @@ fn executable(cxx: &str, spec: &kiln::jit::KernelSpec) -> PathBuf {
     // Renamed into place, so that tests compiling the same spec at once do not collide.
     std::fs::rename(&partial, &exe).unwrap();
     exe
-}
-
-fn random(rng: &mut TestRng, dtype: DType, n: usize) -> Vec<f64> {
-    let v: Vec<f64> = (0..n).map(|_| rng.next_f64() * 2.0 - 1.0).collect();
-    kiln::dtype::decode(dtype, &kiln::dtype::encode(dtype, &v))
 }
 
 fn push_bytes(buf: &mut Vec<u8>, bytes: &[u8]) {
@@ -248,20 +245,7 @@ fn check_pass(pass: Pass) {
             };
             checked += 1;
             assert_eq!(got.len(), want.values.len());
-            let worst = got
-                .iter()
-                .zip(want.values.iter().zip(&want.magnitude))
-                .enumerate()
-                .map(|(i, (&v, (&r, &s)))| {
-                    let tol = kiln::selfcheck::conv_rounding(dtype) * r.abs() + 2e-5 * s + 1e-30;
-                    let ratio = if v.is_finite() {
-                        (v - r).abs() / tol
-                    } else {
-                        f64::INFINITY
-                    };
-                    (ratio, i)
-                })
-                .fold((0.0, 0), |a, b| if b.0 > a.0 { b } else { a });
+            let worst = worst(dtype, &got, &want);
             if worst.0 > 1.0 {
                 failures.push(format!(
                     "{name} {dtype} {}: error {:.2}x tolerance at {}: got {} want {}",

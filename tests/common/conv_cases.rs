@@ -1,6 +1,8 @@
 //! Convolution cases shared by the GPU tests and the host emulation of the direct family.
 
-use kiln::ops::conv::ConvParams;
+use kiln::ops::conv::{reference, ConvParams};
+use kiln::selfcheck::TestRng;
+use kiln::DType;
 
 /// A convolution: input and weight shapes and the parameters.
 pub struct ConvCase {
@@ -135,4 +137,32 @@ pub fn direct() -> Vec<ConvCase> {
                 .padding_hi(&[0, 1, 1]),
         ),
     ]
+}
+
+/// `n` values in [-1, 1), exact in `dtype`.
+pub fn random(rng: &mut TestRng, dtype: DType, n: usize) -> Vec<f64> {
+    let v: Vec<f64> = (0..n).map(|_| rng.next_f64() * 2.0 - 1.0).collect();
+    kiln::dtype::decode(dtype, &kiln::dtype::encode(dtype, &v))
+}
+
+/// The largest error over the tolerance (<= 1 passes) and where it is.
+pub fn worst(dtype: DType, got: &[f64], want: &reference::Reference) -> (f64, usize) {
+    assert_eq!(got.len(), want.values.len());
+    let mut worst = (0.0, 0);
+    for (i, (&g, (&r, &s))) in got
+        .iter()
+        .zip(want.values.iter().zip(&want.magnitude))
+        .enumerate()
+    {
+        let tol = kiln::selfcheck::conv_rounding(dtype) * r.abs() + 2e-5 * s + 1e-30;
+        let ratio = if g.is_finite() {
+            (g - r).abs() / tol
+        } else {
+            f64::INFINITY
+        };
+        if ratio > worst.0 {
+            worst = (ratio, i);
+        }
+    }
+    worst
 }
