@@ -1,5 +1,6 @@
 //! A small program for profilers (ncu, compute-sanitizer): one convolution pass, run twice.
-//! Usage: conv_profile N,C,H,W,K,R,S,stride,pad f16|bf16|f32 forward|backward_data|backward_weight
+//! Usage: conv_profile N,C,H,W,K,R,S,stride,pad[,groups] f16|bf16|f32
+//! forward|backward_data|backward_weight
 //! (default: 32,128,28,28,128,3,3,1,1 f16 forward).
 use kiln::ops::conv::{self, ConvParams, Geometry, Pass};
 use kiln::runtime::{Array, CommandEncoder, Device};
@@ -21,8 +22,10 @@ fn main() -> kiln::Result<()> {
         .split(',')
         .map(|v| v.parse().map_err(|_| bad("shape", v)))
         .collect::<kiln::Result<_>>()?;
-    let [n, c, h, w, k, r, s, stride, pad] = shape[..] else {
-        return Err(bad("shape", "needs N,C,H,W,K,R,S,stride,pad"));
+    let (n, c, h, w, k, r, s, stride, pad, groups) = match shape[..] {
+        [n, c, h, w, k, r, s, stride, pad] => (n, c, h, w, k, r, s, stride, pad, 1),
+        [n, c, h, w, k, r, s, stride, pad, g] => (n, c, h, w, k, r, s, stride, pad, g),
+        _ => return Err(bad("shape", "needs N,C,H,W,K,R,S,stride,pad[,groups]")),
     };
     let dtype: DType = match args.next().as_deref().unwrap_or("f16") {
         "f16" => DType::F16,
@@ -36,8 +39,11 @@ fn main() -> kiln::Result<()> {
         "backward_weight" => Pass::BackwardWeight,
         other => return Err(bad("pass", other)),
     };
-    let p = ConvParams::default().strides(&[stride]).padding(&[pad]);
-    let g = Geometry::new(&[n, h, w, c], &[k, r, s, c], &p)?;
+    let p = ConvParams::default()
+        .strides(&[stride])
+        .padding(&[pad])
+        .groups(groups);
+    let g = Geometry::new(&[n, h, w, c], &[k, r, s, c / groups.max(1)], &p)?;
     let dev = Device::get(0)?;
     let mut enc = CommandEncoder::new(&dev)?;
     let mut rng = TestRng::new(1);
