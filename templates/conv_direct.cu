@@ -30,9 +30,8 @@ typedef {{dtype}} T;
 constexpr int PASS = {{PASS}};
 constexpr int CG = {{CG}}, MG = {{MG}};
 constexpr int NO = {{NO}}, OT = {{OT}}, KT = {{KT}};
-// Launch bounds (THREADS, 1): without the second bound ptxas held some variants to 128
-// registers and spilled; with it none spills (at most 255 registers, one block an SM at worst).
 constexpr int THREADS = {{block_dim}};
+constexpr int MIN_BLOCKS = {{MIN_BLOCKS}};  // blocks an SM must hold (the launch bound)
 
 // The gather's outputs per group and the source channels each output reads. Backward-weight
 // walks the forward's roles, its "outputs" being the cotangent channels.
@@ -73,6 +72,7 @@ struct kiln_direct {
 // The source position along dim d of output position P and tap t, or -1 where there is none.
 __device__ __forceinline__ int kiln_source(const kiln_direct& p, int d, int P, int t) {
   const int num = P * p.step[d] + t * p.tap_step[d] + p.offset[d];
+  if (p.divisor[d] == 1) return num >= 0 && num < p.src[d] ? num : -1;  // no division
   if (num < 0) return -1;
   const int q = num / p.divisor[d];
   return q * p.divisor[d] == num && q < p.src[d] ? q : -1;
@@ -131,32 +131,59 @@ __device__ __forceinline__ void kiln_tap_weights(const float4* ws, int sb,
 }
 
 #if {{PASS}} != 2  // a preprocessor test: PASS above is a C++ constant
+// Depthwise forward/backward-data along one source row: OT + KT - 1 window positions from
+// element `at` (position `first`, channel sc0) on, each loaded once and meeting output j at tap
+// i - j, with the KT taps' weights in `wv`. CHECKED: the window may leave the row (positions
+// outside read as zeros) or the kernel may end before KT taps (`kleft`); unchecked, neither,
+// and the loop carries no tests.
+template <bool CHECKED>
+__device__ __forceinline__ void kiln_depthwise_row(float (&acc)[OT][NO], const T* __restrict__ src,
+                                                   long long at, int stride, int first, int width,
+                                                   int kleft,
+                                                   const float (&wv)[KT][4 * ((NO * R + 3) / 4)]) {
+#pragma unroll
+  for (int i = 0; i < OT + KT - 1; ++i) {
+    if (CHECKED && i >= OT + kleft - 1) break;
+    float s[NS];
+    const int sw = first + i;
+    kiln_load_source(src, at + (long long)i * stride, !CHECKED || (sw >= 0 && sw < width), s);
+#pragma unroll
+    for (int j = 0; j < OT; ++j) {
+      // Taps past the kernel are skipped, not weighted by zero: 0 * inf is NaN.
+      const int kk = i - j;
+      if (kk >= 0 && kk < KT && (!CHECKED || kk < kleft)) kiln_fma(acc[j], s, wv[kk]);
+    }
+  }
+}
+
 // Forward and backward-data. Block: (slots, lanes); grid: (slot blocks, task blocks).
-extern "C" __global__ void __launch_bounds__(THREADS, 1) {{kernel}}(
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{kernel}}(
     const T* __restrict__ src, const T* __restrict__ weight, T* __restrict__ out, float* unused,
     kiln_direct p) {
   extern __shared__ float4 kiln_w4[];
   const int sb = blockDim.x, slot_l = threadIdx.x, lane = threadIdx.y, lanes = blockDim.y;
-  const int slot0 = blockIdx.x * sb;
-  const int slot = slot0 + slot_l;
+  const int slot = blockIdx.x * sb + slot_l;
+  const int oc0 = slot * NO;
   constexpr int CH = (NO * R + 3) / 4;  // float4s of weights per (tap, slot), zero-padded
-  // Stage the block's weights: [tap][chunk][slot] float4s, taps in walking order.
-  {
-    const int tid = lane * sb + slot_l, n = p.ksize * CH * sb;
-    float* w = reinterpret_cast<float*>(kiln_w4);
-    for (int i = tid; i < n * 4; i += sb * lanes) {
-      const int e = i & 3, q = i >> 2;
-      const int s = q % sb, chunk = (q / sb) % CH, t = q / (sb * CH);
-      const int f = chunk * 4 + e, o = f / R, r = f - o * R;
-      const int oc = (slot0 + s) * NO + o;
+  // Stage the thread's slot's weights as [tap][chunk][slot] float4s, taps in walking order,
+  // the block's lanes taking every lanes-th tap (each thread reads back only its own slot).
+  if (slot < p.slots) {
+    for (int t = lane; t < p.ksize; t += lanes) {
       const int tw = p.reverse ? p.ksize - 1 - t : t;
-      const bool real = slot0 + s < p.slots && f < NO * R;
-      w[i] = real ? kiln_to_float(weight[kiln_weight_at(oc, r, tw, p.ksize)]) : 0.0f;
+#pragma unroll
+      for (int c = 0; c < CH; ++c) {
+        float v[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int f = c * 4 + e, o = f / R, r = f - o * R;
+          v[e] = f < NO * R ? kiln_to_float(weight[kiln_weight_at(oc0 + o, r, tw, p.ksize)]) : 0.0f;
+        }
+        kiln_w4[((size_t)t * CH + c) * sb + slot_l] = make_float4(v[0], v[1], v[2], v[3]);
+      }
     }
   }
   __syncthreads();
   if (slot >= p.slots) return;
-  const int oc0 = slot * NO;
   const int sc0 = (oc0 / OPG) * R;
   for (int task = blockIdx.y * lanes + lane; task < p.tasks; task += gridDim.y * lanes) {
     int rest = task;
@@ -185,22 +212,37 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {{kernel}}(
           if (p.window) {
             // A window of OT + KT - 1 source positions serves KT taps.
             for (int kw0 = 0; kw0 < p.ks[2]; kw0 += KT) {
-              constexpr int WIN = OT + KT - 1;
-              float win[WIN][NS];
+              const int kleft = min(KT, p.ks[2] - kw0);
               const int first = ow0 + kw0 + p.offset[2];
+              if constexpr (CG == 1) {
+                float wv[KT][4 * CH];
 #pragma unroll
-              for (int i = 0; i < WIN; ++i) {
-                const int sw = first + i;
-                kiln_load_source(src, (row + sw) * p.src_c + sc0, sw >= 0 && sw < p.src[2],
-                                 win[i]);
-              }
+                for (int kk = 0; kk < KT; ++kk)
+                  if (kk < kleft) kiln_tap_weights(ws + (size_t)(kw0 + kk) * CH * sb, sb, wv[kk]);
+                const long long at = (row + first) * p.src_c + sc0;
+                if (kleft == KT && first >= 0 && first + OT + KT - 1 <= p.src[2])
+                  kiln_depthwise_row<false>(acc, src, at, p.src_c, first, p.src[2], kleft, wv);
+                else
+                  kiln_depthwise_row<true>(acc, src, at, p.src_c, first, p.src[2], kleft, wv);
+              } else {
+                // Grouped: the window in registers, one tap's (larger) weights at a time.
+                constexpr int WIN = OT + KT - 1;
+                float win[WIN][NS];
 #pragma unroll
-              for (int kk = 0; kk < KT; ++kk) {
-                if (kw0 + kk >= p.ks[2]) break;
-                float wv[4 * CH];
-                kiln_tap_weights(ws + (size_t)(kw0 + kk) * CH * sb, sb, wv);
+                for (int i = 0; i < WIN; ++i) {
+                  const int sw = first + i;
+                  const bool used = i < OT + kleft - 1;
+                  kiln_load_source(src, (row + sw) * p.src_c + sc0,
+                                   used && sw >= 0 && sw < p.src[2], win[i]);
+                }
 #pragma unroll
-                for (int j = 0; j < OT; ++j) kiln_fma(acc[j], win[j + kk], wv);
+                for (int kk = 0; kk < KT; ++kk) {
+                  if (kk >= kleft) break;
+                  float wv[4 * CH];
+                  kiln_tap_weights(ws + (size_t)(kw0 + kk) * CH * sb, sb, wv);
+#pragma unroll
+                  for (int j = 0; j < OT; ++j) kiln_fma(acc[j], win[j + kk], wv);
+                }
               }
             }
           } else {
@@ -242,7 +284,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {{kernel}}(
 // Backward-weight. Block: (slots, tap groups, lanes); grid: (slot blocks x tap-group blocks,
 // splits). `src` is the input, `dy` the cotangent; `out` the weight gradient, or with splits
 // the f32 partials, one weight's worth per split.
-extern "C" __global__ void __launch_bounds__(THREADS, 1) {{kernel}}(
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{kernel}}(
     const T* __restrict__ src, const T* __restrict__ dy, T* __restrict__ out,
     float* __restrict__ partial, kiln_direct p) {
   extern __shared__ float4 kiln_w4[];
@@ -299,8 +341,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {{kernel}}(
       constexpr int WIN = OT + KT - 1;
       if (p.window) {
         const int w0 = ow0 + kw0 + p.offset[2];
+        const int kleft = min(KT, p.ks[2] - kw0);
 #pragma unroll
         for (int i = 0; i < WIN; ++i) {
+          if (i >= OT + kleft - 1) break;  // past the kernel's last tap
           float s[NS];
           const int sw = w0 + i;
           kiln_load_source(src, (row + sw) * p.src_c + sc0, sw >= 0 && sw < p.src[2], s);
@@ -308,7 +352,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {{kernel}}(
 #pragma unroll
           for (int j = 0; j < OT; ++j) {
             const int kk = i - j;
-            if (kk < 0 || kk >= KT) continue;
+            if (kk < 0 || kk >= KT || kk >= kleft) continue;
 #pragma unroll
             for (int o = 0; o < NO; ++o)
 #pragma unroll

@@ -20,7 +20,7 @@ pub static DIRECT: TemplateDef = TemplateDef {
     name: "conv_direct",
     source: include_str!("../../../templates/conv_direct.cu"),
     kernel: "kiln_conv_direct",
-    const_names: &["PASS", "CG", "MG", "NO", "OT", "KT"],
+    const_names: &["PASS", "CG", "MG", "NO", "OT", "KT", "MIN_BLOCKS"],
     arch_specific: false,
     only_arch: None,
 };
@@ -35,7 +35,8 @@ pub const GROUP_SHAPES: [(usize, usize); 7] =
 /// The most threads a block may have along z (along x and y: 1024).
 const MAX_BLOCK_Z: usize = 64;
 
-/// Shared memory the family asks for at most: its blocks should share an SM.
+/// Shared memory the family asks for at most: its blocks should share an SM (three of them, the
+/// depthwise kernels' launch bound).
 const SHARED_BUDGET: usize = 64 * 1024;
 
 /// How a thread's work is shaped: `no` output channels (backward-weight: cotangent channels) at
@@ -57,24 +58,34 @@ fn roles(pass: Pass, cg: usize, mg: usize) -> (usize, usize) {
 }
 
 /// The thread shape for these channels: with `full`, the most output channels a thread that
-/// registers allow (up to one 16-byte vector), else one. Registers bound the choice: the window
-/// of sources (positions x source channels) stays within 80 floats and one tap's weights (or
-/// backward-weight's accumulators) within 64.
-fn shape_with(dtype: DType, pass: Pass, cg: usize, mg: usize, full: bool) -> Shape {
+/// registers allow (up to one 16-byte vector), else one.
+///
+/// Depthwise shapes (one input channel a group) walk a window of KT taps along w, KT the
+/// kernel's width rounded up to 3, 5 or 7 (`kw`), with the KT taps' weights (backward-weight:
+/// their accumulators) in registers, and must fit 80 registers so that three blocks share an SM
+/// (the template's `MIN_BLOCKS`): KT x NO x R weights, OT x NO accumulators (backward-weight:
+/// cotangents) and one source vector within 60 floats. Grouped shapes hold the window of sources
+/// (within 80 floats) and one tap's weights (within 64).
+fn shape_with(dtype: DType, pass: Pass, cg: usize, mg: usize, kw: usize, full: bool) -> Shape {
     let (opg, r) = roles(pass, cg, mg);
     let (ot, kt) = match (pass, cg) {
-        (Pass::BackwardWeight, 1) => (4, 7),
-        (Pass::BackwardWeight, _) => (4, 1),
+        (_, 1) if kw <= 3 => (8, 3),
+        (_, 1) if kw <= 5 => (8, 5),
         (_, 1) => (4, 7),
+        (Pass::BackwardWeight, _) => (4, 1),
         (_, c) if c >= 16 => (2, 3),
         _ => (4, 3),
     };
     let sources = |no: usize| if no >= opg { no / opg * r } else { r };
     let fits = |no: usize| {
         let whole = no % opg == 0 || opg % no == 0;
-        let held = match pass {
-            Pass::BackwardWeight => kt * no * r <= 64,
-            _ => (ot + kt - 1) * sources(no) <= 80 && no * r <= 64,
+        let held = if cg == 1 {
+            kt * no * r + ot * no + sources(no) <= 60
+        } else {
+            match pass {
+                Pass::BackwardWeight => kt * no * r <= 64,
+                _ => (ot + kt - 1) * sources(no) <= 80 && no * r <= 64,
+            }
         };
         whole && held
     };
@@ -97,13 +108,26 @@ fn out_channels(pass: Pass, g: &Geometry) -> usize {
 /// divide the output's channels and one channel a thread is used.
 pub fn shape(dtype: DType, pass: Pass, g: &Geometry) -> Shape {
     let (cg, mg) = (g.cin / g.groups, g.cout / g.groups);
-    let full = shape_with(dtype, pass, cg, mg, true);
+    let kw = g.kernel[2];
+    let full = shape_with(dtype, pass, cg, mg, kw, true);
     let (opg, _) = roles(pass, cg, mg);
     let fits = out_channels(pass, g) % full.no == 0 && (full.no % opg == 0 || opg % full.no == 0);
     if fits {
         full
     } else {
-        shape_with(dtype, pass, cg, mg, false)
+        shape_with(dtype, pass, cg, mg, kw, false)
+    }
+}
+
+/// Blocks an SM must hold (the kernel's launch bound): three for the depthwise shapes, whose
+/// registers [`shape_with`] bounds so that 24 warps hide a stencil's memory latency; one for the
+/// grouped shapes, which hold more sources and weights a thread and would spill under that
+/// bound.
+fn min_blocks(cg: usize) -> usize {
+    if cg == 1 {
+        3
+    } else {
+        1
     }
 }
 
@@ -120,6 +144,7 @@ pub fn spec(dtype: DType, pass: Pass, cg: usize, mg: usize, s: Shape) -> KernelS
             s.no as i32,
             s.ot as i32,
             s.kt as i32,
+            min_blocks(cg) as i32,
         ],
     )
 }
@@ -130,10 +155,14 @@ pub fn specs() -> Vec<KernelSpec> {
     for dtype in DType::ALL {
         for pass in Pass::ALL {
             for (cg, mg) in GROUP_SHAPES {
-                for full in [true, false] {
-                    let s = spec(dtype, pass, cg, mg, shape_with(dtype, pass, cg, mg, full));
-                    if !out.contains(&s) {
-                        out.push(s);
+                // Depthwise shapes differ by kernel width (3, 5, 7 and wider); grouped do not.
+                for kw in [3, 5, 7] {
+                    for full in [true, false] {
+                        let shape = shape_with(dtype, pass, cg, mg, kw, full);
+                        let s = spec(dtype, pass, cg, mg, shape);
+                        if !out.contains(&s) {
+                            out.push(s);
+                        }
                     }
                 }
             }
@@ -320,10 +349,13 @@ pub fn launch_for(key: &PlanKey, sms: usize, limit: usize) -> Option<Launch> {
     let slot_blocks = slots.div_ceil(sb);
     let sb = slots.div_ceil(slot_blocks);
     let lanes = threads / sb;
-    // The longest row walk that still gives four blocks a multiprocessor.
-    let mut rows = 8.min(out[1]);
     let tasks_for = |rows: usize| g.batch * out[0] * out[1].div_ceil(rows) * strips;
-    while rows > 1 && slot_blocks * tasks_for(rows).div_ceil(lanes) < 4 * sms {
+    // The longest row walk that still gives enough blocks: depthwise blocks are small in work
+    // and three fit an SM, so they aim at twelve an SM (measured better than two waves of
+    // longer-lived blocks); grouped blocks at four.
+    let target = if cg == 1 { 12 * sms } else { 4 * sms };
+    let mut rows = 8.min(out[1]);
+    while rows > 1 && slot_blocks * tasks_for(rows).div_ceil(lanes) < target {
         rows /= 2;
     }
     let tasks = tasks_for(rows);
@@ -390,10 +422,14 @@ mod tests {
         for dtype in DType::ALL {
             for pass in Pass::ALL {
                 for (cg, mg) in GROUP_SHAPES {
-                    // Channel counts that allow the full vector, and odd ones that do not.
-                    for groups in [8, 3, 5] {
-                        let x = [1, 5, 5, cg * groups];
-                        let w = [mg * groups, 3, 3, cg];
+                    // Channel counts that allow the full vector, and odd ones that do not;
+                    // kernel widths of each depthwise class.
+                    for (groups, kw) in [8, 3, 5]
+                        .into_iter()
+                        .flat_map(|g| [1, 2, 3, 4, 5, 6, 7, 9].map(|kw| (g, kw)))
+                    {
+                        let x = [1, 5, 11, cg * groups];
+                        let w = [mg * groups, 3, kw, cg];
                         let k = key(dtype, pass, &x, &w, &p.clone().groups(groups));
                         let s = shape(dtype, pass, &k.geometry);
                         assert!(all.contains(&spec(dtype, pass, cg, mg, s)), "{k:?}");
