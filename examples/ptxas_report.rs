@@ -49,7 +49,7 @@ fn main() {
         };
         let info: Vec<&str> = log
             .lines()
-            .filter(|l| l.contains("Used") || l.contains("spill"))
+            .filter(|l| l.contains("Used") || l.contains("spill") || l.contains("error"))
             .map(|l| l.trim())
             .collect();
         println!("{spec}\n    {}", info.join("\n    "));
