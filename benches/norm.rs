@@ -111,14 +111,23 @@ fn copy_gbs(dev: &Arc<Device>, enc: &mut CommandEncoder) -> f64 {
 }
 
 /// `--sweep`: GB/s of every candidate spec (`tuning::candidates`: threads per row, vectors
-/// per thread, ring of stages, resident rows) for the 16-bit shapes that tune worst, to choose
-/// the policy in `choose_spec` from measurements. `--only TEXT` keeps the cases whose
-/// "ROWSxD Pass" contains TEXT.
+/// per thread, ring of stages, resident rows) for the 16-bit shapes that tune worst (with
+/// `--long`, the long rows one block holds), to choose the policy in `choose_spec` from
+/// measurements. `--only TEXT` keeps the cases whose "ROWSxD Pass" contains TEXT.
 fn sweep(enc: &mut CommandEncoder, only: &str) {
     use kiln::ops::norm::{tuning, Kind, Pass};
     let dtype = DType::BF16;
     let mut cases = Vec::new();
-    for &(rows, d) in &SHAPES {
+    // With `--long`: the long rows one block holds (rows of up to 16,384 elements).
+    let shapes: Vec<(usize, usize)> = if std::env::args().any(|a| a == "--long") {
+        long_shapes()
+            .into_iter()
+            .filter(|&(rows, d)| rows > 16 && d <= 16384)
+            .collect()
+    } else {
+        SHAPES.to_vec()
+    };
+    for &(rows, d) in &shapes {
         for pass in [Pass::Forward, Pass::Vjp] {
             if format!("{rows}x{d} {pass:?}").contains(only) {
                 cases.push((

@@ -1,5 +1,6 @@
-// LayerNorm (RMS = 0) or RMSNorm (RMS = 1) forward for rows too long for one block's registers
-// (sm_90). A thread-block cluster of CLUSTER blocks takes a row, each block a contiguous chunk
+// LayerNorm (RMS = 0) or RMSNorm (RMS = 1) forward for f32 rows too long for one block's
+// registers (sm_90; 16-bit rows take norm_fwd_staged.cu, whose ring of shared-memory stages
+// keeps more of their bytes in flight than registers can). A thread-block cluster of CLUSTER blocks takes a row, each block a contiguous chunk
 // of BLOCK_DIM * ITEMS vectors of x held in registers, so x is read once and y written once.
 // The clusters loop over rows (a grid no larger than the GPU holds), loading the next row while
 // the current one is reduced; each block keeps its columns of the weight and bias in shared

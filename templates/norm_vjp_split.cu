@@ -1,15 +1,17 @@
 // LayerNorm (RMS = 0) or RMSNorm (RMS = 1) VJP for rows too long for one block (sm_90), with the
 // formulas of norm_vjp.cu. A thread-block cluster of CLUSTER blocks takes a row, each block a
-// contiguous chunk of BLOCK_DIM * ITEMS vectors of x and the cotangent held in registers, so
-// each is read once. The clusters loop over rows (a grid no larger than the GPU holds), loading
-// the next row while the current one is reduced, and each block keeps the partial sums of
-// dweight and dbias of its own columns in registers over all its rows: one partial row per
+// contiguous chunk of it (kiln_split_chunk elements) of x and the cotangent, so each is read
+// once. The clusters loop over rows (a grid no larger than the GPU holds); each block's chunks
+// arrive through a ring of shared-memory stages filled by bulk copies (bulk.cuh), so the next
+// rows are in flight while one is reduced whatever the registers, and each block keeps the
+// partial sums of dweight and dbias of its own columns over all its rows: one partial row per
 // cluster at the end, which kiln_reduce_cols sums. Row sums are exact two-pass statistics over
 // the whole row, combined through distributed shared memory (kiln_cluster_sum2: no cluster
 // barrier per row).
 {{> prelude}}
-{{> norm}}
+{{> tma}}
 {{> cluster}}
+{{> bulk}}
 
 typedef {{dtype}} T;
 constexpr int BLOCK_DIM = {{block_dim}};
@@ -23,6 +25,13 @@ constexpr int CLUSTER = {{CLUSTER}};
 // exchanges' latency).
 constexpr bool SMEM_SUMS = {{SMEM_SUMS}};
 static_assert(CLUSTER >= 2 && CLUSTER <= 16, "a cluster of at least two blocks");
+// Elements of a row one block holds: ITEMS vectors of N_READS per thread.
+constexpr int CAPACITY = BLOCK_DIM * ITEMS * N_READS;
+constexpr int CHUNK_BYTES = kiln_chunk_bytes<T, CAPACITY>();
+// A stage holds a chunk of x and one of the cotangent. Three stages (two rows in flight while
+// one is reduced) for chunks of up to 16 KiB, else two (f32 rows of 16 elements a thread, whose
+// three stages would not fit beside the weights); the host's vjp_split_stages says the same.
+constexpr int STAGES = CAPACITY * (int)sizeof(T) <= 16 * 1024 ? 3 : 2;
 
 extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(BLOCK_DIM, SMEM_SUMS ? 2 : 1)
     {{kernel}}(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ g,
@@ -30,27 +39,36 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(BLO
                long long rows, int d, long long x_row_stride, long long g_row_stride,
                long long w_stride, int w_vec, float eps, int /* smem_partials: unused */) {
   __shared__ kiln_cluster_sums<CLUSTER, BLOCK_DIM> sums;
+  __shared__ unsigned long long full[STAGES];
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) kiln_mbarrier_init(&full[s], 1);
+  }
+  // Its cluster barrier also makes the stages' mbarriers visible before the first copy.
   kiln_cluster_sums_init(sums);
   int exchange = 0;
   const long long cluster = blockIdx.x / CLUSTER, clusters = gridDim.x / CLUSTER;
-  const int base = (int)kiln_cluster_rank() * BLOCK_DIM * ITEMS * N_READS;
-  const int left = d - base;  // this chunk's elements run to here (none when <= 0)
+  const int chunk = kiln_split_chunk(d, CLUSTER);
+  const int base = (int)kiln_cluster_rank() * chunk;
+  const int len = min(chunk, d - base);  // this block's elements of a row (none when <= 0)
   const float inv_d = 1.0f / d;
   // Vector k of this thread lies at chunk element (k * BLOCK_DIM + threadIdx.x) * N_READS.
-  auto inside = [&](int k) { return (k * BLOCK_DIM + (int)threadIdx.x) * N_READS < left; };
+  auto at = [&](int k) { return (k * BLOCK_DIM + (int)threadIdx.x) * N_READS; };
+  auto inside = [&](int k) { return at(k) < len; };
 
-  // The weights of this thread's columns, in shared memory (registers hold two rows of x and g
-  // and the partial sums), then with SMEM_SUMS the partial sums; each thread writes and reads
+  // The weights of this thread's columns, in shared memory (registers hold a row's x and g and
+  // the partial sums), then with SMEM_SUMS the partial sums; each thread writes and reads
   // only its own.
+  // Dynamic shared memory: the stages (x then the cotangent), then the weights and partial sums.
   typedef kiln_vec<float, N_READS> F;
-  extern __shared__ F w_own[];
+  extern __shared__ __align__(128) unsigned char smem[];
+  F* w_own = reinterpret_cast<F*>(smem + STAGES * 2 * CHUNK_BYTES);
   F* dw_own = w_own + ITEMS * BLOCK_DIM;
   F* db_own = dw_own + ITEMS * BLOCK_DIM;
 #pragma unroll
   for (int k = 0; k < ITEMS; ++k) {
     float wk[N_READS];
-    kiln_load_param<N_READS>(w, w_stride, w_vec,
-                             base + (k * BLOCK_DIM + (int)threadIdx.x) * N_READS, d, 1.0f, wk);
+    kiln_load_param<N_READS>(w, w_stride, w_vec, base + at(k), base + len, 1.0f, wk);
     F f;
 #pragma unroll
     for (int j = 0; j < N_READS; ++j) f.v[j] = wk[j];
@@ -109,21 +127,54 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(BLO
     }
   };
 
-  // This chunk of row r of x and g (zeros past d, or for rows past the end).
-  auto load = [&](long long r, float(&xv)[ITEMS][N_READS], float(&gv)[ITEMS][N_READS]) {
-    const bool active = r < rows;
-    const long long rr = active ? r : 0;
-    kiln_load_row<ITEMS, N_READS, BLOCK_DIM>(x + rr * x_row_stride + base, active, threadIdx.x,
-                                            left, xv);
-    kiln_load_row<ITEMS, N_READS, BLOCK_DIM>(g + rr * g_row_stride + base, active, threadIdx.x,
-                                            left, gv);
+  // Thread 0: row r's chunks of x and g into `stage`.
+  auto fetch = [&](long long r, int stage) {
+    unsigned char* into = smem + stage * 2 * CHUNK_BYTES;
+    const kiln_span sx = kiln_granules(x + r * x_row_stride + base, len);
+    const kiln_span sg = kiln_granules(g + r * g_row_stride + base, len);
+    kiln_bulk_arrive(&full[stage], sx.bytes + sg.bytes);
+    kiln_bulk_copy(into, sx, &full[stage]);
+    kiln_bulk_copy(into + CHUNK_BYTES, sg, &full[stage]);
   };
-  float xv[ITEMS][N_READS], gv[ITEMS][N_READS];
-  load(cluster, xv, gv);
-  for (long long row = cluster; row < rows; row += clusters) {
-    // The next row's loads go out before this row's barriers.
-    float nx[ITEMS][N_READS], ng[ITEMS][N_READS];
-    load(row + clusters, nx, ng);
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s)
+      if (cluster + s * clusters < rows) fetch(cluster + s * clusters, s);
+  }
+  // This thread's vectors of a staged chunk as floats (zeros past the chunk: a vector lies
+  // wholly inside it or wholly past it, len being a multiple of N_READS when N_READS > 1).
+  typedef kiln_vec<T, N_READS> V;
+  auto unstage = [&](const unsigned char* at_stage, int offset, float(&v)[ITEMS][N_READS]) {
+    const V* staged = reinterpret_cast<const V*>(reinterpret_cast<const T*>(at_stage) + offset);
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      if (inside(k)) {
+        const V r = staged[k * BLOCK_DIM + threadIdx.x];
+#pragma unroll
+        for (int j = 0; j < N_READS; ++j) v[k][j] = kiln_to_float(r.v[j]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < N_READS; ++j) v[k][j] = 0.0f;
+      }
+    }
+  };
+
+  int turn = 0;
+  for (long long row = cluster; row < rows; row += clusters, ++turn) {
+    const int stage = turn % STAGES;
+    kiln_mbarrier_wait(&full[stage], (turn / STAGES) & 1);
+    // Vectorised rows are 16-byte aligned (the op checks), so their chunks start on a granule.
+    const int x_offset = N_READS > 1 ? 0 : kiln_granule_offset(x + row * x_row_stride + base);
+    const int g_offset = N_READS > 1 ? 0 : kiln_granule_offset(g + row * g_row_stride + base);
+    float xv[ITEMS][N_READS], gv[ITEMS][N_READS];
+    unstage(smem + stage * 2 * CHUNK_BYTES, x_offset, xv);
+    unstage(smem + stage * 2 * CHUNK_BYTES + CHUNK_BYTES, g_offset, gv);
+    // Every thread has its values: the stage takes the row STAGES turns ahead.
+    __syncthreads();
+    if (threadIdx.x == 0 && row + STAGES * clusters < rows) {
+      kiln_bulk_fence();
+      fetch(row + STAGES * clusters, stage);
+    }
 
     float mean = 0.0f, c2 = 0.0f;
     if constexpr (!RMS) {
@@ -159,11 +210,10 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(BLO
     const float rstd = rsqrtf(q * inv_d + eps);
     const float c1 = rstd * t * inv_d;  // mean(wg * xhat)
 
-    T* dxr = dx + row * (long long)d;
+    T* dxr = dx + row * (long long)d + base;
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
       if (!inside(k)) break;
-      const int i = base + (k * BLOCK_DIM + (int)threadIdx.x) * N_READS;
       float wk[N_READS], o[N_READS], pw[N_READS], pb[N_READS];
       weights(k, wk);
       partials(k, pw, pb);
@@ -176,28 +226,20 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(BLO
         o[j] = rstd * (wk[j] * gv[k][j] - c2 - xh * c1);
       }
       keep(k, pw, pb);
-      kiln_store_floats<N_READS>(dxr, i, d, o);
+      kiln_store_floats<N_READS>(dxr, at(k), len, o);
     }
-#pragma unroll
-    for (int k = 0; k < ITEMS; ++k)
-#pragma unroll
-      for (int j = 0; j < N_READS; ++j) {
-        xv[k][j] = nx[k][j];
-        gv[k][j] = ng[k][j];
-      }
   }
 
   // This cluster's partial sums of its columns: one row of partial_w / partial_b.
-  float* pw = partial_w + cluster * d;
-  float* pb = partial_b + cluster * d;
+  float* pw = partial_w + cluster * d + base;
+  float* pb = partial_b + cluster * d + base;
 #pragma unroll
   for (int k = 0; k < ITEMS; ++k) {
     if (!inside(k)) break;
-    const int i = base + (k * BLOCK_DIM + (int)threadIdx.x) * N_READS;
     float sw[N_READS], sb[N_READS];
     partials(k, sw, sb);
-    if (partial_w) kiln_store_floats<N_READS>(pw, i, d, sw);
-    if (partial_b) kiln_store_floats<N_READS>(pb, i, d, sb);
+    if (partial_w) kiln_store_floats<N_READS>(pw, at(k), len, sw);
+    if (partial_b) kiln_store_floats<N_READS>(pb, at(k), len, sb);
   }
   // No block may leave while another's pushes into it may still be in flight.
   kiln_cluster_sync();

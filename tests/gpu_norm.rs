@@ -382,9 +382,14 @@ fn long_rows_match_the_reference() {
             for d in [
                 3000, 5120, 12288, 16385, 18432, 30000, 32767, 65535, 65536, 131071, 131072,
             ] {
-                for (rows, outlier) in [(1, None), (16, Some(1000.0)), (67, None)] {
+                // 700 rows: every cluster takes many turns, so the split kernels' rings of
+                // stages wrap around several times.
+                for (rows, outlier) in [(1, None), (16, Some(1000.0)), (67, None), (700, None)] {
                     if graphs && rows == 67 && d > 65536 {
                         continue; // the f64 reference of the largest cases once is enough
+                    }
+                    if rows == 700 && (graphs || ![16385, 30000, 65536].contains(&d)) {
+                        continue;
                     }
                     for kind in [Kind::LayerNorm, Kind::RmsNorm] {
                         seed += 1;

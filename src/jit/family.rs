@@ -19,7 +19,7 @@ use crate::error::{Error, Result};
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct FamilyExtras {
     /// Partials only this family's template sees, as (name, text), used as `{{> name}}` beside
-    /// kiln's (`prelude`, `norm`, `tma`, `cluster`), whose names they may not take.
+    /// kiln's (`prelude`, `norm`, `tma`, `cluster`, `bulk`), whose names they may not take.
     pub partials: &'static [(&'static str, &'static str)],
     /// `__global__` functions the module exposes besides `TemplateDef::kernel` (NVRTC name
     /// expressions; `extern "C"` names or C++ expressions such as `my_kernel<float>`).

@@ -20,6 +20,7 @@ pub const PARTIALS: &[(&str, &str)] = &[
     ("norm", include_str!("../../templates/norm.cuh")),
     ("tma", include_str!("../../templates/tma.cuh")),
     ("cluster", include_str!("../../templates/cluster.cuh")),
+    ("bulk", include_str!("../../templates/bulk.cuh")),
 ];
 
 /// CUDA source for one spec, ready for NVRTC.

@@ -169,15 +169,23 @@ pub(super) fn stages(dtype: DType, n_reads: usize, items: usize) -> usize {
 /// one row's weights and bias (RMSNorm: weights only), shared by the block's groups.
 pub(super) fn ring_bytes(spec: &KernelSpec) -> usize {
     if is_vjp_split(spec) {
-        // Each thread's weights as floats, and with SMEM_SUMS its partial sums of dw and db.
-        let floats = constant(spec, "ITEMS") * spec.block_dim as usize * spec.n_reads as usize;
-        return floats
-            * 4
-            * if constant(spec, "SMEM_SUMS") != 0 {
-                3
-            } else {
-                1
-            };
+        // The ring (chunks of x and the cotangent), then each thread's weights as floats, and
+        // with SMEM_SUMS its partial sums of dw and db.
+        let capacity = constant(spec, "ITEMS") * spec.block_dim as usize * spec.n_reads as usize;
+        let arrays = if constant(spec, "SMEM_SUMS") != 0 {
+            3
+        } else {
+            1
+        };
+        return vjp_split_stages(spec.dtype, capacity) * 2 * chunk_bytes(spec.dtype, capacity)
+            + arrays * capacity * 4;
+    }
+    if *spec.template == FORWARD_STAGED {
+        // The ring of row chunks, then each thread's weight and bias (RMSNorm: weight) as T.
+        let capacity = constant(spec, "ITEMS") * spec.block_dim as usize * spec.n_reads as usize;
+        let params = if is_rms(spec) { 1 } else { 2 };
+        return SPLIT_STAGES * chunk_bytes(spec.dtype, capacity)
+            + params * capacity * spec.dtype.size();
     }
     if is_split(spec) {
         // Each thread's weight and bias as floats.
@@ -235,10 +243,39 @@ pub(super) fn fits(spec: &KernelSpec, shared_limit: usize) -> bool {
 
 /// Threads per block of the split-row forward.
 pub(super) const SPLIT_BLOCK: usize = 512;
-/// The split-row forward's layouts in order of preference: (most blocks per cluster, most
-/// elements per thread). Up to 8 elements (x and the next row's x in 16 registers), two blocks
-/// share each SM; longer rows take up to 16 elements and Hopper's non-portable 16 blocks.
-pub(super) const SPLIT_LAYOUTS: [(usize, usize); 2] = [(8, 8), (16, 16)];
+/// Stages of the 16-bit split forward's ring of row chunks (`STAGES` in norm_fwd_staged.cu).
+pub(super) const SPLIT_STAGES: usize = 3;
+
+/// Bytes a stage of a split kernel's ring gives one chunk of up to `capacity` elements: the
+/// chunk and a 16-byte granule on either side, in whole 128 bytes (`kiln_chunk_bytes`).
+pub(super) fn chunk_bytes(dtype: DType, capacity: usize) -> usize {
+    (capacity * dtype.size() + 32).div_ceil(128) * 128
+}
+
+/// Elements of a row of `d` that each block of a cluster of `blocks` takes (`kiln_split_chunk`):
+/// a multiple of 8, so that chunks of aligned rows start 16-byte aligned.
+pub(super) fn split_chunk(d: usize, blocks: usize) -> usize {
+    d.div_ceil(blocks).next_multiple_of(8)
+}
+/// The split-row forward's layouts in order of preference: (kernel, most blocks per cluster,
+/// most elements per thread). f32 rows (registers, norm_fwd_split.cu): up to 8 elements (x and
+/// the next row's x in 16 registers), two blocks share each SM; longer rows take up to 16
+/// elements. 16-bit rows (the staged ring, norm_fwd_staged.cu): 16 elements, 16 KiB chunks, each
+/// worth its exchanges (with 8 KiB chunks LayerNorm, two exchanges a row, ran at 45-61% of copy
+/// against 66-80% for RMSNorm's one), in clusters of up to 8 blocks: with Hopper's non-portable
+/// 16, compute-sanitizer's synccheck reported "missing init" on the exchange's mbarrier (not
+/// understood yet), so rows past 65,536 elements take the register kernel.
+pub(super) fn split_layouts(dtype: DType) -> &'static [SplitLayout] {
+    static SIXTEEN_BIT: [SplitLayout; 2] = [(&FORWARD_STAGED, 8, 16), (&FORWARD_SPLIT, 16, 16)];
+    static F32: [SplitLayout; 2] = [(&FORWARD_SPLIT, 8, 8), (&FORWARD_SPLIT, 16, 16)];
+    if dtype.size() == 2 {
+        &SIXTEEN_BIT
+    } else {
+        &F32
+    }
+}
+/// A split-row forward layout: (kernel, most blocks per cluster, most elements per thread).
+pub(super) type SplitLayout = (&'static TemplateDef, usize, usize);
 /// The most elements a split-row forward thread holds per row.
 pub(super) const SPLIT_ELEMENTS: usize = 16;
 
@@ -269,17 +306,19 @@ pub(super) fn split_spec(
     n_reads: usize,
     vectors: usize,
 ) -> Option<KernelSpec> {
-    SPLIT_LAYOUTS.iter().find_map(|&(most, elements)| {
-        let (cluster, items) = fit_cluster(SPLIT_BLOCK, most, elements, n_reads, vectors)?;
-        let consts = [(kind == Kind::RmsNorm) as i32, items as i32, cluster as i32];
-        Some(KernelSpec::new(
-            &FORWARD_SPLIT,
-            dtype,
-            SPLIT_BLOCK as u16,
-            n_reads as u8,
-            &consts,
-        ))
-    })
+    split_layouts(dtype)
+        .iter()
+        .find_map(|&(family, most, elements)| {
+            let (cluster, items) = fit_cluster(SPLIT_BLOCK, most, elements, n_reads, vectors)?;
+            let consts = [(kind == Kind::RmsNorm) as i32, items as i32, cluster as i32];
+            Some(KernelSpec::new(
+                family,
+                dtype,
+                SPLIT_BLOCK as u16,
+                n_reads as u8,
+                &consts,
+            ))
+        })
 }
 
 /// Threads per block of the split-row VJP.
@@ -288,21 +327,31 @@ pub(super) const VJP_SPLIT_BLOCK: usize = 512;
 /// (2 to the portable 8, then Hopper's non-portable 16). Blocks beyond the row's length would
 /// only wait on its exchanges, and every block spared lets another row be in flight.
 pub(super) const VJP_SPLIT_CLUSTERS: [usize; 8] = [2, 3, 4, 5, 6, 7, 8, 16];
-/// The most elements a split-row VJP thread holds per row: 16 each of x, the cotangent, the next
-/// row's x and cotangent, and the partial sums of dweight and dbias (96 registers of 128).
+/// The most elements a split-row VJP thread holds per row: 16 each of x, the cotangent, and the
+/// partial sums of dweight and dbias.
 pub(super) const VJP_SPLIT_ELEMENTS: usize = 16;
 
+/// Stages of the split VJP's ring for chunks of `capacity` elements (`STAGES` in
+/// norm_vjp_split.cu): three up to 16 KiB a chunk, else two (three would not fit beside the
+/// weights).
+pub(super) fn vjp_split_stages(dtype: DType, capacity: usize) -> usize {
+    if capacity * dtype.size() <= 16 * 1024 {
+        3
+    } else {
+        2
+    }
+}
+
 /// The split-row VJP's layouts in order of preference: (most blocks per cluster, most elements
-/// per thread, partial sums in shared memory). A row's time is bound by the latency of its two
-/// exchanges more than by its bytes, so 16-bit rows (half the bytes of f32 rows) keep their
-/// partial sums of dweight and dbias in shared memory, where 64 registers suffice and two blocks,
-/// two rows, share each SM (1118 x 30,000 f16 LayerNorm: 38% of copy against 29%). At 16
-/// elements such a thread spills, so longer rows hold their sums in registers, one block per SM
-/// (512 x 65,536 f16: 37% of copy, against 33% for 16 blocks of 8 elements with shared sums,
-/// which compute-sanitizer's synccheck also flagged, "missing init" of a pushed-to mbarrier).
+/// per thread, partial sums in shared memory). Rows arrive through the ring of shared-memory
+/// stages, so registers hold only the current row, and a row's time is bound by the latency of
+/// its two exchanges more than by its bytes: 16-bit rows take 16 elements a thread (16 KiB
+/// chunks; 8 KiB ones ran at 44-45% of copy for LayerNorm at 16,385-30,000 elements against
+/// 50-68%), f32 rows 8 or 16. None keeps its partial sums in shared memory now (SMEM_SUMS, which
+/// let two register-prefetching blocks share an SM, is still built and accepted).
 pub(super) fn vjp_split_layouts(dtype: DType) -> &'static [(usize, usize, bool)] {
     if dtype.size() == 2 {
-        &[(8, 8, true), (8, 16, false), (16, 16, false)]
+        &[(16, 16, false)]
     } else {
         &[(8, 16, false), (16, 16, false)]
     }
@@ -340,7 +389,7 @@ pub(super) fn vjp_split_spec(
 
 /// Whether `spec` is a split-row spec (a cluster per row), forward or VJP.
 pub(super) fn is_split(spec: &KernelSpec) -> bool {
-    *spec.template == FORWARD_SPLIT || is_vjp_split(spec)
+    *spec.template == FORWARD_SPLIT || *spec.template == FORWARD_STAGED || is_vjp_split(spec)
 }
 
 /// Whether `spec` is a split-row VJP spec.
@@ -515,7 +564,7 @@ pub(super) fn check_chosen(
             && items * n_reads <= VJP_SPLIT_ELEMENTS
             && VJP_SPLIT_CLUSTERS.contains(&cluster)
             && spec.block_dim as usize == VJP_SPLIT_BLOCK
-            && VJP_SPLIT_BLOCK * cluster * items * n_reads >= d
+            && split_chunk(d, cluster) <= VJP_SPLIT_BLOCK * items * n_reads
             && constant(&spec, "RMS") == (kind == Kind::RmsNorm) as usize
             && match constant(&spec, "SMEM_SUMS") {
                 0 => true,
@@ -540,7 +589,7 @@ pub(super) fn check_chosen(
             && items * n_reads <= SPLIT_ELEMENTS
             && VJP_SPLIT_CLUSTERS.contains(&cluster)
             && spec.block_dim as usize == SPLIT_BLOCK
-            && SPLIT_BLOCK * cluster * items * n_reads >= d
+            && split_chunk(d, cluster) <= SPLIT_BLOCK * items * n_reads
             && constant(&spec, "RMS") == (kind == Kind::RmsNorm) as usize;
         if !ok {
             return Err(bad(

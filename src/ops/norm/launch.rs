@@ -139,14 +139,22 @@ pub(super) fn forward(
     let spec = match chosen {
         Some(spec) => check_chosen(spec, Pass::Forward, kind, x.dtype(), d, vectorized)?,
         None => {
-            let mut gpu = Gpu::of(enc.device());
-            // Where clusters pay, from `--long` on an H100: with fewer rows than SMs, where the
-            // one-block-per-row streamed path leaves SMs idle; for f32 at any row count (82-92%
-            // of copy from 16,385 to 131,072 elements). Many 16-bit rows stream faster
-            // (512 x 65,536 LayerNorm: 55% against 35% split).
+            let gpu = Gpu::of(enc.device());
+            let spec = choose_spec(Pass::Forward, kind, x.dtype(), d, vectorized, gpu);
+            // 16-bit rows past what the staged clusters take (65,536 elements) fall to the
+            // register split, whose few bytes in flight lose to the one-block-per-row streamed
+            // path once there are rows for every SM (H100, 256 x 131,072 LayerNorm: 31% of copy
+            // against 47%).
             let sms = enc.device().info().multiprocessors as usize;
-            gpu.clusters &= x.dtype() == DType::F32 || rows < sms;
-            choose_spec(Pass::Forward, kind, x.dtype(), d, vectorized, gpu)
+            if *spec.template == FORWARD_SPLIT && x.dtype().size() == 2 && rows >= sms {
+                let streamed = Gpu {
+                    clusters: false,
+                    ..gpu
+                };
+                choose_spec(Pass::Forward, kind, x.dtype(), d, vectorized, streamed)
+            } else {
+                spec
+            }
         }
     };
     let kernel = match enc.device().loaded(&spec) {

@@ -34,12 +34,24 @@ pub static VJP: TemplateDef = TemplateDef {
     only_arch: None,
 };
 
-/// Forward rows too long for one block's registers, on GPUs with thread-block clusters: a
-/// cluster per row (see `split_spec`).
+/// f32 forward rows too long for one block's registers, on GPUs with thread-block clusters: a
+/// cluster per row, each block's chunk of the next row loaded into registers (see `split_spec`).
 pub static FORWARD_SPLIT: TemplateDef = TemplateDef {
     name: "norm_fwd_split",
     source: include_str!("../../../templates/norm_fwd_split.cu"),
     kernel: "kiln_norm_fwd_split",
+    const_names: &["RMS", "ITEMS", "CLUSTER"],
+    arch_specific: false,
+    only_arch: Some(SPLIT_ARCH),
+};
+
+/// 16-bit forward rows too long for one block, on GPUs with thread-block clusters: a cluster per
+/// row, each block's chunks of the next rows in flight in a ring of shared-memory stages filled
+/// by bulk copies (see `split_spec`).
+pub static FORWARD_STAGED: TemplateDef = TemplateDef {
+    name: "norm_fwd_staged",
+    source: include_str!("../../../templates/norm_fwd_staged.cu"),
+    kernel: "kiln_norm_fwd_staged",
     const_names: &["RMS", "ITEMS", "CLUSTER"],
     arch_specific: false,
     only_arch: Some(SPLIT_ARCH),

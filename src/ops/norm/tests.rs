@@ -30,6 +30,7 @@ fn constants_are_declared() {
         (&FORWARD, &["RMS", "GROUP", "ITEMS", "STAGES"][..]),
         (&VJP, &["RMS", "GROUP", "ITEMS", "STAGES", "RESIDENT"][..]),
         (&FORWARD_SPLIT, &["RMS", "ITEMS", "CLUSTER"][..]),
+        (&FORWARD_STAGED, &["RMS", "ITEMS", "CLUSTER"][..]),
         (&VJP_SPLIT, &["RMS", "ITEMS", "CLUSTER", "SMEM_SUMS"][..]),
     ] {
         for name in names {
@@ -97,7 +98,7 @@ fn every_chosen_spec_is_registered_for(gpu: Gpu) {
                         );
                         assert!(fits(&s, limit), "{s}: {} bytes", ring_bytes(&s));
                         assert_eq!(
-                            *s.template == FORWARD_SPLIT,
+                            is_split(&s) && pass == Pass::Forward,
                             gpu.clusters && pass == Pass::Forward && {
                                 let n_reads = s.n_reads as usize;
                                 d.div_ceil(n_reads) > 1024 * max_items(pass, n_reads)
@@ -121,6 +122,14 @@ fn every_chosen_spec_is_registered_for(gpu: Gpu) {
                         }
                         if is_split(&s) {
                             let (items, cluster) = (constant(&s, "ITEMS"), constant(&s, "CLUSTER"));
+                            let capacity = s.block_dim as usize * items * s.n_reads as usize;
+                            assert!(split_chunk(d, cluster) <= capacity, "{s}: d={d}");
+                            if pass == Pass::Forward {
+                                // 16-bit rows through the staged ring (clusters of up to 8),
+                                // f32 and longer rows in registers.
+                                let staged = dtype.size() == 2 && cluster <= 8;
+                                assert_eq!(*s.template == FORWARD_STAGED, staged, "{s}");
+                            }
                             let covered = s.block_dim as usize * items * cluster;
                             assert!(
                                 covered * s.n_reads as usize >= d,

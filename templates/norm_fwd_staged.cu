@@ -1,0 +1,154 @@
+// LayerNorm (RMS = 0) or RMSNorm (RMS = 1) forward for 16-bit rows too long for one block
+// (sm_90; f32 rows take norm_fwd_split.cu, whose registers hold enough of their bytes in flight
+// at less cost). A thread-block cluster of CLUSTER blocks takes a row, each block a contiguous
+// chunk of it (kiln_split_chunk elements), so x is read once and y written once. The clusters
+// loop over rows (a grid no larger than the GPU holds). Each block's chunks arrive through a
+// ring of STAGES shared-memory stages filled by bulk copies (bulk.cuh), so STAGES - 1 rows are
+// in flight while one is reduced whatever the registers; the block keeps its columns of the
+// weight and bias in shared memory for all its rows. The statistics are exact two-pass sums over
+// the whole row, combined through distributed shared memory without cluster barriers
+// (kiln_cluster_sum2).
+{{> prelude}}
+{{> tma}}
+{{> cluster}}
+{{> bulk}}
+
+typedef {{dtype}} T;
+constexpr int BLOCK_DIM = {{block_dim}};
+constexpr int N_READS = {{n_reads}};
+constexpr bool RMS = {{RMS}};
+constexpr int ITEMS = {{ITEMS}};
+constexpr int CLUSTER = {{CLUSTER}};
+static_assert(CLUSTER >= 2 && CLUSTER <= 16, "a cluster of at least two blocks");
+// Elements of a row one block holds: ITEMS vectors of N_READS per thread.
+constexpr int CAPACITY = BLOCK_DIM * ITEMS * N_READS;
+// Three stages: two rows' copies in flight while the third is reduced (the host's ring_bytes
+// counts the same).
+constexpr int STAGES = 3;
+constexpr int CHUNK_BYTES = kiln_chunk_bytes<T, CAPACITY>();
+
+extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(BLOCK_DIM, 2)
+    {{kernel}}(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b,
+               T* __restrict__ y, long long rows, int d, long long x_row_stride,
+               long long w_stride, long long b_stride, int w_vec, int b_vec, float eps) {
+  __shared__ kiln_cluster_sums<CLUSTER, BLOCK_DIM> sums;
+  __shared__ unsigned long long full[STAGES];
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) kiln_mbarrier_init(&full[s], 1);
+  }
+  // Its cluster barrier also makes the stages' mbarriers visible before the first copy.
+  kiln_cluster_sums_init(sums);
+  int exchange = 0;
+  const long long cluster = blockIdx.x / CLUSTER, clusters = gridDim.x / CLUSTER;
+  const int chunk = kiln_split_chunk(d, CLUSTER);
+  const int base = (int)kiln_cluster_rank() * chunk;
+  const int len = min(chunk, d - base);  // this block's elements of a row (none when <= 0)
+  const float inv_d = 1.0f / d;
+  // Vector k of this thread lies at chunk element (k * BLOCK_DIM + threadIdx.x) * N_READS.
+  auto at = [&](int k) { return (k * BLOCK_DIM + (int)threadIdx.x) * N_READS; };
+
+  // Dynamic shared memory: the stages, then this block's columns of the weight and bias (as T,
+  // each thread writing and reading only its own vectors).
+  typedef kiln_vec<T, N_READS> V;
+  extern __shared__ __align__(128) unsigned char smem[];
+  V* w_own = reinterpret_cast<V*>(smem + STAGES * CHUNK_BYTES);
+  V* b_own = w_own + ITEMS * BLOCK_DIM;
+#pragma unroll
+  for (int k = 0; k < ITEMS; ++k) {
+    float wk[N_READS], bk[N_READS];
+    kiln_load_param<N_READS>(w, w_stride, w_vec, base + at(k), base + len, 1.0f, wk);
+    V vw, vb;
+#pragma unroll
+    for (int j = 0; j < N_READS; ++j) vw.v[j] = kiln_from_float<T>(wk[j]);
+    w_own[k * BLOCK_DIM + threadIdx.x] = vw;
+    if constexpr (!RMS) {
+      kiln_load_param<N_READS>(b, b_stride, b_vec, base + at(k), base + len, 0.0f, bk);
+#pragma unroll
+      for (int j = 0; j < N_READS; ++j) vb.v[j] = kiln_from_float<T>(bk[j]);
+      b_own[k * BLOCK_DIM + threadIdx.x] = vb;
+    }
+  }
+
+  // Thread 0: row r's chunk into `stage`.
+  auto fetch = [&](long long r, int stage) {
+    const kiln_span span = kiln_granules(x + r * x_row_stride + base, len);
+    kiln_bulk_arrive(&full[stage], span.bytes);
+    kiln_bulk_copy(smem + stage * CHUNK_BYTES, span, &full[stage]);
+  };
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s)
+      if (cluster + s * clusters < rows) fetch(cluster + s * clusters, s);
+  }
+
+  int turn = 0;
+  for (long long row = cluster; row < rows; row += clusters, ++turn) {
+    const int stage = turn % STAGES;
+    kiln_mbarrier_wait(&full[stage], (turn / STAGES) & 1);
+    // Vectorised rows are 16-byte aligned (the op checks), so their chunks start on a granule.
+    const int offset = N_READS > 1 ? 0 : kiln_granule_offset(x + row * x_row_stride + base);
+    const T* staged = reinterpret_cast<const T*>(smem + stage * CHUNK_BYTES) + offset;
+    float v[ITEMS][N_READS];
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      // A vector lies wholly inside the chunk or wholly past it (len is a multiple of N_READS
+      // when N_READS > 1).
+      if (at(k) < len) {
+        const V r = reinterpret_cast<const V*>(staged)[k * BLOCK_DIM + threadIdx.x];
+#pragma unroll
+        for (int j = 0; j < N_READS; ++j) v[k][j] = kiln_to_float(r.v[j]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < N_READS; ++j) v[k][j] = 0.0f;
+      }
+    }
+    // Every thread has its values: the stage takes the row STAGES turns ahead.
+    __syncthreads();
+    if (threadIdx.x == 0 && row + STAGES * clusters < rows) {
+      kiln_bulk_fence();
+      fetch(row + STAGES * clusters, stage);
+    }
+
+    float mean = 0.0f;
+    if constexpr (!RMS) {
+      float s = 0.0f, unused = 0.0f;
+#pragma unroll
+      for (int k = 0; k < ITEMS; ++k)
+#pragma unroll
+        for (int j = 0; j < N_READS; ++j) s += v[k][j];
+      kiln_cluster_sum2(s, unused, sums, exchange);
+      mean = s * inv_d;
+    }
+    float q = 0.0f, unused = 0.0f;
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      if (at(k) >= len) break;  // zeros past the chunk: their deviation would be -mean
+#pragma unroll
+      for (int j = 0; j < N_READS; ++j) {
+        const float c = v[k][j] - mean;
+        q += c * c;
+      }
+    }
+    kiln_cluster_sum2(q, unused, sums, exchange);
+    const float rstd = rsqrtf(q * inv_d + eps);
+
+    T* yr = y + row * (long long)d + base;
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      if (at(k) >= len) break;
+      const V vw = w_own[k * BLOCK_DIM + threadIdx.x];
+      V vb;
+      if constexpr (!RMS) vb = b_own[k * BLOCK_DIM + threadIdx.x];
+      float o[N_READS];
+#pragma unroll
+      for (int j = 0; j < N_READS; ++j) {
+        o[j] = (v[k][j] - mean) * rstd * kiln_to_float(vw.v[j]);
+        if constexpr (!RMS) o[j] += kiln_to_float(vb.v[j]);
+      }
+      kiln_store_floats<N_READS>(yr, at(k), len, o);
+    }
+  }
+  // No block may leave while another's pushes into it may still be in flight.
+  kiln_cluster_sync();
+}
