@@ -171,7 +171,7 @@ pub(super) fn ring_bytes(spec: &KernelSpec) -> usize {
     if is_vjp_split(spec) {
         // The ring (chunks of x and the cotangent), then each thread's weights as floats, and
         // with SMEM_SUMS its partial sums of dw and db.
-        let capacity = constant(spec, "ITEMS") * spec.block_dim as usize * spec.n_reads as usize;
+        let capacity = split_capacity(spec);
         let arrays = if constant(spec, "SMEM_SUMS") != 0 {
             3
         } else {
@@ -182,14 +182,14 @@ pub(super) fn ring_bytes(spec: &KernelSpec) -> usize {
     }
     if *spec.template == FORWARD_STAGED {
         // The ring of row chunks, then each thread's weight and bias (RMSNorm: weight) as T.
-        let capacity = constant(spec, "ITEMS") * spec.block_dim as usize * spec.n_reads as usize;
+        let capacity = split_capacity(spec);
         let params = if is_rms(spec) { 1 } else { 2 };
         return SPLIT_STAGES * chunk_bytes(spec.dtype, capacity)
             + params * capacity * spec.dtype.size();
     }
     if is_split(spec) {
         // Each thread's weight and bias as floats.
-        let floats = constant(spec, "ITEMS") * spec.block_dim as usize * spec.n_reads as usize;
+        let floats = split_capacity(spec);
         return 2 * floats * 4;
     }
     let vjp = spec.template.name == VJP.name;
@@ -250,6 +250,12 @@ pub(super) const SPLIT_STAGES: usize = 3;
 /// chunk and a 16-byte granule on either side, in whole 128 bytes (`kiln_chunk_bytes`).
 pub(super) fn chunk_bytes(dtype: DType, capacity: usize) -> usize {
     (capacity * dtype.size() + 32).div_ceil(128) * 128
+}
+
+/// Elements of a row one block of a split spec holds: ITEMS vectors of N_READS per thread
+/// (`CAPACITY` in the split templates).
+pub(super) fn split_capacity(spec: &KernelSpec) -> usize {
+    constant(spec, "ITEMS") * spec.block_dim as usize * spec.n_reads as usize
 }
 
 /// Elements of a row of `d` that each block of a cluster of `blocks` takes (`kiln_split_chunk`):
@@ -564,7 +570,7 @@ pub(super) fn check_chosen(
             && items * n_reads <= VJP_SPLIT_ELEMENTS
             && VJP_SPLIT_CLUSTERS.contains(&cluster)
             && spec.block_dim as usize == VJP_SPLIT_BLOCK
-            && split_chunk(d, cluster) <= VJP_SPLIT_BLOCK * items * n_reads
+            && split_chunk(d, cluster) <= split_capacity(&spec)
             && constant(&spec, "RMS") == (kind == Kind::RmsNorm) as usize
             && match constant(&spec, "SMEM_SUMS") {
                 0 => true,
@@ -589,7 +595,7 @@ pub(super) fn check_chosen(
             && items * n_reads <= SPLIT_ELEMENTS
             && VJP_SPLIT_CLUSTERS.contains(&cluster)
             && spec.block_dim as usize == SPLIT_BLOCK
-            && split_chunk(d, cluster) <= SPLIT_BLOCK * items * n_reads
+            && split_chunk(d, cluster) <= split_capacity(&spec)
             && constant(&spec, "RMS") == (kind == Kind::RmsNorm) as usize;
         if !ok {
             return Err(bad(

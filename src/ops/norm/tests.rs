@@ -122,8 +122,7 @@ fn every_chosen_spec_is_registered_for(gpu: Gpu) {
                         }
                         if is_split(&s) {
                             let (items, cluster) = (constant(&s, "ITEMS"), constant(&s, "CLUSTER"));
-                            let capacity = s.block_dim as usize * items * s.n_reads as usize;
-                            assert!(split_chunk(d, cluster) <= capacity, "{s}: d={d}");
+                            assert!(split_chunk(d, cluster) <= split_capacity(&s), "{s}: d={d}");
                             if pass == Pass::Forward {
                                 // 16-bit rows through the staged ring (clusters of up to 8),
                                 // f32 and longer rows in registers.
