@@ -10,7 +10,8 @@
 //! classes` (every dtype), holds layer classes to per-layer floors: depthwise and grouped
 //! layers (MobileNetV2, EfficientNet, ConvNeXt, ResNeXt) at least 1.0x cuDNN, depthwise also at
 //! least 60% of the copy bandwidth counting the bytes each pass moves (its two operands and its
-//! result); ViT patch embeddings at least 1.0x; 3-channel stems at least 0.8x. `--sweep-hopper` times every
+//! result); ViT patch embeddings at least 1.0x; 3-channel stems at least 0.8x (`--suite stems`:
+//! just the stems, with the seven shapes' one). `--sweep-hopper` times every
 //! Hopper tile on the model layers it takes (bf16; those whose name contains `--only TEXT`),
 //! checks each tile's result against the `mma.sync` path's, and counts how often the plan's tile
 //! is within 5% of the best.
@@ -116,6 +117,22 @@ fn class_layers() -> Vec<Layer> {
         class_layer(STEM, 64, 3, &[224, 224], 64, 7, 2, 3, 1),
         class_layer(STEM, 64, 3, &[224, 224], 32, 3, 2, 1, 1),
     ]
+}
+
+/// The class suite's stems and the seven shapes' (batch 32), held to the stems' floor: a quick
+/// suite (`--suite stems`) for work on the stem family.
+fn stem_layers() -> Vec<Layer> {
+    let mut out: Vec<Layer> = class_layers()
+        .into_iter()
+        .filter(|l| l.class == STEM)
+        .collect();
+    out.extend(
+        small_shapes()
+            .into_iter()
+            .filter(|l| l.c <= 4)
+            .map(|l| Layer { class: STEM, ..l }),
+    );
+    out
 }
 
 /// N, C, H, W, K, R, S, stride, pad: the seven small shapes.
@@ -450,6 +467,9 @@ fn main() {
     }
     if suite_arg == "all" || suite_arg == "classes" {
         suites.push(("layer classes", class_layers(), &DType::ALL));
+    }
+    if suite_arg == "stems" {
+        suites.push(("stems", stem_layers(), &DType::ALL));
     }
     let copy = copy_gbs(&mut enc);
     println!(

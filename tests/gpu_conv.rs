@@ -16,7 +16,9 @@ use common::conv_cases::{random, worst};
 use std::sync::{Arc, Mutex};
 
 use kiln::env::{Config, ConvPath};
-use kiln::ops::conv::{self, direct, hopper, plan, reference, tuning, ConvParams, Geometry, Pass};
+use kiln::ops::conv::{
+    self, direct, hopper, plan, reference, stem, tuning, ConvParams, Geometry, Pass,
+};
 use kiln::runtime::{Array, CommandEncoder, Device};
 use kiln::selfcheck::TestRng;
 use kiln::DType;
@@ -48,12 +50,15 @@ fn case(name: &'static str, x: &[usize], w: &[usize], p: ConvParams) -> Case {
 
 fn cases() -> Vec<Case> {
     let d = ConvParams::default;
-    let direct = common::conv_cases::direct().into_iter().map(|c| Case {
-        name: c.name,
-        x: c.x,
-        w: c.w,
-        p: c.p,
-    });
+    let direct = common::conv_cases::direct()
+        .into_iter()
+        .chain(common::conv_cases::stem())
+        .map(|c| Case {
+            name: c.name,
+            x: c.x,
+            w: c.w,
+            p: c.p,
+        });
     let mut all = vec![
         case("1d pad 1", &[2, 17, 8], &[16, 3, 8], d().padding(&[1])),
         case(
@@ -338,7 +343,7 @@ fn matrix(graphs: bool) {
     let dev = Device::get(0).unwrap();
     let mut enc = encoder(&dev, graphs);
     let mut failures = Vec::new();
-    let (mut checked, mut on_hopper, mut on_direct) = (0, 0, 0);
+    let (mut checked, mut on_hopper, mut on_direct, mut on_stem) = (0, 0, 0, 0);
     let path = Config::from_env().unwrap().conv_path;
     for (ci, c) in cases().iter().enumerate() {
         for dtype in DType::ALL {
@@ -349,12 +354,18 @@ fn matrix(graphs: bool) {
                 checked += 1;
                 let key = aligned_key(&dev, dtype, pass, g);
                 let direct = direct::unsupported(path, &key).is_none();
-                let hopper =
-                    !direct && hopper::unsupported(&key).is_none() && path == ConvPath::Auto;
+                let stem = !direct && stem::unsupported(path, &key).is_none();
+                let hopper = !direct
+                    && !stem
+                    && hopper::unsupported(&key).is_none()
+                    && path == ConvPath::Auto;
                 on_hopper += hopper as usize;
                 on_direct += direct as usize;
+                on_stem += stem as usize;
                 let expected = if direct {
                     "conv_direct"
+                } else if stem {
+                    "conv_stem"
                 } else if hopper {
                     "conv_wgmma"
                 } else {
@@ -377,7 +388,7 @@ fn matrix(graphs: bool) {
     }
     eprintln!(
         "conv matrix ({}): {checked} checks ({on_hopper} on the Hopper path, {on_direct} on the \
-         direct family), {} failed",
+         direct family, {on_stem} on the stem family), {} failed",
         if graphs { "graph" } else { "direct" },
         failures.len()
     );

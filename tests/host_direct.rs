@@ -13,7 +13,7 @@ use common::conv_cases::{random, worst};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use kiln::ops::conv::{direct, plan::PlanKey, reference, ConvParams, Geometry, Pass};
+use kiln::ops::conv::{direct, plan::PlanKey, reference, stem, ConvParams, Geometry, Pass};
 use kiln::selfcheck::TestRng;
 use kiln::DType;
 use sha2::{Digest, Sha256};
@@ -47,12 +47,16 @@ fn host_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/host")
 }
 
-/// The host executable for `spec`, compiled once per rendered source and harness.
-fn executable(cxx: &str, spec: &kiln::jit::KernelSpec) -> PathBuf {
+/// The host executable for `spec`, compiled once per rendered source, harness and `defines`
+/// (`-D` arguments: the entry point and problem struct of a family other than the direct one).
+fn executable(cxx: &str, spec: &kiln::jit::KernelSpec, defines: &[&str]) -> PathBuf {
     let source = kiln::jit::template::render(spec).unwrap().source;
     let mut h = Sha256::new();
     h.update(cxx);
     h.update(&source);
+    for d in defines {
+        h.update(d);
+    }
     for f in ["cuda_host.h", "run_direct.cpp"] {
         h.update(std::fs::read(host_dir().join(f)).unwrap());
     }
@@ -73,6 +77,7 @@ fn executable(cxx: &str, spec: &kiln::jit::KernelSpec) -> PathBuf {
         .args(["-std=c++20", "-O1", "-g", "-pthread", "-x", "c++"])
         .args(["-fsanitize=address,undefined", "-fno-sanitize-recover=all"])
         .args(["-DKILN_HOST", "-DKILN_ARCH=700", "-Wno-unknown-pragmas"])
+        .args(defines.iter().map(|d| format!("-D{d}")))
         .arg(format!("-DKILN_KERNEL=\"{}\"", kernel.display()))
         .arg(format!("-I{}", host_dir().display()))
         .arg(host_dir().join("run_direct.cpp"))
@@ -95,29 +100,34 @@ fn push_bytes(buf: &mut Vec<u8>, bytes: &[u8]) {
     buf.extend_from_slice(bytes);
 }
 
-/// Runs `pass` of `g` through the host build of the plan's kernel; the result as f64.
-fn run_host(cxx: &str, dtype: DType, pass: Pass, g: &Geometry, ops: [&[f64]; 2]) -> Vec<f64> {
-    let key = PlanKey {
-        device: 0,
-        arch: 70,
-        dtype,
-        pass,
-        geometry: *g,
-        vec_a: false,
-        vec_b: false,
-        aligned: true,
-    };
-    let launch = direct::launch_for(&key, SMS, SHARED).expect("the family takes the case");
-    let (cg, mg) = (g.cin / g.groups, g.cout / g.groups);
-    let spec = direct::spec(dtype, pass, cg, mg, launch.shape);
-    let exe = executable(cxx, &spec);
-    let out_len: usize = match pass {
-        Pass::Forward => g.output_shape(),
-        Pass::BackwardData => g.input_shape(),
-        Pass::BackwardWeight => g.weight_shape(),
-    }
-    .iter()
-    .product();
+/// One launch of a host-built kernel: its grid, block, dynamic shared memory and problem bytes,
+/// the splits of backward-weight's sum (f32 partials) and the output's element count.
+struct HostLaunch<'a> {
+    grid: (u32, u32, u32),
+    block: (u32, u32, u32),
+    shared: usize,
+    problem: &'a [u8],
+    splits: usize,
+    out_len: usize,
+}
+
+/// The bytes of a repr(C) problem struct of i32 fields.
+fn problem_bytes<P: Copy>(p: &P) -> &[u8] {
+    // SAFETY: the problem structs are repr(C), Copy and all i32: their bytes are their value as
+    // the kernels' structs lay it out.
+    unsafe { std::slice::from_raw_parts((p as *const P).cast::<u8>(), std::mem::size_of::<P>()) }
+}
+
+/// Runs `launch` of the executable built for `spec` on operands `ops`; the result as f64 (the
+/// partials summed in order in f32, as conv_split_sum does, when there are several).
+fn run_launch(
+    exe: &Path,
+    spec: &kiln::jit::KernelSpec,
+    dtype: DType,
+    launch: &HostLaunch,
+    ops: [&[f64]; 2],
+) -> Vec<f64> {
+    let out_len = launch.out_len;
     let partials = if launch.splits > 1 {
         launch.splits * out_len
     } else {
@@ -131,15 +141,7 @@ fn run_host(cxx: &str, dtype: DType, pass: Pass, g: &Geometry, ops: [&[f64]; 2])
         input.extend_from_slice(&v.to_le_bytes());
     }
     input.extend_from_slice(&(launch.shared as u64).to_le_bytes());
-    // SAFETY: Problem is repr(C), Copy and all i32: its bytes are its value as the kernel's
-    // struct kiln_direct lays it out.
-    let problem = unsafe {
-        std::slice::from_raw_parts(
-            (&launch.problem as *const direct::Problem).cast::<u8>(),
-            std::mem::size_of::<direct::Problem>(),
-        )
-    };
-    input.extend_from_slice(problem);
+    input.extend_from_slice(launch.problem);
     for op in ops {
         push_bytes(&mut input, &kiln::dtype::encode(dtype, op));
     }
@@ -148,10 +150,12 @@ fn run_host(cxx: &str, dtype: DType, pass: Pass, g: &Geometry, ops: [&[f64]; 2])
     let dir = tempfile::tempdir().unwrap();
     let (inp, outp) = (dir.path().join("in"), dir.path().join("out"));
     std::fs::write(&inp, &input).unwrap();
-    let run = Command::new(&exe).arg(&inp).arg(&outp).output().unwrap();
+    let run = Command::new(exe).arg(&inp).arg(&outp).output().unwrap();
     assert!(
         run.status.success(),
-        "{spec} {launch:?}: the host run failed:\n{}",
+        "{spec} grid {:?} block {:?}: the host run failed:\n{}",
+        launch.grid,
+        launch.block,
         String::from_utf8_lossy(&run.stderr)
     );
     let bytes = std::fs::read(&outp).unwrap();
@@ -159,7 +163,6 @@ fn run_host(cxx: &str, dtype: DType, pass: Pass, g: &Geometry, ops: [&[f64]; 2])
     if partials == 0 {
         return kiln::dtype::decode(dtype, out);
     }
-    // Sum the splits in order in f32, as conv_split_sum does, then round to the dtype.
     let partial: Vec<f32> = partial
         .chunks_exact(4)
         .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
@@ -170,9 +173,72 @@ fn run_host(cxx: &str, dtype: DType, pass: Pass, g: &Geometry, ops: [&[f64]; 2])
     kiln::dtype::decode(dtype, &kiln::dtype::encode(dtype, &sums))
 }
 
+fn out_len(pass: Pass, g: &Geometry) -> usize {
+    match pass {
+        Pass::Forward => g.output_shape(),
+        Pass::BackwardData => g.input_shape(),
+        Pass::BackwardWeight => g.weight_shape(),
+    }
+    .iter()
+    .product()
+}
+
+/// A plan key for the host: arch 70, so that every dtype takes the FMA paths.
+fn host_key(dtype: DType, pass: Pass, g: &Geometry) -> PlanKey {
+    PlanKey {
+        device: 0,
+        arch: 70,
+        dtype,
+        pass,
+        geometry: *g,
+        vec_a: false,
+        vec_b: false,
+        aligned: true,
+    }
+}
+
+/// Runs `pass` of `g` through the host build of the direct plan's kernel; the result as f64.
+fn run_host(cxx: &str, dtype: DType, pass: Pass, g: &Geometry, ops: [&[f64]; 2]) -> Vec<f64> {
+    let key = host_key(dtype, pass, g);
+    let launch = direct::launch_for(&key, SMS, SHARED).expect("the family takes the case");
+    let (cg, mg) = (g.cin / g.groups, g.cout / g.groups);
+    let spec = direct::spec(dtype, pass, cg, mg, launch.shape);
+    let exe = executable(cxx, &spec, &[]);
+    let host = HostLaunch {
+        grid: launch.grid,
+        block: launch.block,
+        shared: launch.shared,
+        problem: problem_bytes(&launch.problem),
+        splits: launch.splits,
+        out_len: out_len(pass, g),
+    };
+    run_launch(&exe, &spec, dtype, &host, ops)
+}
+
+/// Runs `pass` of `g` through the host build of the stem family's kernel (its FMA path).
+fn run_host_stem(cxx: &str, dtype: DType, pass: Pass, g: &Geometry, ops: [&[f64]; 2]) -> Vec<f64> {
+    let key = host_key(dtype, pass, g);
+    let launch = stem::launch_for(&key, SMS).expect("the family takes the case");
+    let spec = stem::spec(dtype, pass, launch.shape, launch.tensor);
+    let exe = executable(
+        cxx,
+        &spec,
+        &["KILN_ENTRY=kiln_conv_stem", "KILN_PROBLEM=kiln_stem"],
+    );
+    let host = HostLaunch {
+        grid: launch.grid,
+        block: (stem::THREADS as u32, 1, 1),
+        shared: launch.shared,
+        problem: problem_bytes(&launch.problem),
+        splits: launch.splits,
+        out_len: out_len(pass, g),
+    };
+    run_launch(&exe, &spec, dtype, &host, ops)
+}
+
 /// `n` random convolutions the direct family takes (seeded): 1 to 3 spatial dims, every group
 /// shape, strides, paddings, both dilations and flip, small enough to emulate quickly.
-fn random_cases(seed: u64, n: usize) -> Vec<(String, Vec<usize>, Vec<usize>, ConvParams)> {
+fn random_cases(seed: u64, n: usize) -> Vec<Case> {
     let mut rng = TestRng::new(0x5eed + seed);
     let mut pick = |lo: usize, hi: usize| lo + (rng.next_f64() * (hi - lo + 1) as f64) as usize;
     let mut out = Vec::new();
@@ -210,17 +276,41 @@ fn random_cases(seed: u64, n: usize) -> Vec<(String, Vec<usize>, Vec<usize>, Con
     out
 }
 
-fn check_pass(pass: Pass) {
+/// A case: its name, input and weight shapes, and parameters.
+type Case = (String, Vec<usize>, Vec<usize>, ConvParams);
+/// Runs a pass through a host build: (compiler, dtype, pass, geometry, operands) -> result.
+type Runner = fn(&str, DType, Pass, &Geometry, [&[f64]; 2]) -> Vec<f64>;
+
+/// `n` random stems (seeded): 1 to 4 channels, kernels up to 7x7, strides up to 4, uneven
+/// padding, flip, any output channel count (over two 64-channel blocks at times).
+fn random_stems(seed: u64, n: usize) -> Vec<Case> {
+    let mut rng = TestRng::new(0x57e3 + seed);
+    let mut pick = |lo: usize, hi: usize| lo + (rng.next_f64() * (hi - lo + 1) as f64) as usize;
+    let mut out = Vec::new();
+    while out.len() < n {
+        let c = pick(1, stem::MAX_CHANNELS);
+        let k = [pick(1, stem::MAX_KERNEL), pick(1, stem::MAX_KERNEL)];
+        let x = vec![pick(1, 2), pick(k[0], 30), pick(k[1], 40), c];
+        let w = vec![pick(1, 80), k[0], k[1], c];
+        let p = ConvParams::default()
+            .strides(&[pick(1, stem::MAX_STRIDE), pick(1, stem::MAX_STRIDE)])
+            .padding_lo(&[pick(0, 3), pick(0, 3)])
+            .padding_hi(&[pick(0, 3), pick(0, 3)])
+            .flip(pick(0, 2) == 0);
+        if Geometry::new(&x, &w, &p).is_ok() {
+            out.push((format!("random stem {x:?} {w:?} {p:?}"), x, w, p));
+        }
+    }
+    out
+}
+
+fn check_cases(label: &str, pass: Pass, cases: &[Case], run: Runner) {
     let Some(cxx) = compiler() else {
-        eprintln!("host_direct: no C++ compiler, skipped");
+        eprintln!("{label}: no C++ compiler, skipped");
         return;
     };
     let mut failures = Vec::new();
     let mut checked = 0;
-    let fixed = common::conv_cases::direct()
-        .into_iter()
-        .map(|c| (c.name.to_string(), c.x, c.w, c.p));
-    let cases: Vec<_> = fixed.chain(random_cases(pass as u64, 10)).collect();
     for (ci, c) in cases.iter().enumerate() {
         let (name, x_shape, w_shape, params) = c;
         let g = Geometry::new(x_shape, w_shape, params).unwrap();
@@ -231,15 +321,15 @@ fn check_pass(pass: Pass) {
             let dy = random(&mut rng, dtype, g.output_shape().iter().product());
             let (got, want) = match pass {
                 Pass::Forward => (
-                    run_host(&cxx, dtype, pass, &g, [&x, &w]),
+                    run(&cxx, dtype, pass, &g, [&x, &w]),
                     reference::forward(&g, &x, &w),
                 ),
                 Pass::BackwardData => (
-                    run_host(&cxx, dtype, pass, &g, [&dy, &w]),
+                    run(&cxx, dtype, pass, &g, [&dy, &w]),
                     reference::backward_data(&g, &dy, &w),
                 ),
                 Pass::BackwardWeight => (
-                    run_host(&cxx, dtype, pass, &g, [&x, &dy]),
+                    run(&cxx, dtype, pass, &g, [&x, &dy]),
                     reference::backward_weight(&g, &x, &dy),
                 ),
             };
@@ -259,11 +349,27 @@ fn check_pass(pass: Pass) {
         }
     }
     eprintln!(
-        "host_direct {}: {checked} checks, {} failed",
+        "{label} {}: {checked} checks, {} failed",
         pass.name(),
         failures.len()
     );
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+fn check_pass(pass: Pass) {
+    let fixed = common::conv_cases::direct()
+        .into_iter()
+        .map(|c| (c.name.to_string(), c.x, c.w, c.p));
+    let cases: Vec<_> = fixed.chain(random_cases(pass as u64, 10)).collect();
+    check_cases("host_direct", pass, &cases, run_host);
+}
+
+fn check_stem(pass: Pass) {
+    let fixed = common::conv_cases::stem()
+        .into_iter()
+        .map(|c| (c.name.to_string(), c.x, c.w, c.p));
+    let cases: Vec<_> = fixed.chain(random_stems(pass as u64, 5)).collect();
+    check_cases("host_stem", pass, &cases, run_host_stem);
 }
 
 #[test]
@@ -279,4 +385,14 @@ fn backward_data_matches_the_reference() {
 #[test]
 fn backward_weight_matches_the_reference() {
     check_pass(Pass::BackwardWeight);
+}
+
+#[test]
+fn stem_forward_matches_the_reference() {
+    check_stem(Pass::Forward);
+}
+
+#[test]
+fn stem_backward_weight_matches_the_reference() {
+    check_stem(Pass::BackwardWeight);
 }

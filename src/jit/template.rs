@@ -21,6 +21,7 @@ pub const PARTIALS: &[(&str, &str)] = &[
     ("tma", include_str!("../../templates/tma.cuh")),
     ("cluster", include_str!("../../templates/cluster.cuh")),
     ("bulk", include_str!("../../templates/bulk.cuh")),
+    ("mma", include_str!("../../templates/mma.cuh")),
 ];
 
 /// CUDA source for one spec, ready for NVRTC.

@@ -1,4 +1,5 @@
-//! Convolution cases shared by the GPU tests and the host emulation of the direct family.
+//! Convolution cases shared by the GPU tests and the host emulation of the direct and stem
+//! families.
 
 use kiln::ops::conv::{reference, ConvParams};
 use kiln::selfcheck::TestRng;
@@ -135,6 +136,44 @@ pub fn direct() -> Vec<ConvCase> {
                 .flip(true)
                 .padding_lo(&[1, 0, 2])
                 .padding_hi(&[0, 1, 1]),
+        ),
+    ]
+}
+
+/// Cases for the stem family (1 to 4 input channels, 2-D): several tiles in each direction,
+/// edges that cut tiles, more than one block of 64 output channels.
+pub fn stem() -> Vec<ConvCase> {
+    let d = ConvParams::default;
+    vec![
+        ConvCase::new(
+            "stem 7x7 stride 2, 3 -> 64",
+            &[2, 37, 29, 3],
+            &[64, 7, 7, 3],
+            d().strides(&[2]).padding(&[3]),
+        ),
+        ConvCase::new(
+            "stem 3x3 stride 2, 3 -> 32",
+            &[2, 33, 35, 3],
+            &[32, 3, 3, 3],
+            d().strides(&[2]).padding(&[1]),
+        ),
+        ConvCase::new(
+            "stem 5x5 flip, 1 -> 24",
+            &[3, 19, 21, 1],
+            &[24, 5, 5, 1],
+            d().padding(&[2]).flip(true),
+        ),
+        ConvCase::new(
+            "stem 4x7 strides 2x3, uneven padding, 4 -> 72",
+            &[2, 23, 40, 4],
+            &[72, 4, 7, 4],
+            d().strides(&[2, 3]).padding_lo(&[1, 3]).padding_hi(&[2, 0]),
+        ),
+        ConvCase::new(
+            "stem 3x2, 2 -> 10 (odd channel vectors)",
+            &[1, 9, 40, 2],
+            &[10, 3, 2, 2],
+            d().padding(&[1, 0]),
         ),
     ]
 }

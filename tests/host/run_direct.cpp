@@ -1,6 +1,7 @@
-// Runs one launch of a conv_direct kernel on the host (see cuda_host.h). KILN_KERNEL names the
-// rendered kernel source. Usage: run_direct IN OUT. IN holds, little-endian: grid and block (3 x
-// u32 each), dynamic shared bytes (u64), the problem (sizeof(kiln_direct) bytes), then the
+// Runs one launch of a conv_direct or conv_stem kernel on the host (see cuda_host.h). KILN_KERNEL
+// names the rendered kernel source, KILN_ENTRY its kernel and KILN_PROBLEM its problem struct
+// (conv_direct's by default); the two families take the same arguments. Usage: run_direct IN OUT. IN holds, little-endian: grid and block (3 x
+// u32 each), dynamic shared bytes (u64), the problem (sizeof(KILN_PROBLEM) bytes), then the
 // source, the second operand and the output as (bytes u64, data) each and the partials' f32
 // count (u64). OUT receives the output's bytes, then the partials. The output starts as all-ones
 // bytes (a NaN in every dtype), so an element the kernel never writes shows.
@@ -11,6 +12,11 @@
 #include <vector>
 
 #include KILN_KERNEL
+
+#ifndef KILN_ENTRY
+#define KILN_ENTRY kiln_conv_direct
+#define KILN_PROBLEM kiln_direct
+#endif
 
 #if defined(__SANITIZE_ADDRESS__)
 #include <sanitizer/asan_interface.h>
@@ -39,7 +45,7 @@ int main(int argc, char** argv) {
   for (auto& x : g) x = take<unsigned>(in);
   for (auto& x : b) x = take<unsigned>(in);
   const uint64_t shared = take<uint64_t>(in);
-  const kiln_direct p = take<kiln_direct>(in);
+  const KILN_PROBLEM p = take<KILN_PROBLEM>(in);
   std::vector<unsigned char> src = take_bytes(in), second = take_bytes(in);
   std::vector<unsigned char> out(take<uint64_t>(in), 0xff);
   std::vector<float> partial(take<uint64_t>(in), NAN);
@@ -69,7 +75,7 @@ int main(int argc, char** argv) {
             threadIdx = {t % b[0], t / b[0] % b[1], t / (b[0] * b[1])};
             blockIdx = {bx, by, bz};
             kiln_host_barrier = &barrier;
-            kiln_conv_direct(reinterpret_cast<const T*>(src.data()),
+            KILN_ENTRY(reinterpret_cast<const T*>(src.data()),
                              reinterpret_cast<const T*>(second.data()),
                              reinterpret_cast<T*>(out.data()),
                              partial.empty() ? nullptr : partial.data(), p);

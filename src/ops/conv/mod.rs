@@ -1,6 +1,7 @@
 //! Convolution with MLX's `conv_general` semantics, channels last, 1 to 3 spatial dims: the
 //! forward pass and both gradients, each an implicit GEMM (`templates/conv_igemm.cu`, and on
-//! sm_90 `conv_wgmma.cu`), or for few channels per group a stencil (`conv_direct.cu`); patch
+//! sm_90 `conv_wgmma.cu`), for few channels per group a stencil (`conv_direct.cu`), for 1-4
+//! input channels (image stems) a gather from a staged patch (`conv_stem.cu`); patch
 //! convolutions run as a 1x1 convolution over rearranged operands (`patch`).
 //!
 //! Layouts: input (N, spatial..., C_in), weight (C_out, spatial..., C_in / groups), output
@@ -26,6 +27,9 @@ pub mod plan;
 // Internal: public for kiln's own tests, benches and CLI; not part of the stable API.
 #[doc(hidden)]
 pub mod reference;
+// Internal: public for kiln's own tests, benches and CLI; not part of the stable API.
+#[doc(hidden)]
+pub mod stem;
 
 pub use geometry::{ConvParams, Geometry, Pass};
 
@@ -447,6 +451,35 @@ fn launch(enc: &mut CommandEncoder, plan: &Plan, a: &Array, b: &Array, out: &Arr
                     )
                 }?;
             }
+        }
+        Kind::Stem(launch) => {
+            // Forward reads (input, weight), backward-weight (input, cotangent): the GEMM
+            // operands (cotangent, input) in the other order.
+            let (src, other) = match launch.pass {
+                Pass::BackwardWeight => (b, a),
+                _ => (a, b),
+            };
+            let mut args = KernelArgs::new();
+            args.push(src.device_ptr())
+                .push(other.device_ptr())
+                .push(out.device_ptr())
+                .push(partial_ptr)
+                .push(launch.problem);
+            // SAFETY: the arguments are conv_stem's (input, weight or cotangent, out, partial,
+            // problem); the problem was built from the geometry the operands and the output
+            // were checked against, the grid's x extent is the number of partials when
+            // splitting, and only the target is written.
+            unsafe {
+                enc.launch(
+                    &plan.kernel,
+                    launch.grid,
+                    plan.threads,
+                    plan.shared,
+                    args,
+                    &[a, b],
+                    &[target],
+                )
+            }?;
         }
         Kind::Direct(launch) => {
             // Forward and backward-data read (source, weight), backward-weight (input,

@@ -10,6 +10,7 @@ use lru::LruCache;
 use super::direct;
 use super::geometry::{Geometry, Pass, Problem};
 use super::hopper;
+use super::stem;
 use crate::dtype::DType;
 use crate::env::{Config, ConvPath, DEFAULT_CONV_CACHE_SIZE};
 use crate::error::{Error, Result};
@@ -197,6 +198,7 @@ pub fn specs(arch: u32) -> Vec<KernelSpec> {
         out.push(split_sum_spec(dtype));
     }
     out.extend(direct::specs());
+    out.extend(stem::specs(arch));
     if arch == hopper::ARCH {
         out.extend(hopper::specs());
     }
@@ -244,6 +246,8 @@ pub enum Kind {
     Wgmma(hopper::Launch),
     /// The direct family (`conv_direct`) for few channels per group.
     Direct(direct::Launch),
+    /// The stem family (`conv_stem`) for 1 to 4 input channels.
+    Stem(stem::Launch),
 }
 
 /// The plan cache's key: MLX's `ConvCacheKey` fields (device, dtype, shapes, stride, padding,
@@ -326,6 +330,8 @@ pub fn create(device: &Device, key: PlanKey) -> Result<Arc<Plan>> {
     device.prefetch(companion_specs(device, path, &key));
     let plan = if let Some((spec, launch)) = direct::plan(device, path, &key) {
         Arc::new(build_direct(device, &key, spec, launch)?)
+    } else if let Some((spec, launch)) = stem::plan(device, path, &key) {
+        Arc::new(build_stem(device, &key, spec, launch)?)
     } else if let Some((spec, launch)) = hopper::plan(device, path, &key) {
         Arc::new(build_wgmma(device, &key, spec, launch)?)
     } else {
@@ -367,6 +373,9 @@ fn companion_specs(device: &Device, path: ConvPath, key: &PlanKey) -> Vec<Kernel
             continue;
         }
         let splits = if let Some((spec, launch)) = direct::plan(device, path, &other) {
+            out.push(spec);
+            launch.splits
+        } else if let Some((spec, launch)) = stem::plan(device, path, &other) {
             out.push(spec);
             launch.splits
         } else if let Some((spec, launch)) = hopper::plan(device, path, &other) {
@@ -561,6 +570,27 @@ fn build_direct(
         splits: launch.splits,
         split_sum,
         kind: Kind::Direct(launch),
+    })
+}
+
+fn build_stem(
+    device: &Device,
+    key: &PlanKey,
+    spec: KernelSpec,
+    launch: stem::Launch,
+) -> Result<Plan> {
+    let kernel = device.kernel(&spec)?;
+    kernel.allow_shared(launch.shared)?;
+    let split_sum = split_sum_for(device, key.dtype, launch.splits)?;
+    Ok(Plan {
+        kernel,
+        spec,
+        grid: launch.grid,
+        threads: stem::THREADS as u32,
+        shared: launch.shared as u32,
+        splits: launch.splits,
+        split_sum,
+        kind: Kind::Stem(launch),
     })
 }
 

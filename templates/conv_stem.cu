@@ -1,0 +1,508 @@
+// Stems: the first convolution of an image network, whose input has 1 to 4 channels and whose
+// kernel is at most 7x7 (2-D, one group, no dilation). The implicit GEMM's k axis (taps x
+// channels) has too few channels per tap for the other families' channel vectors or 64-channel
+// k steps, so a block stages the input patch its output tile reads in shared memory, with the
+// weight (forward) or the cotangent tile (backward-weight), and each thread gathers its
+// operands from there at offsets that are mostly known at compile time.
+//   PASS 0 forward:         out[pixel, cout] = sum over (kh, kw, c) patch(pixel) * weight
+//   PASS 2 backward-weight: part[cout, (kh, kw, c)] = sum over the block's pixels of
+//                           cotangent[pixel, cout] * patch(pixel), in f32, one partial a block
+//                           (blockIdx.x), which conv_split_sum adds up in a fixed order.
+// A tile is TH x TW output pixels of one image; blocks are persistent, walking the tiles with a
+// grid stride; blockIdx.y picks NB output channels.
+// TENSOR (16-bit types where the GPU has tensor cores): mma.sync m16n8k16. The patch keeps 4
+// channels a pixel (zeros past C) and each kernel row is padded to a multiple of 4 taps, so that
+// a k step of 16 is 4 taps x 4 channels of one kernel row and a thread's pair of k elements is
+// one aligned 32-bit word of the patch. Otherwise the FMA units, in f32: the patch keeps C
+// channels a pixel, converted once as it is staged.
+{{> prelude}}
+{{> mma}}
+
+typedef {{dtype}} T;
+constexpr int PASS = {{PASS}};
+constexpr int C = {{C}}, KH = {{KH}}, KW = {{KW}}, SH = {{SH}}, SW = {{SW}}, NB = {{NB}};
+constexpr bool TENSOR = {{TENSOR}} != 0;
+constexpr int THREADS = 128, TH = 8, TW = 16, PIXELS = TH * TW;
+static_assert(PASS == 0 || PASS == 2, "forward and backward-weight");
+static_assert(NB == 32 || NB == 64, "32 or 64 output channels a block");
+
+template <bool B, typename X, typename Y> struct kiln_if { typedef X type; };
+template <typename X, typename Y> struct kiln_if<false, X, Y> { typedef Y type; };
+// What the patch holds: the 16-bit values themselves for tensor cores, else floats.
+typedef typename kiln_if<TENSOR, T, float>::type PT;
+
+constexpr int CP = TENSOR ? 4 : C;                       // channels a patch pixel holds
+constexpr int KWP = TENSOR ? (KW + 3) / 4 * 4 : KW;      // taps a kernel row holds
+constexpr int PR = (TH - 1) * SH + KH, PC = (TW - 1) * SW + KWP;  // the patch's rows, columns
+constexpr int KK = KH * KW * C;                          // the weight's elements a channel
+// Forward, tensor cores: the weight as rows of k (kh, kw padded, 4 channels) per output
+// channel, 8 more elements a row so that ldmatrix's rows fall in different banks.
+constexpr int WK = KH * KWP * 4 + 8;
+// Backward-weight: the cotangent tile, a row a pixel (tensor cores: padded for ldmatrix).
+constexpr int DY_LD = TENSOR ? NB + 8 : NB;
+
+// Shared memory (mirrored by ops::conv::stem::shared_bytes): the patch, then the weight or the
+// cotangent tile.
+constexpr int PATCH_BYTES = (PR * PC * CP * (int)sizeof(PT) + 15) / 16 * 16;
+constexpr int WEIGHT_BYTES = TENSOR ? NB * WK * 2 : KK * NB * 4;
+constexpr int DY_BYTES = PIXELS * DY_LD * (TENSOR ? 2 : 4);
+
+// Mirrors ops::conv::stem::Problem (repr(C)).
+struct kiln_stem {
+  int batch, in_h, in_w, out_h, out_w, cout;
+  int pad_h, pad_w;       // padding before the first row and column
+  int tiles_h, tiles_w;   // tiles an image along h and w
+  int flip;               // the weight is applied turned round
+  int vec;                // backward-weight, tensor cores: cotangent rows in 16-byte vectors
+};
+
+// --- staging --------------------------------------------------------------------------------
+
+// A staged value as the patch holds it (explicit specialisations, so that both compile for
+// every T).
+template <bool TC> struct kiln_patch_of;
+template <> struct kiln_patch_of<true> {
+  static __device__ __forceinline__ T get(T v) { return v; }
+};
+template <> struct kiln_patch_of<false> {
+  static __device__ __forceinline__ float get(T v) { return kiln_to_float(v); }
+};
+
+// The input patch of the tile at (oh0, ow0) of image `img`: patch[pr][pc][c] is the input at
+// row oh0 * SH - pad_h + pr, column ow0 * SW - pad_w + pc, channel c; zero outside the image,
+// past C, and outside what the tile's real pixels read, so that no value outside a pixel's
+// window (an infinity, say) meets a padded tap or a pixel past the edge.
+__device__ __forceinline__ void kiln_stage_patch(PT* patch, const T* __restrict__ x,
+                                                 const kiln_stem& p, int img, int oh0, int ow0) {
+  const int ih0 = oh0 * SH - p.pad_h, iw0 = ow0 * SW - p.pad_w;
+  const int rows = (min(p.out_h - oh0, TH) - 1) * SH + KH;
+  const int cols = (min(p.out_w - ow0, TW) - 1) * SW + KW;
+  const T* image = x + (long long)img * p.in_h * p.in_w * C;
+  for (int i = threadIdx.x; i < PR * PC * CP; i += THREADS) {
+    const int c = i % CP, pc = (i / CP) % PC, pr = i / (CP * PC);
+    const int ih = ih0 + pr, iw = iw0 + pc;
+    PT v{};
+    if (c < C && pr < rows && pc < cols && ih >= 0 && ih < p.in_h && iw >= 0 && iw < p.in_w)
+      v = kiln_patch_of<TENSOR>::get(image[((long long)ih * p.in_w + iw) * C + c]);
+    patch[i] = v;
+  }
+}
+
+// Index into the weight (cout, KH, KW, C) of tap (kh, kw) as the convolution applies it.
+__device__ __forceinline__ long long kiln_weight_index(const kiln_stem& p, int co, int kh, int kw,
+                                                       int c) {
+  if (p.flip) {
+    kh = KH - 1 - kh;
+    kw = KW - 1 - kw;
+  }
+  return (((long long)co * KH + kh) * KW + kw) * C + c;
+}
+
+// Forward: output channels n0.. of the weight. Tensor cores: wt[n][(kh * KWP + kw) * 4 + c],
+// zeros in the padding; FMA: wt[(kh * KW + kw) * C + c][n] as floats.
+__device__ __forceinline__ void kiln_stage_weight(unsigned char* smem, const T* __restrict__ w,
+                                                  const kiln_stem& p, int n0) {
+  if constexpr (TENSOR) {
+    T* wt = reinterpret_cast<T*>(smem);
+    for (int i = threadIdx.x; i < NB * WK; i += THREADS) {
+      const int n = i / WK, k = i % WK;
+      const int c = k % 4, kw = (k / 4) % KWP, kh = k / (4 * KWP);
+      T v{};
+      if (kh < KH && kw < KW && c < C && n0 + n < p.cout) v = w[kiln_weight_index(p, n0 + n, kh, kw, c)];
+      wt[i] = v;
+    }
+  } else {
+    float* wt = reinterpret_cast<float*>(smem);
+    for (int i = threadIdx.x; i < KK * NB; i += THREADS) {
+      const int n = i % NB, k = i / NB;
+      const int c = k % C, kw = (k / C) % KW, kh = k / (C * KW);
+      wt[i] = n0 + n < p.cout ? kiln_to_float(w[kiln_weight_index(p, n0 + n, kh, kw, c)]) : 0.0f;
+    }
+  }
+}
+
+// Backward-weight: the cotangent rows of the tile's pixels, channels n0..n0 + NB; zeros for
+// pixels past the edges and channels past cout.
+__device__ __forceinline__ void kiln_stage_cotangent(unsigned char* smem,
+                                                     const T* __restrict__ dy,
+                                                     const kiln_stem& p, int img, int oh0,
+                                                     int ow0, int n0) {
+  const long long image = (long long)img * p.out_h;
+  if (TENSOR && p.vec) {
+    // cout % 8 == 0: an 8-channel vector is all inside or all past cout.
+    T* d = reinterpret_cast<T*>(smem);
+    for (int i = threadIdx.x; i < PIXELS * (NB / 8); i += THREADS) {
+      const int px = i / (NB / 8), ch = (i % (NB / 8)) * 8;
+      const int oh = oh0 + px / TW, ow = ow0 + px % TW;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (oh < p.out_h && ow < p.out_w && n0 + ch < p.cout)
+        v = *reinterpret_cast<const uint4*>(dy + ((image + oh) * p.out_w + ow) * p.cout + n0 + ch);
+      *reinterpret_cast<uint4*>(d + px * DY_LD + ch) = v;
+    }
+    return;
+  }
+  for (int i = threadIdx.x; i < PIXELS * NB; i += THREADS) {
+    const int px = i / NB, n = i % NB;
+    const int oh = oh0 + px / TW, ow = ow0 + px % TW;
+    const bool real = oh < p.out_h && ow < p.out_w && n0 + n < p.cout;
+    const long long at = ((image + oh) * p.out_w + ow) * p.cout + n0 + n;
+    if constexpr (TENSOR) {
+      T v{};
+      if (real) v = dy[at];
+      reinterpret_cast<T*>(smem)[px * DY_LD + n] = v;
+    } else {
+      reinterpret_cast<float*>(smem)[px * DY_LD + n] = real ? kiln_to_float(dy[at]) : 0.0f;
+    }
+  }
+}
+
+// --- forward --------------------------------------------------------------------------------
+
+// Tensor cores: warp w multiplies output rows 2w and 2w + 1 of the tile (an m tile of 16
+// pixels each) by all NB channels.
+constexpr int FWD_NT = NB / 8;
+
+__device__ __forceinline__ void kiln_forward_tensor(const unsigned* words, const T* wt,
+                                                    float (&acc)[2][FWD_NT][4]) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, q = lane % 4, r = lane / 4;
+  // The 32-bit word of this thread's pair at tap (0, 0) of its pixels: columns r and r + 8 of
+  // rows 2 warp + mt; a pixel is two words, and the pair is word q of taps q / 2 ...
+  int base[2][2];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) base[mt][h] = ((2 * warp + mt) * SH * PC + (r + 8 * h) * SW) * 2 + q;
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < FWD_NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.0f;
+#pragma unroll
+  for (int kh = 0; kh < KH; ++kh) {
+#pragma unroll
+    for (int kb = 0; kb < KWP / 4; ++kb) {
+      // k step (kh, kb): k = 4 (tap - 4 kb) + channel. A thread's k pair 2q of each half is
+      // tap 4 kb + 2 half + q / 2, channels 2 (q % 2) and the next.
+      unsigned a[2][4];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int off = (kh * PC + kb * 4 + 2 * half) * 2;
+        // Taps past the kernel's width read as zero whatever the patch holds there.
+        const bool real = kb * 4 + 2 * half + 2 <= KW || kb * 4 + 2 * half + q / 2 < KW;
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          a[mt][2 * half] = real ? words[base[mt][0] + off] : 0u;
+          a[mt][2 * half + 1] = real ? words[base[mt][1] + off] : 0u;
+        }
+      }
+      const int k0 = (kh * KWP + kb * 4) * 4;
+#pragma unroll
+      for (int np = 0; np < FWD_NT / 2; ++np) {
+        unsigned b[4];
+        kiln_ldmatrix_x4<false>(
+            b, wt + (np * 16 + lane % 8 + 8 * (lane / 16)) * WK + k0 + 8 * ((lane / 8) % 2));
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          kiln_mma<T>::run(acc[mt][2 * np], a[mt], b[0], b[1]);
+          kiln_mma<T>::run(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
+        }
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ void kiln_store_forward_tensor(T* __restrict__ out, const kiln_stem& p,
+                                                          int img, int oh0, int ow0, int n0,
+                                                          const float (&acc)[2][FWD_NT][4]) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, q = lane % 4, r = lane / 4;
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+    const int oh = oh0 + 2 * warp + mt;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int ow = ow0 + r + 8 * h;
+      if (oh >= p.out_h || ow >= p.out_w) continue;
+      T* row = out + (((long long)img * p.out_h + oh) * p.out_w + ow) * p.cout;
+#pragma unroll
+      for (int nt = 0; nt < FWD_NT; ++nt) {
+        const int co = n0 + nt * 8 + 2 * q;
+        const float v0 = acc[mt][nt][2 * h], v1 = acc[mt][nt][2 * h + 1];
+        if (p.cout % 2 == 0 && co + 1 < p.cout) {
+          kiln_vec<T, 2> v;
+          v.v[0] = kiln_from_float<T>(v0);
+          v.v[1] = kiln_from_float<T>(v1);
+          *reinterpret_cast<kiln_vec<T, 2>*>(row + co) = v;
+        } else {
+          if (co < p.cout) row[co] = kiln_from_float<T>(v0);
+          if (co + 1 < p.cout) row[co + 1] = kiln_from_float<T>(v1);
+        }
+      }
+    }
+  }
+}
+
+// FMA: thread t computes channels 16 v + 4 (t % 4) + 0..3 (v < NB / 16) of pixels t / 4 + 32 i
+// (i < 4); interleaved so that the four channel groups of a warp read different banks.
+constexpr int FMA_V = NB / 16;
+
+__device__ __forceinline__ void kiln_forward_fma(const float* patch, const float* wt,
+                                                 T* __restrict__ out, const kiln_stem& p, int img,
+                                                 int oh0, int ow0, int n0) {
+  const int cg = threadIdx.x % 4, pg = threadIdx.x / 4;
+  int base[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int px = pg + 32 * i;
+    base[i] = ((px / TW) * SH * PC + (px % TW) * SW) * C;
+  }
+  float acc[4][FMA_V][4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int v = 0; v < FMA_V; ++v)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][v][e] = 0.0f;
+#pragma unroll 1
+  for (int kh = 0; kh < KH; ++kh) {
+#pragma unroll
+    for (int kw = 0; kw < KW; ++kw) {
+#pragma unroll
+      for (int c = 0; c < C; ++c) {
+        const int off = (kh * PC + kw) * C + c, k = (kh * KW + kw) * C + c;
+        float x[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) x[i] = patch[base[i] + off];
+#pragma unroll
+        for (int v = 0; v < FMA_V; ++v) {
+          const float4 w4 = *reinterpret_cast<const float4*>(wt + k * NB + 16 * v + 4 * cg);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            acc[i][v][0] += x[i] * w4.x;
+            acc[i][v][1] += x[i] * w4.y;
+            acc[i][v][2] += x[i] * w4.z;
+            acc[i][v][3] += x[i] * w4.w;
+          }
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int px = pg + 32 * i, oh = oh0 + px / TW, ow = ow0 + px % TW;
+    if (oh >= p.out_h || ow >= p.out_w) continue;
+    T* row = out + (((long long)img * p.out_h + oh) * p.out_w + ow) * p.cout;
+#pragma unroll
+    for (int v = 0; v < FMA_V; ++v) {
+      const int co = n0 + 16 * v + 4 * cg;
+      if (p.cout % 4 == 0 && co + 4 <= p.cout) {
+        kiln_store_vec<4>(row, co, acc[i][v]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (co + e < p.cout) row[co + e] = kiln_from_float<T>(acc[i][v][e]);
+      }
+    }
+  }
+}
+
+// --- backward-weight ------------------------------------------------------------------------
+
+// Tensor cores: C = cotangent^T (NB x pixels) x patch (pixels x k), k = (kh, kw, c) as the
+// forward's weight rows lay it out; a k step of 16 is one row of the tile. Warp w takes the
+// n tiles (8 k indices each) w, w + 4, ..., all NB / 16 m tiles.
+constexpr int WG_MT = NB / 16;
+constexpr int WG_NTT = KH * KWP / 2;
+constexpr int WG_NTW = (WG_NTT + 3) / 4;
+
+// FMA: thread t sums channels 4 (t % 8) + 32 j + 0..3 (j < NB / 32) for k indices t / 8 + 16 v.
+constexpr int WG_FMA_J = NB / 32;
+constexpr int WG_FMA_V = (KK + 15) / 16;
+
+
+__device__ __forceinline__ void kiln_wgrad_tensor(const unsigned short* p16, const T* dys,
+                                                  float (&acc)[WG_MT][WG_NTW][4]) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, q = lane % 4, r = lane / 4;
+  // This thread's B elements: pixel columns 2q, 2q + 1, 2q + 8, 2q + 9 of each row; k index
+  // 8 nt + r, which is tap 2 nt + r / 4, channel r % 4.
+  int col[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) col[e] = (2 * q + (e % 2) + 8 * (e / 2)) * SW * 4;
+  int koff[WG_NTW];
+#pragma unroll
+  for (int u = 0; u < WG_NTW; ++u) {
+    const int tap = 2 * (warp + 4 * u) + r / 4;
+    koff[u] = ((tap / KWP) * PC + tap % KWP) * 4 + r % 4;
+  }
+#pragma unroll
+  for (int i = 0; i < TH; ++i) {
+    unsigned a[WG_MT][4];
+#pragma unroll
+    for (int mt = 0; mt < WG_MT; ++mt)
+      kiln_ldmatrix_x4<true>(
+          a[mt], dys + (16 * i + 8 * (lane / 16) + lane % 8) * DY_LD + 16 * mt + 8 * ((lane / 8) % 2));
+    const int row = i * SH * PC * 4;
+#pragma unroll
+    for (int u = 0; u < WG_NTW; ++u) {
+      if (WG_NTT % 4 != 0 && warp + 4 * u >= WG_NTT) continue;
+      const unsigned short* at = p16 + row + koff[u];
+      const unsigned b0 = (unsigned)at[col[0]] | ((unsigned)at[col[1]] << 16);
+      const unsigned b1 = (unsigned)at[col[2]] | ((unsigned)at[col[3]] << 16);
+#pragma unroll
+      for (int mt = 0; mt < WG_MT; ++mt) kiln_mma<T>::run(acc[mt][u], a[mt], b0, b1);
+    }
+  }
+}
+
+__device__ __forceinline__ void kiln_wgrad_fma(const float* patch, const float* dys,
+                                               float (&acc)[WG_FMA_V][WG_FMA_J][4]) {
+  const int cg = threadIdx.x % 8, kg = threadIdx.x / 8;
+  int koff[WG_FMA_V];
+#pragma unroll
+  for (int v = 0; v < WG_FMA_V; ++v) {
+    const int k = min(kg + 16 * v, KK - 1);  // past KK: any valid offset, never stored
+    const int c = k % C, kw = (k / C) % KW, kh = k / (C * KW);
+    koff[v] = (kh * PC + kw) * C + c;
+  }
+#pragma unroll 1
+  for (int i = 0; i < TH; ++i) {
+#pragma unroll 4
+    for (int j = 0; j < TW; ++j) {
+      const int px = i * TW + j;
+      const float* at = patch + (i * SH * PC + j * SW) * C;
+      float4 d[WG_FMA_J];
+#pragma unroll
+      for (int jj = 0; jj < WG_FMA_J; ++jj)
+        d[jj] = *reinterpret_cast<const float4*>(dys + px * DY_LD + 32 * jj + 4 * cg);
+#pragma unroll
+      for (int v = 0; v < WG_FMA_V; ++v) {
+        const float x = at[koff[v]];
+#pragma unroll
+        for (int jj = 0; jj < WG_FMA_J; ++jj) {
+          acc[v][jj][0] += x * d[jj].x;
+          acc[v][jj][1] += x * d[jj].y;
+          acc[v][jj][2] += x * d[jj].z;
+          acc[v][jj][3] += x * d[jj].w;
+        }
+      }
+    }
+  }
+}
+
+// Writes the block's sums: f32 partials (split `split` of the weight's shape), or the weight
+// gradient itself when the block is the only split.
+__device__ __forceinline__ void kiln_wgrad_put(T* __restrict__ out, float* __restrict__ partial,
+                                               const kiln_stem& p, int split, int co, int kh,
+                                               int kw, int c, float v) {
+  if (co >= p.cout || kh >= KH || kw >= KW || c >= C) return;
+  const long long at = kiln_weight_index(p, co, kh, kw, c);
+  if (partial)
+    partial[(long long)split * p.cout * KK + at] = v;
+  else
+    out[at] = kiln_from_float<T>(v);
+}
+
+__device__ __forceinline__ void kiln_wgrad_store_tensor(T* __restrict__ out,
+                                                        float* __restrict__ partial,
+                                                        const kiln_stem& p, int n0,
+                                                        const float (&acc)[WG_MT][WG_NTW][4]) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, q = lane % 4, r = lane / 4;
+#pragma unroll
+  for (int mt = 0; mt < WG_MT; ++mt)
+#pragma unroll
+    for (int u = 0; u < WG_NTW; ++u) {
+      const int nt = warp + 4 * u;
+      if (nt >= WG_NTT) continue;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        // C's element e: row r (+8 for e >= 2), column 2q (+1 for odd e) of the tile.
+        const int co = n0 + 16 * mt + r + 8 * (e / 2), k = 8 * nt + 2 * q + e % 2;
+        const int tap = k / 4;
+        kiln_wgrad_put(out, partial, p, blockIdx.x, co, tap / KWP, tap % KWP, k % 4, acc[mt][u][e]);
+      }
+    }
+}
+
+__device__ __forceinline__ void kiln_wgrad_store_fma(T* __restrict__ out,
+                                                     float* __restrict__ partial,
+                                                     const kiln_stem& p, int n0,
+                                                     const float (&acc)[WG_FMA_V][WG_FMA_J][4]) {
+  const int cg = threadIdx.x % 8, kg = threadIdx.x / 8;
+#pragma unroll
+  for (int v = 0; v < WG_FMA_V; ++v) {
+    const int k = kg + 16 * v;
+    if (k >= KK) continue;
+    const int c = k % C, kw = (k / C) % KW, kh = k / (C * KW);
+#pragma unroll
+    for (int jj = 0; jj < WG_FMA_J; ++jj)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        kiln_wgrad_put(out, partial, p, blockIdx.x, n0 + 32 * jj + 4 * cg + e, kh, kw, c,
+                       acc[v][jj][e]);
+  }
+}
+
+// --- the kernel -----------------------------------------------------------------------------
+
+// Forward: (input, weight); backward-weight: (input, cotangent).
+// Walks the block's tiles: stages each one (`stage`) and multiplies it (`step`).
+template <typename Stage, typename Step>
+__device__ __forceinline__ void kiln_tiles(const kiln_stem& p, Stage stage, Step step) {
+  const int tiles = p.batch * p.tiles_h * p.tiles_w;
+  for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int img = t / (p.tiles_h * p.tiles_w);
+    const int oh0 = (t / p.tiles_w) % p.tiles_h * TH, ow0 = t % p.tiles_w * TW;
+    __syncthreads();  // the previous tile's reads of shared memory are done
+    stage(img, oh0, ow0);
+    __syncthreads();
+    step(img, oh0, ow0);
+  }
+}
+
+// Forward: (input, weight); backward-weight: (input, cotangent).
+extern "C" __global__ void __launch_bounds__(THREADS) {{kernel}}(
+    const T* __restrict__ x, const T* __restrict__ other, T* __restrict__ out,
+    float* __restrict__ partial, const kiln_stem p) {
+  extern __shared__ float4 kiln_w4[];
+  unsigned char* smem = reinterpret_cast<unsigned char*>(kiln_w4);
+  PT* patch = reinterpret_cast<PT*>(smem);
+  unsigned char* second = smem + PATCH_BYTES;
+  const int n0 = blockIdx.y * NB;
+  if constexpr (PASS == 0) {
+    kiln_stage_weight(second, other, p, n0);
+    auto stage = [&](int img, int oh0, int ow0) { kiln_stage_patch(patch, x, p, img, oh0, ow0); };
+    if constexpr (TENSOR) {
+      kiln_tiles(p, stage, [&](int img, int oh0, int ow0) {
+        float acc[2][FWD_NT][4];
+        kiln_forward_tensor(reinterpret_cast<const unsigned*>(patch),
+                            reinterpret_cast<const T*>(second), acc);
+        kiln_store_forward_tensor(out, p, img, oh0, ow0, n0, acc);
+      });
+    } else {
+      kiln_tiles(p, stage, [&](int img, int oh0, int ow0) {
+        kiln_forward_fma(reinterpret_cast<const float*>(patch),
+                         reinterpret_cast<const float*>(second), out, p, img, oh0, ow0, n0);
+      });
+    }
+  } else {
+    auto stage = [&](int img, int oh0, int ow0) {
+      kiln_stage_patch(patch, x, p, img, oh0, ow0);
+      kiln_stage_cotangent(second, other, p, img, oh0, ow0, n0);
+    };
+    if constexpr (TENSOR) {
+      float acc[WG_MT][WG_NTW][4] = {};
+      kiln_tiles(p, stage, [&](int, int, int) {
+        kiln_wgrad_tensor(reinterpret_cast<const unsigned short*>(patch),
+                          reinterpret_cast<const T*>(second), acc);
+      });
+      kiln_wgrad_store_tensor(out, partial, p, n0, acc);
+    } else {
+      float acc[WG_FMA_V][WG_FMA_J][4] = {};
+      kiln_tiles(p, stage, [&](int, int, int) {
+        kiln_wgrad_fma(reinterpret_cast<const float*>(patch),
+                       reinterpret_cast<const float*>(second), acc);
+      });
+      kiln_wgrad_store_fma(out, partial, p, n0, acc);
+    }
+  }
+}

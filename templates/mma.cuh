@@ -1,0 +1,65 @@
+// Tensor-core building blocks shared by the mma.sync families (conv_igemm, conv_stem): the
+// m16n8k16 product with f32 accumulators and ldmatrix. Fragments are laid out as the PTX ISA's
+// mma.m16n8k16 describes: A's register 0 holds row lane / 4, k 2 (lane % 4) and the next; 1 the
+// row 8 further; 2 and 3 the same rows 8 k further. B's 0 and 1 hold k 2 (lane % 4) (+8), column
+// lane / 4; C's 0 and 1 row lane / 4, columns 2 (lane % 4) and the next, 2 and 3 the row 8 further.
+
+// C[16x8] += A[16x16] B[16x8]. Turing has only k = 8 for f16: the m16n8k16 fragments split
+// into two m16n8k8 ones, A's registers {0, 1} and B's 0 holding k 0-7, A's {2, 3} and B's 1
+// k 8-15, with the accumulators laid out alike.
+template <typename U> struct kiln_mma;
+template <> struct kiln_mma<kiln_f16> {
+  static __device__ __forceinline__ void run(float (&c)[4], const unsigned (&a)[4],
+                                             unsigned b0, unsigned b1) {
+#if KILN_ARCH >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#elif KILN_ARCH >= 750
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(b0));
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[2]), "r"(a[3]), "r"(b1));
+#endif
+  }
+};
+template <> struct kiln_mma<kiln_bf16> {
+  static __device__ __forceinline__ void run(float (&c)[4], const unsigned (&a)[4],
+                                             unsigned b0, unsigned b1) {
+#if KILN_ARCH >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+  }
+};
+template <> struct kiln_mma<float> {
+  static __device__ __forceinline__ void run(float (&)[4], const unsigned (&)[4], unsigned,
+                                             unsigned) {}
+};
+
+// ldmatrix exists from sm_75 on, as tensor cores kiln uses do.
+template <bool TRANS>
+__device__ __forceinline__ void kiln_ldmatrix_x4(unsigned (&r)[4], const void* smem) {
+#if KILN_ARCH >= 750
+  const unsigned a = (unsigned)__cvta_generic_to_shared(smem);
+  if (TRANS)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+#endif
+}
