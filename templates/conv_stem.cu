@@ -5,6 +5,11 @@
 // weight (forward) or the cotangent tile (backward-weight), and each thread gathers its
 // operands from there at offsets that are mostly known at compile time.
 //   PASS 0 forward:         out[pixel, cout] = sum over (kh, kw, c) patch(pixel) * weight
+//   PASS 1 backward-data:   in[pixel, c] = sum over the taps that reach it and cout of
+//                           cotangent * weight, on the FMA units in f32 for every dtype: each
+//                           block stages the cotangent rows its input tile reads (and the
+//                           weight) 32 channels at a time; a warp walks one stride phase at a
+//                           time, so that its lanes share their taps.
 //   PASS 2 backward-weight: part[cout, (kh, kw, c)] = sum over the block's pixels of
 //                           cotangent[pixel, cout] * patch(pixel), in f32, one partial a block
 //                           (blockIdx.x), which conv_split_sum adds up in a fixed order.
@@ -23,7 +28,9 @@ constexpr int PASS = {{PASS}};
 constexpr int C = {{C}}, KH = {{KH}}, KW = {{KW}}, SH = {{SH}}, SW = {{SW}}, NB = {{NB}};
 constexpr bool TENSOR = {{TENSOR}} != 0;
 constexpr int THREADS = 128, TH = 8, TW = 16, PIXELS = TH * TW;
-static_assert(PASS == 0 || PASS == 2, "forward and backward-weight");
+// Blocks an SM must hold: four (forward, backward-data), so that others' math hides a block's
+// staging; backward-weight's accumulators need more registers.
+constexpr int MIN_BLOCKS = PASS == 2 ? 2 : 4;
 static_assert(NB == 32 || NB == 64, "32 or 64 output channels a block");
 
 template <bool B, typename X, typename Y> struct kiln_if { typedef X type; };
@@ -442,6 +449,111 @@ __device__ __forceinline__ void kiln_wgrad_store_fma(T* __restrict__ out,
   }
 }
 
+// --- backward-data --------------------------------------------------------------------------
+
+// A block computes BD_ROWS x BD_COLS pixels of every stride phase: an input tile of BD_TH x BD_TW
+// (tiles_h x tiles_w of them an image). Warp w takes phase rows w + 4 r (r < BD_PX), lane l
+// phase column l: BD_PX pixels a thread share each weight read (two, unless the phases are many
+// and their accumulators would not fit).
+constexpr int BD_PX = SH * SW <= 4 ? 2 : 1;
+constexpr int BD_ROWS = 4 * BD_PX, BD_COLS = 32;
+constexpr int BD_TH = BD_ROWS * SH, BD_TW = BD_COLS * SW;
+constexpr int BD_CO = 16;  // cotangent channels a stage
+// The cotangent rows and columns a tile reads, from floor((origin + pad - (K - 1)) / S) on;
+// columns padded to an odd count so that staging stores (stride BD_DCP) miss each other's banks.
+constexpr int BD_DR = (BD_TH + KH - 2) / SH + 2, BD_DC = (BD_TW + KW - 2) / SW + 2;
+constexpr int BD_DCP = BD_DC | 1;
+constexpr int BD_DY_BYTES = BD_DR * BD_CO * BD_DCP * 4;
+constexpr int BD_W_BYTES = KH * KW * BD_CO * 16;
+
+__device__ __forceinline__ int kiln_floor_div(int a, int b) {
+  return a >= 0 ? a / b : -((-a + b - 1) / b);
+}
+
+__device__ __forceinline__ void kiln_backward_data(const T* __restrict__ dy,
+                                                   const T* __restrict__ w, T* __restrict__ dx,
+                                                   unsigned char* smem, const kiln_stem& p) {
+  float* dys = reinterpret_cast<float*>(smem);                     // [row][channel][column]
+  float4* ws = reinterpret_cast<float4*>(smem + BD_DY_BYTES);     // [kh][kw][channel], 4 c
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int t = blockIdx.x;
+  const int img = t / (p.tiles_h * p.tiles_w);
+  const int ih0 = (t / p.tiles_w) % p.tiles_h * BD_TH, iw0 = t % p.tiles_w * BD_TW;
+  const int oh_base = kiln_floor_div(ih0 + p.pad_h - (KH - 1), SH);
+  const int ow_base = kiln_floor_div(iw0 + p.pad_w - (KW - 1), SW);
+  const long long image = (long long)img * p.out_h;
+  float acc[SH * SW][BD_PX][4];
+#pragma unroll
+  for (int f = 0; f < SH * SW; ++f)
+#pragma unroll
+    for (int r = 0; r < BD_PX; ++r)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[f][r][c] = 0.0f;
+  for (int co0 = 0; co0 < p.cout; co0 += BD_CO) {
+    __syncthreads();  // the previous stage's reads are done
+    // Channels innermost in the loop, so that the global reads coalesce.
+    for (int i = threadIdx.x; i < BD_DR * BD_DC * BD_CO; i += THREADS) {
+      const int co = i % BD_CO, col = (i / BD_CO) % BD_DC, row = i / (BD_CO * BD_DC);
+      const int oh = oh_base + row, ow = ow_base + col;
+      float v = 0.0f;
+      if (oh >= 0 && oh < p.out_h && ow >= 0 && ow < p.out_w && co0 + co < p.cout)
+        v = kiln_to_float(dy[((image + oh) * p.out_w + ow) * p.cout + co0 + co]);
+      dys[(row * BD_CO + co) * BD_DCP + col] = v;
+    }
+    for (int i = threadIdx.x; i < KH * KW * BD_CO; i += THREADS) {
+      const int co = i % BD_CO, kw = (i / BD_CO) % KW, kh = i / (BD_CO * KW);
+      float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      if (co0 + co < p.cout)
+#pragma unroll
+        for (int c = 0; c < C; ++c) v[c] = kiln_to_float(w[kiln_weight_index(p, co0 + co, kh, kw, c)]);
+      ws[i] = make_float4(v[0], v[1], v[2], v[3]);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int ph = 0; ph < SH; ++ph) {
+#pragma unroll
+      for (int pw = 0; pw < SW; ++pw) {
+        // Input pixel (ih, iw) is reached by taps kh = (ih + pad) mod S, + S, ... from output
+        // (ih + pad - kh) / S: the same taps for the whole warp.
+        // Pixel r's cotangent row is 4 rows below pixel r - 1's.
+        const int ih = ih0 + ph + SH * warp, iw = iw0 + pw + SW * lane;
+        float (&a)[BD_PX][4] = acc[ph * SW + pw];
+        for (int kh = (ph + p.pad_h) % SH; kh < KH; kh += SH) {
+          const int row = (ih + p.pad_h - kh) / SH - oh_base;
+          for (int kw = (pw + p.pad_w) % SW; kw < KW; kw += SW) {
+            const float* d = dys + row * BD_CO * BD_DCP + (iw + p.pad_w - kw) / SW - ow_base;
+            const float4* wt = ws + (kh * KW + kw) * BD_CO;
+#pragma unroll 8
+            for (int co = 0; co < BD_CO; ++co) {
+              const float4 w4 = wt[co];
+#pragma unroll
+              for (int r = 0; r < BD_PX; ++r) {
+                const float v = d[(4 * r * BD_CO + co) * BD_DCP];
+                a[r][0] += v * w4.x;
+                a[r][1] += v * w4.y;
+                a[r][2] += v * w4.z;
+                a[r][3] += v * w4.w;
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int ph = 0; ph < SH; ++ph)
+#pragma unroll
+    for (int pw = 0; pw < SW; ++pw)
+#pragma unroll
+      for (int r = 0; r < BD_PX; ++r) {
+        const int ih = ih0 + ph + SH * (warp + 4 * r), iw = iw0 + pw + SW * lane;
+        if (ih >= p.in_h || iw >= p.in_w) continue;
+        T* px = dx + (((long long)img * p.in_h + ih) * p.in_w + iw) * C;
+#pragma unroll
+        for (int c = 0; c < C; ++c) px[c] = kiln_from_float<T>(acc[ph * SW + pw][r][c]);
+      }
+}
+
 // --- the kernel -----------------------------------------------------------------------------
 
 // Forward: (input, weight); backward-weight: (input, cotangent).
@@ -459,8 +571,9 @@ __device__ __forceinline__ void kiln_tiles(const kiln_stem& p, Stage stage, Step
   }
 }
 
-// Forward: (input, weight); backward-weight: (input, cotangent).
-extern "C" __global__ void __launch_bounds__(THREADS) {{kernel}}(
+// Forward: (input, weight); backward-data: (cotangent, weight); backward-weight: (input,
+// cotangent).
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{kernel}}(
     const T* __restrict__ x, const T* __restrict__ other, T* __restrict__ out,
     float* __restrict__ partial, const kiln_stem p) {
   extern __shared__ float4 kiln_w4[];
@@ -468,7 +581,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) {{kernel}}(
   PT* patch = reinterpret_cast<PT*>(smem);
   unsigned char* second = smem + PATCH_BYTES;
   const int n0 = blockIdx.y * NB;
-  if constexpr (PASS == 0) {
+  if constexpr (PASS == 1) {
+    kiln_backward_data(x, other, out, smem, p);
+  } else if constexpr (PASS == 0) {
     kiln_stage_weight(second, other, p, n0);
     auto stage = [&](int img, int oh0, int ow0) { kiln_stage_patch(patch, x, p, img, oh0, ow0); };
     if constexpr (TENSOR) {

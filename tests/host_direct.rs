@@ -396,3 +396,8 @@ fn stem_forward_matches_the_reference() {
 fn stem_backward_weight_matches_the_reference() {
     check_stem(Pass::BackwardWeight);
 }
+
+#[test]
+fn stem_backward_data_matches_the_reference() {
+    check_stem(Pass::BackwardData);
+}

@@ -1,9 +1,10 @@
 //! The stem family (`templates/conv_stem.cu`): the first convolution of an image network, whose
 //! input has 1 to 4 channels. The implicit GEMM's k axis (taps x channels) then has too few
 //! channels per tap for the other families' channel vectors or 64-channel k steps, so a block
-//! stages its output tile's input patch in shared memory and gathers from there. Forward and
-//! backward-weight, every dtype (16-bit on tensor cores where the GPU has them), every
-//! architecture kiln runs on; backward-data stays on the implicit GEMM.
+//! stages its output tile's input patch in shared memory and gathers from there (forward,
+//! backward-weight: 16-bit on tensor cores where the GPU has them); backward-data stages the
+//! cotangent rows an input tile reads and sums each input pixel's taps on the FMA units, a stride
+//! phase at a time. Every dtype, every architecture kiln runs on.
 //!
 //! It takes 2-D convolutions of one group with at most [`MAX_CHANNELS`] input channels, kernels
 //! up to [`MAX_KERNEL`] taps a side, strides up to [`MAX_STRIDE`], and no dilation. Specs are
@@ -80,8 +81,18 @@ const COMMON: [Shape; 3] = [
     },
 ];
 
-/// The passes the family runs.
-const PASSES: [Pass; 2] = [Pass::Forward, Pass::BackwardWeight];
+/// Backward-data: phase rows (for strides of at most 4 phases; else half) and columns of a
+/// block's input tile, and the cotangent channels a stage holds (as the template's BD_ROWS,
+/// BD_COLS, BD_CO).
+fn bd_rows(stride: [usize; 2]) -> usize {
+    if stride[0] * stride[1] <= 4 {
+        8
+    } else {
+        4
+    }
+}
+const BD_COLS: usize = 32;
+const BD_CO: usize = 16;
 
 pub fn spec(dtype: DType, pass: Pass, s: Shape, tensor: bool) -> KernelSpec {
     KernelSpec::new(
@@ -106,7 +117,7 @@ pub fn spec(dtype: DType, pass: Pass, s: Shape, tensor: bool) -> KernelSpec {
 pub fn specs(arch: u32) -> Vec<KernelSpec> {
     let mut out = Vec::new();
     for dtype in DType::ALL {
-        for pass in PASSES {
+        for pass in Pass::ALL {
             for s in COMMON {
                 out.push(spec(dtype, pass, s, tensor_cores(dtype, arch)));
             }
@@ -120,9 +131,6 @@ pub fn unsupported(path: ConvPath, key: &PlanKey) -> Option<&'static str> {
     let g = &key.geometry;
     if path == ConvPath::Igemm {
         return Some("KILN_CONV_PATH=igemm");
-    }
-    if !PASSES.contains(&key.pass) {
-        return Some("backward-data runs on the implicit GEMM");
     }
     if g.spatial != 2 {
         return Some("not 2-D");
@@ -177,9 +185,16 @@ pub struct Launch {
 }
 
 /// Dynamic shared memory of a block, as the template lays it out: the input patch (16-byte
-/// rounded), then the weight (forward) or the cotangent tile (backward-weight).
+/// rounded), then the weight (forward) or the cotangent tile (backward-weight); backward-data
+/// a stage of the cotangent rows its tile reads and of the weight, as f32.
 pub fn shared_bytes(pass: Pass, dtype: DType, s: Shape, tensor: bool) -> usize {
     let (kh, kw) = (s.kernel[0], s.kernel[1]);
+    if pass == Pass::BackwardData {
+        let (sh, sw) = (s.stride[0], s.stride[1]);
+        let rows = (bd_rows(s.stride) * sh + kh - 2) / sh + 2;
+        let cols = ((BD_COLS * sw + kw - 2) / sw + 2) | 1;
+        return rows * BD_CO * cols * 4 + kh * kw * BD_CO * 16;
+    }
     let (cp, kwp) = if tensor {
         (4, kw.div_ceil(4) * 4)
     } else {
@@ -208,14 +223,25 @@ pub fn launch_for(key: &PlanKey, sms: usize) -> Option<Launch> {
     let g = &key.geometry;
     let shape = Shape::of(g);
     let tensor = tensor_cores(key.dtype, key.arch);
-    let tiles_h = g.output[1].div_ceil(TILE_H);
-    let tiles_w = g.output[2].div_ceil(TILE_W);
-    let tiles = g.batch * tiles_h * tiles_w;
-    let per_sm = match key.pass {
-        Pass::Forward => FORWARD_BLOCKS_PER_SM,
-        _ => WGRAD_BLOCKS_PER_SM,
+    // Backward-data's tiles cover the input, a phase tile of every stride phase each; the
+    // other passes' cover the output.
+    let (tiles_h, tiles_w) = match key.pass {
+        Pass::BackwardData => (
+            g.input[1].div_ceil(bd_rows(shape.stride) * g.stride[1]),
+            g.input[2].div_ceil(BD_COLS * g.stride[2]),
+        ),
+        _ => (g.output[1].div_ceil(TILE_H), g.output[2].div_ceil(TILE_W)),
     };
-    let blocks = tiles.clamp(1, sms.max(1) * per_sm);
+    let tiles = g.batch * tiles_h * tiles_w;
+    let blocks = match key.pass {
+        Pass::Forward => tiles.clamp(1, sms.max(1) * FORWARD_BLOCKS_PER_SM),
+        Pass::BackwardWeight => tiles.clamp(1, sms.max(1) * WGRAD_BLOCKS_PER_SM),
+        // One block a tile.
+        Pass::BackwardData => tiles,
+    };
+    if blocks > i32::MAX as usize {
+        return None;
+    }
     let problem = Problem {
         batch: g.batch as i32,
         in_h: g.input[1] as i32,
@@ -240,7 +266,14 @@ pub fn launch_for(key: &PlanKey, sms: usize) -> Option<Launch> {
         shape,
         tensor,
         problem,
-        grid: (blocks as u32, g.cout.div_ceil(shape.nb) as u32, 1),
+        grid: (
+            blocks as u32,
+            match key.pass {
+                Pass::BackwardData => 1,
+                _ => g.cout.div_ceil(shape.nb) as u32,
+            },
+            1,
+        ),
         shared: shared_bytes(key.pass, key.dtype, shape, tensor),
         splits,
     })
@@ -284,11 +317,6 @@ mod tests {
         let resnet = key(DType::BF16, fwd, &[2, 32, 32, 3], &[64, 7, 7, 3], &p);
         assert_eq!(unsupported(ConvPath::Auto, &resnet), None);
         assert!(unsupported(ConvPath::Igemm, &resnet).is_some());
-        let dgrad = PlanKey {
-            pass: Pass::BackwardData,
-            ..resnet
-        };
-        assert!(unsupported(ConvPath::Auto, &dgrad).is_some());
         let wide = key(DType::F32, fwd, &[2, 32, 32, 8], &[64, 7, 7, 8], &p);
         assert!(unsupported(ConvPath::Auto, &wide).is_some());
         let big = key(DType::F32, fwd, &[2, 32, 32, 3], &[64, 9, 9, 3], &p);
@@ -305,7 +333,7 @@ mod tests {
         for arch in [75, 80, 90] {
             let all = specs(arch);
             for dtype in DType::ALL {
-                for pass in PASSES {
+                for pass in Pass::ALL {
                     for (cout, k, pad) in [(64, 7, 3), (32, 3, 1), (48, 3, 1)] {
                         let p = ConvParams::default().strides(&[2]).padding(&[pad]);
                         let mut kk = key(dtype, pass, &[1, 64, 64, 3], &[cout, k, k, 3], &p);
@@ -326,7 +354,7 @@ mod tests {
             stride: [4, 4],
             nb: 64,
         };
-        for pass in PASSES {
+        for pass in Pass::ALL {
             for tensor in [false, true] {
                 let bytes = shared_bytes(pass, DType::F32, s, tensor);
                 assert!(bytes <= 99 * 1024, "{pass:?} {tensor}: {bytes}");
@@ -359,5 +387,15 @@ mod tests {
         .unwrap();
         assert_eq!(f.grid.0, 8, "four blocks an SM on two SMs");
         assert_eq!(f.splits, 1);
+        // Backward-data: input tiles of 8 x 2 rows by 32 x 2 columns: 3 x 1 an image.
+        let d = launch_for(
+            &PlanKey {
+                pass: Pass::BackwardData,
+                ..k
+            },
+            2,
+        )
+        .unwrap();
+        assert_eq!((d.grid, d.splits), ((12, 1, 1), 1));
     }
 }
