@@ -105,6 +105,51 @@ pub fn conv_general(
     conv_forward(enc, input, weight, &params)
 }
 
+/// Launches a gather family's kernel (`conv_direct`, `conv_stem`): arguments (source, weight or
+/// cotangent, out, partial, problem). Forward and backward-data read (source, weight),
+/// backward-weight (input, cotangent): the GEMM operands `ab` (cotangent, input) in the other
+/// order. It writes `out`, or the f32 partials when the plan splits.
+#[allow(clippy::too_many_arguments)]
+fn launch_gather<P: Copy + 'static>(
+    enc: &mut CommandEncoder,
+    plan: &Plan,
+    pass: Pass,
+    grid: (u32, u32, u32),
+    block: (u32, u32, u32),
+    problem: P,
+    out: &Array,
+    partial: Option<&Array>,
+    ab: [&Array; 2],
+) -> Result<()> {
+    let [a, b] = ab;
+    let (src, other) = match pass {
+        Pass::BackwardWeight => (b, a),
+        _ => (a, b),
+    };
+    let mut args = KernelArgs::new();
+    args.push(src.device_ptr())
+        .push(other.device_ptr())
+        .push(out.device_ptr())
+        .push(partial.map_or(0, |p| p.device_ptr()))
+        .push(problem);
+    let target = partial.unwrap_or(out);
+    // SAFETY: the arguments are the family's (source, weight or cotangent, out, partial,
+    // problem); the problem was built from the geometry the operands and the output were
+    // checked against (for a split, grid and partial hold one partial a split), and only the
+    // target is written.
+    unsafe {
+        enc.launch(
+            &plan.kernel,
+            grid,
+            block,
+            plan.shared,
+            args,
+            &[a, b],
+            &[target],
+        )
+    }
+}
+
 /// The output of convolving `input` with `weight`.
 pub fn conv_forward(
     enc: &mut CommandEncoder,
@@ -452,62 +497,34 @@ fn launch(enc: &mut CommandEncoder, plan: &Plan, a: &Array, b: &Array, out: &Arr
                 }?;
             }
         }
-        Kind::Stem(launch) => {
-            // Forward reads (input, weight), backward-weight (input, cotangent): the GEMM
-            // operands (cotangent, input) in the other order.
-            let (src, other) = match launch.pass {
-                Pass::BackwardWeight => (b, a),
-                _ => (a, b),
-            };
-            let mut args = KernelArgs::new();
-            args.push(src.device_ptr())
-                .push(other.device_ptr())
-                .push(out.device_ptr())
-                .push(partial_ptr)
-                .push(launch.problem);
-            // SAFETY: the arguments are conv_stem's (input, weight or cotangent, out, partial,
-            // problem); the problem was built from the geometry the operands and the output
-            // were checked against, the grid's x extent is the number of partials when
-            // splitting, and only the target is written.
-            unsafe {
-                enc.launch(
-                    &plan.kernel,
-                    launch.grid,
-                    plan.threads,
-                    plan.shared,
-                    args,
-                    &[a, b],
-                    &[target],
-                )
-            }?;
+        Kind::Stem(l) => {
+            let block = (plan.threads, 1, 1);
+            let split = partial.as_ref();
+            launch_gather(
+                enc,
+                plan,
+                l.pass,
+                l.grid,
+                block,
+                l.problem,
+                out,
+                split,
+                [a, b],
+            )?;
         }
-        Kind::Direct(launch) => {
-            // Forward and backward-data read (source, weight), backward-weight (input,
-            // cotangent): the GEMM operands (cotangent, input) in the other order.
-            let (src, other) = match launch.pass {
-                Pass::BackwardWeight => (b, a),
-                _ => (a, b),
-            };
-            let mut args = KernelArgs::new();
-            args.push(src.device_ptr())
-                .push(other.device_ptr())
-                .push(out.device_ptr())
-                .push(partial_ptr)
-                .push(launch.problem);
-            // SAFETY: the arguments are conv_direct's (source, weight or cotangent, out,
-            // partial, problem); the problem was built from the geometry the operands and the
-            // output were checked against, and only the target is written.
-            unsafe {
-                enc.launch(
-                    &plan.kernel,
-                    launch.grid,
-                    launch.block,
-                    plan.shared,
-                    args,
-                    &[a, b],
-                    &[target],
-                )
-            }?;
+        Kind::Direct(l) => {
+            let split = partial.as_ref();
+            launch_gather(
+                enc,
+                plan,
+                l.pass,
+                l.grid,
+                l.block,
+                l.problem,
+                out,
+                split,
+                [a, b],
+            )?;
         }
     }
     if let (Some(p), Some(kernel)) = (&partial, &plan.split_sum) {

@@ -558,19 +558,9 @@ fn build_direct(
     spec: KernelSpec,
     launch: direct::Launch,
 ) -> Result<Plan> {
-    let kernel = device.kernel(&spec)?;
-    kernel.allow_shared(launch.shared)?;
-    let split_sum = split_sum_for(device, key.dtype, launch.splits)?;
-    Ok(Plan {
-        kernel,
-        spec,
-        grid: launch.grid,
-        threads: launch.block.0 * launch.block.1 * launch.block.2,
-        shared: launch.shared as u32,
-        splits: launch.splits,
-        split_sum,
-        kind: Kind::Direct(launch),
-    })
+    let threads = launch.block.0 * launch.block.1 * launch.block.2;
+    let geometry = (launch.grid, threads, launch.shared, launch.splits);
+    build_gather(device, key, spec, geometry, Kind::Direct(launch))
 }
 
 fn build_stem(
@@ -579,18 +569,36 @@ fn build_stem(
     spec: KernelSpec,
     launch: stem::Launch,
 ) -> Result<Plan> {
+    let geometry = (
+        launch.grid,
+        stem::THREADS as u32,
+        launch.shared,
+        launch.splits,
+    );
+    build_gather(device, key, spec, geometry, Kind::Stem(launch))
+}
+
+/// A plan for a gather family (direct, stem): its kernel with `shared` bytes allowed, and the
+/// split sum when `splits` > 1.
+fn build_gather(
+    device: &Device,
+    key: &PlanKey,
+    spec: KernelSpec,
+    (grid, threads, shared, splits): ((u32, u32, u32), u32, usize, usize),
+    kind: Kind,
+) -> Result<Plan> {
     let kernel = device.kernel(&spec)?;
-    kernel.allow_shared(launch.shared)?;
-    let split_sum = split_sum_for(device, key.dtype, launch.splits)?;
+    kernel.allow_shared(shared)?;
+    let split_sum = split_sum_for(device, key.dtype, splits)?;
     Ok(Plan {
         kernel,
         spec,
-        grid: launch.grid,
-        threads: stem::THREADS as u32,
-        shared: launch.shared as u32,
-        splits: launch.splits,
+        grid,
+        threads,
+        shared: shared as u32,
+        splits,
         split_sum,
-        kind: Kind::Stem(launch),
+        kind,
     })
 }
 
