@@ -105,51 +105,6 @@ pub fn conv_general(
     conv_forward(enc, input, weight, &params)
 }
 
-/// Launches a gather family's kernel (`conv_direct`, `conv_stem`): arguments (source, weight or
-/// cotangent, out, partial, problem). Forward and backward-data read (source, weight),
-/// backward-weight (input, cotangent): the GEMM operands `ab` (cotangent, input) in the other
-/// order. It writes `out`, or the f32 partials when the plan splits.
-#[allow(clippy::too_many_arguments)]
-fn launch_gather<P: Copy + 'static>(
-    enc: &mut CommandEncoder,
-    plan: &Plan,
-    pass: Pass,
-    grid: (u32, u32, u32),
-    block: (u32, u32, u32),
-    problem: P,
-    out: &Array,
-    partial: Option<&Array>,
-    ab: [&Array; 2],
-) -> Result<()> {
-    let [a, b] = ab;
-    let (src, other) = match pass {
-        Pass::BackwardWeight => (b, a),
-        _ => (a, b),
-    };
-    let mut args = KernelArgs::new();
-    args.push(src.device_ptr())
-        .push(other.device_ptr())
-        .push(out.device_ptr())
-        .push(partial.map_or(0, |p| p.device_ptr()))
-        .push(problem);
-    let target = partial.unwrap_or(out);
-    // SAFETY: the arguments are the family's (source, weight or cotangent, out, partial,
-    // problem); the problem was built from the geometry the operands and the output were
-    // checked against (for a split, grid and partial hold one partial a split), and only the
-    // target is written.
-    unsafe {
-        enc.launch(
-            &plan.kernel,
-            grid,
-            block,
-            plan.shared,
-            args,
-            &[a, b],
-            &[target],
-        )
-    }
-}
-
 /// The output of convolving `input` with `weight`.
 pub fn conv_forward(
     enc: &mut CommandEncoder,
@@ -432,6 +387,51 @@ fn run(
     };
     launch(enc, &plan, &a, &b, &out)?;
     Ok(out)
+}
+
+/// Launches a gather family's kernel (`conv_direct`, `conv_stem`): arguments (source, weight or
+/// cotangent, out, partial, problem). Forward and backward-data read (source, weight),
+/// backward-weight (input, cotangent): the GEMM operands `ab` (cotangent, input) in the other
+/// order. It writes `out`, or the f32 partials when the plan splits.
+#[allow(clippy::too_many_arguments)]
+fn launch_gather<P: Copy + 'static>(
+    enc: &mut CommandEncoder,
+    plan: &Plan,
+    pass: Pass,
+    grid: (u32, u32, u32),
+    block: (u32, u32, u32),
+    problem: P,
+    out: &Array,
+    partial: Option<&Array>,
+    ab: [&Array; 2],
+) -> Result<()> {
+    let [a, b] = ab;
+    let (src, other) = match pass {
+        Pass::BackwardWeight => (b, a),
+        _ => (a, b),
+    };
+    let mut args = KernelArgs::new();
+    args.push(src.device_ptr())
+        .push(other.device_ptr())
+        .push(out.device_ptr())
+        .push(partial.map_or(0, |p| p.device_ptr()))
+        .push(problem);
+    let target = partial.unwrap_or(out);
+    // SAFETY: the arguments are the family's (source, weight or cotangent, out, partial,
+    // problem); the problem was built from the geometry the operands and the output were
+    // checked against (for a split, grid and partial hold one partial a split), and only the
+    // target is written.
+    unsafe {
+        enc.launch(
+            &plan.kernel,
+            grid,
+            block,
+            plan.shared,
+            args,
+            &[a, b],
+            &[target],
+        )
+    }
 }
 
 fn launch(enc: &mut CommandEncoder, plan: &Plan, a: &Array, b: &Array, out: &Array) -> Result<()> {

@@ -347,7 +347,7 @@ mod tests {
                 }
             }
         }
-        // The largest shape the family takes fits a block's 48 KiB default as f32 and 16-bit.
+        // The largest shape the family takes needs at most 99 KiB a block (two blocks an SM).
         let s = Shape {
             channels: 4,
             kernel: [7, 7],
