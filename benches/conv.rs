@@ -11,7 +11,8 @@
 //! layers (MobileNetV2, EfficientNet, ConvNeXt, ResNeXt) at least 1.0x cuDNN, depthwise also at
 //! least 60% of the copy bandwidth counting the bytes each pass moves (its two operands and its
 //! result); ViT patch embeddings at least 1.0x; 3-channel stems at least 0.8x (`--suite stems`:
-//! just the stems, with the seven shapes' one). `--sweep-hopper` times every
+//! just the stems, with the seven shapes' one; `--suite depthwise`, `grouped` or `patch`: one
+//! class). `--sweep-hopper` times every
 //! Hopper tile on the model layers it takes (bf16; those whose name contains `--only TEXT`),
 //! checks each tile's result against the `mma.sync` path's, and counts how often the plan's tile
 //! is within 5% of the best.
@@ -470,6 +471,14 @@ fn main() {
     }
     if suite_arg == "stems" {
         suites.push(("stems", stem_layers(), &DType::ALL));
+    }
+    // One class of the class suite: `--suite depthwise`, `grouped` or `patch`.
+    if [DEPTHWISE, GROUPED, PATCH].contains(&suite_arg) {
+        let layers = class_layers()
+            .into_iter()
+            .filter(|l| l.class == suite_arg)
+            .collect();
+        suites.push(("layer classes", layers, &DType::ALL));
     }
     let copy = copy_gbs(&mut enc);
     println!(
