@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 
 use kiln::env::{Config, ConvPath};
 use kiln::ops::conv::{
-    self, direct, hopper, plan, reference, stem, tuning, ConvParams, Geometry, Pass,
+    self, depthwise, direct, hopper, plan, reference, stem, tuning, ConvParams, Geometry, Pass,
 };
 use kiln::runtime::{Array, CommandEncoder, Device};
 use kiln::selfcheck::TestRng;
@@ -52,6 +52,7 @@ fn cases() -> Vec<Case> {
     let d = ConvParams::default;
     let direct = common::conv_cases::direct()
         .into_iter()
+        .chain(common::conv_cases::depthwise())
         .chain(common::conv_cases::stem())
         .map(|c| Case {
             name: c.name,
@@ -344,6 +345,7 @@ fn matrix(graphs: bool) {
     let mut enc = encoder(&dev, graphs);
     let mut failures = Vec::new();
     let (mut checked, mut on_hopper, mut on_direct, mut on_stem) = (0, 0, 0, 0);
+    let mut on_depthwise = 0;
     let path = Config::from_env().unwrap().conv_path;
     for (ci, c) in cases().iter().enumerate() {
         for dtype in DType::ALL {
@@ -353,16 +355,21 @@ fn matrix(graphs: bool) {
                 let (ratio, at) = worst(dtype, &got, &want);
                 checked += 1;
                 let key = aligned_key(&dev, dtype, pass, g);
-                let direct = direct::unsupported(path, &key).is_none();
-                let stem = !direct && stem::unsupported(path, &key).is_none();
-                let hopper = !direct
+                let depthwise = depthwise::unsupported(path, &key).is_none();
+                let direct = !depthwise && direct::unsupported(path, &key).is_none();
+                let stem = !depthwise && !direct && stem::unsupported(path, &key).is_none();
+                let hopper = !depthwise
+                    && !direct
                     && !stem
                     && hopper::unsupported(&key).is_none()
                     && path == ConvPath::Auto;
                 on_hopper += hopper as usize;
+                on_depthwise += depthwise as usize;
                 on_direct += direct as usize;
                 on_stem += stem as usize;
-                let expected = if direct {
+                let expected = if depthwise {
+                    "conv_depthwise"
+                } else if direct {
                     "conv_direct"
                 } else if stem {
                     "conv_stem"
@@ -387,8 +394,9 @@ fn matrix(graphs: bool) {
         }
     }
     eprintln!(
-        "conv matrix ({}): {checked} checks ({on_hopper} on the Hopper path, {on_direct} on the \
-         direct family, {on_stem} on the stem family), {} failed",
+        "conv matrix ({}): {checked} checks ({on_hopper} on the Hopper path, {on_depthwise} on \
+         the depthwise family, {on_direct} on the direct family, {on_stem} on the stem family), {} \
+         failed",
         if graphs { "graph" } else { "direct" },
         failures.len()
     );

@@ -1,5 +1,6 @@
-//! The direct convolution family (`templates/conv_direct.cu`) compiled for the host as plain
-//! C++ (`tests/host/cuda_host.h`: a block's threads are OS threads) and run on the launches the
+//! The gather convolution families (`templates/conv_direct.cu`, `conv_depthwise.cu`,
+//! `conv_stem.cu`; their portable paths: no tensor cores, copies made at once) compiled for the
+//! host as plain C++ (`tests/host/cuda_host.h`: a block's threads are OS threads) and run on the launches the
 //! plans make, against the f64 reference with the GPU tests' tolerance: its index arithmetic,
 //! bounds (AddressSanitizer, shared memory past the launch's size poisoned), barriers and
 //! reductions, every pass and dtype, without a GPU. Memory ordering and speed are the GPU
@@ -13,7 +14,9 @@ use common::conv_cases::{random, worst};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use kiln::ops::conv::{direct, plan::PlanKey, reference, stem, ConvParams, Geometry, Pass};
+use kiln::ops::conv::{
+    depthwise, direct, plan::PlanKey, reference, stem, ConvParams, Geometry, Pass,
+};
 use kiln::selfcheck::TestRng;
 use kiln::DType;
 use sha2::{Digest, Sha256};
@@ -236,6 +239,36 @@ fn run_host_stem(cxx: &str, dtype: DType, pass: Pass, g: &Geometry, ops: [&[f64]
     run_launch(&exe, &spec, dtype, &host, ops)
 }
 
+/// Runs `pass` of `g` through the host build of the depthwise family's kernel.
+fn run_host_depthwise(
+    cxx: &str,
+    dtype: DType,
+    pass: Pass,
+    g: &Geometry,
+    ops: [&[f64]; 2],
+) -> Vec<f64> {
+    let key = host_key(dtype, pass, g);
+    let launch = depthwise::launch_for(&key, SMS, 227 * 1024).expect("the family takes the case");
+    let spec = depthwise::spec(dtype, pass, launch.shape);
+    let exe = executable(
+        cxx,
+        &spec,
+        &[
+            "KILN_ENTRY=kiln_conv_depthwise",
+            "KILN_PROBLEM=kiln_depthwise",
+        ],
+    );
+    let host = HostLaunch {
+        grid: launch.grid,
+        block: (32, depthwise::THREADS as u32 / 32, 1),
+        shared: launch.shared,
+        problem: problem_bytes(&launch.problem),
+        splits: launch.splits,
+        out_len: out_len(pass, g),
+    };
+    run_launch(&exe, &spec, dtype, &host, ops)
+}
+
 /// `n` random convolutions the direct family takes (seeded): 1 to 3 spatial dims, every group
 /// shape, strides, paddings, both dilations and flip, small enough to emulate quickly.
 fn random_cases(seed: u64, n: usize) -> Vec<Case> {
@@ -299,6 +332,57 @@ fn random_stems(seed: u64, n: usize) -> Vec<Case> {
             .flip(pick(0, 2) == 0);
         if Geometry::new(&x, &w, &p).is_ok() {
             out.push((format!("random stem {x:?} {w:?} {p:?}"), x, w, p));
+        }
+    }
+    out
+}
+
+/// `n` random depthwise layers the depthwise family takes for `pass` (seeded): 1-D and 2-D,
+/// channel multipliers 1, 2 and 4, channel counts that span several 32-channel blocks or leave
+/// one partial (odd ones read without vectors), kernels up to 7 a side, strides up to 2 (1 for
+/// backward-data), uneven padding and flip.
+fn random_depthwise(pass: Pass, n: usize) -> Vec<Case> {
+    let mut rng = TestRng::new(0xde97 + pass as u64);
+    let mut pick = |lo: usize, hi: usize| lo + (rng.next_f64() * (hi - lo + 1) as f64) as usize;
+    let most_stride = if pass == Pass::BackwardData { 1 } else { 2 };
+    let mut out = Vec::new();
+    while out.len() < n {
+        let c = if pick(0, 1) == 0 {
+            pick(1, 9)
+        } else {
+            4 * pick(1, 18)
+        };
+        let mg = depthwise::MULTIPLIERS[pick(0, 2)];
+        let one_d = pick(0, 3) == 0;
+        let k = [
+            if one_d {
+                1
+            } else {
+                pick(1, depthwise::MAX_KERNEL)
+            },
+            pick(1, depthwise::MAX_KERNEL),
+        ];
+        let size = [if one_d { 1 } else { pick(1, 19) }, pick(1, 40)];
+        let (x, w) = if one_d {
+            (vec![pick(1, 2), size[1], c], vec![c * mg, k[1], 1])
+        } else {
+            (
+                vec![pick(1, 2), size[0], size[1], c],
+                vec![c * mg, k[0], k[1], 1],
+            )
+        };
+        let dims = if one_d { 1 } else { 2 };
+        let strides: Vec<usize> = (0..dims).map(|_| pick(1, most_stride)).collect();
+        let lo: Vec<usize> = (0..dims).map(|_| pick(0, 3)).collect();
+        let hi: Vec<usize> = (0..dims).map(|_| pick(0, 3)).collect();
+        let p = ConvParams::default()
+            .groups(c)
+            .strides(&strides)
+            .padding_lo(&lo)
+            .padding_hi(&hi)
+            .flip(pick(0, 2) == 0);
+        if Geometry::new(&x, &w, &p).is_ok() {
+            out.push((format!("random depthwise {x:?} {w:?} {p:?}"), x, w, p));
         }
     }
     out
@@ -372,6 +456,20 @@ fn check_stem(pass: Pass) {
     check_cases("host_stem", pass, &cases, run_host_stem);
 }
 
+fn check_depthwise(pass: Pass) {
+    let taken = |c: &common::conv_cases::ConvCase| {
+        let g = Geometry::new(&c.x, &c.w, &c.p).unwrap();
+        let key = host_key(DType::F32, pass, &g);
+        depthwise::unsupported(kiln::env::ConvPath::Auto, &key).is_none()
+    };
+    let fixed = common::conv_cases::depthwise()
+        .into_iter()
+        .filter(taken)
+        .map(|c| (c.name.to_string(), c.x, c.w, c.p));
+    let cases: Vec<_> = fixed.chain(random_depthwise(pass, 6)).collect();
+    check_cases("host_depthwise", pass, &cases, run_host_depthwise);
+}
+
 #[test]
 fn forward_matches_the_reference() {
     check_pass(Pass::Forward);
@@ -400,4 +498,19 @@ fn stem_backward_weight_matches_the_reference() {
 #[test]
 fn stem_backward_data_matches_the_reference() {
     check_stem(Pass::BackwardData);
+}
+
+#[test]
+fn depthwise_forward_matches_the_reference() {
+    check_depthwise(Pass::Forward);
+}
+
+#[test]
+fn depthwise_backward_data_matches_the_reference() {
+    check_depthwise(Pass::BackwardData);
+}
+
+#[test]
+fn depthwise_backward_weight_matches_the_reference() {
+    check_depthwise(Pass::BackwardWeight);
 }

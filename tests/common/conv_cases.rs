@@ -1,5 +1,5 @@
-//! Convolution cases shared by the GPU tests and the host emulation of the direct and stem
-//! families.
+//! Convolution cases shared by the GPU tests and the host emulation of the direct, depthwise
+//! and stem families.
 
 use kiln::ops::conv::{reference, ConvParams};
 use kiln::selfcheck::TestRng;
@@ -136,6 +136,67 @@ pub fn direct() -> Vec<ConvCase> {
                 .flip(true)
                 .padding_lo(&[1, 0, 2])
                 .padding_hi(&[0, 1, 1]),
+        ),
+    ]
+}
+
+/// Cases for the depthwise family (1-D and 2-D depthwise, kernels up to 7x7, strides up to 2):
+/// channel multipliers 1, 2 and 4, more than one block of 32 channels with a partial one, odd
+/// channel counts (read without vectors), tiles cut by the edges, uneven padding, flip, a long
+/// backward-weight sum that splits. Backward-data takes the stride-1 ones.
+pub fn depthwise() -> Vec<ConvCase> {
+    let d = ConvParams::default;
+    vec![
+        ConvCase::new(
+            "depthwise 7x7, 40 channels",
+            &[2, 13, 15, 40],
+            &[40, 7, 7, 1],
+            d().groups(40).padding(&[3]),
+        ),
+        ConvCase::new(
+            "depthwise 3x3 stride 2, x2, 24 channels",
+            &[2, 17, 19, 24],
+            &[48, 3, 3, 1],
+            d().groups(24).strides(&[2]).padding(&[1]),
+        ),
+        ConvCase::new(
+            "depthwise 5x5 x2, 36 channels",
+            &[1, 11, 12, 36],
+            &[72, 5, 5, 1],
+            d().groups(36).padding(&[2]),
+        ),
+        ConvCase::new(
+            "depthwise 3x3 x4, 5 channels",
+            &[2, 7, 9, 5],
+            &[20, 3, 3, 1],
+            d().groups(5).padding(&[1]),
+        ),
+        ConvCase::new(
+            "depthwise 1d kernel 7 causal, 48 channels",
+            &[2, 45, 48],
+            &[48, 7, 1],
+            d().groups(48).padding_lo(&[6]).padding_hi(&[0]),
+        ),
+        ConvCase::new(
+            "depthwise 4x6 flip, uneven padding, 9 channels",
+            &[1, 12, 21, 9],
+            &[9, 4, 6, 1],
+            d().groups(9)
+                .flip(true)
+                .padding_lo(&[3, 1])
+                .padding_hi(&[0, 2]),
+        ),
+        ConvCase::new(
+            "depthwise 5x5 stride 2x1, 64 channels",
+            &[1, 20, 9, 64],
+            &[64, 5, 5, 1],
+            d().groups(64).strides(&[2, 1]).padding(&[2]),
+        ),
+        ConvCase::new(
+            "depthwise long backward-weight sum",
+            &[8, 30, 30, 16],
+            &[16, 3, 3, 1],
+            d().groups(16).padding(&[1]),
         ),
     ]
 }

@@ -1,6 +1,7 @@
-// Runs one launch of a conv_direct or conv_stem kernel on the host (see cuda_host.h). KILN_KERNEL
-// names the rendered kernel source, KILN_ENTRY its kernel and KILN_PROBLEM its problem struct
-// (conv_direct's by default); the two families take the same arguments. Usage: run_direct IN OUT. IN holds, little-endian: grid and block (3 x
+// Runs one launch of a conv_direct, conv_depthwise or conv_stem kernel on the host (see
+// cuda_host.h). KILN_KERNEL names the rendered kernel source, KILN_ENTRY its kernel and
+// KILN_PROBLEM its problem struct (conv_direct's by default); the families take the same
+// arguments. Usage: run_direct IN OUT. IN holds, little-endian: grid and block (3 x
 // u32 each), dynamic shared bytes (u64), the problem (sizeof(KILN_PROBLEM) bytes), then the
 // source, the second operand and the output as (bytes u64, data) each and the partials' f32
 // count (u64). OUT receives the output's bytes, then the partials. The output starts as all-ones

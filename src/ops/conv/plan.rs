@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use lru::LruCache;
 
+use super::depthwise;
 use super::direct;
 use super::geometry::{Geometry, Pass, Problem};
 use super::hopper;
@@ -197,6 +198,7 @@ pub fn specs(arch: u32) -> Vec<KernelSpec> {
         }
         out.push(split_sum_spec(dtype));
     }
+    out.extend(depthwise::specs());
     out.extend(direct::specs());
     out.extend(stem::specs(arch));
     if arch == hopper::ARCH {
@@ -244,6 +246,8 @@ pub enum Kind {
     Igemm(Problem),
     /// The Hopper family (`conv_wgmma`), operands read through tensor maps.
     Wgmma(hopper::Launch),
+    /// The depthwise family (`conv_depthwise`) for 1-D and 2-D depthwise layers.
+    Depthwise(depthwise::Launch),
     /// The direct family (`conv_direct`) for few channels per group.
     Direct(direct::Launch),
     /// The stem family (`conv_stem`) for 1 to 4 input channels.
@@ -328,7 +332,9 @@ pub fn cached(key: &PlanKey) -> Option<Arc<Plan>> {
 pub fn create(device: &Device, key: PlanKey) -> Result<Arc<Plan>> {
     let path = Config::from_env()?.conv_path;
     device.prefetch(companion_specs(device, path, &key));
-    let plan = if let Some((spec, launch)) = direct::plan(device, path, &key) {
+    let plan = if let Some((spec, launch)) = depthwise::plan(device, path, &key) {
+        Arc::new(build_depthwise(device, &key, spec, launch)?)
+    } else if let Some((spec, launch)) = direct::plan(device, path, &key) {
         Arc::new(build_direct(device, &key, spec, launch)?)
     } else if let Some((spec, launch)) = stem::plan(device, path, &key) {
         Arc::new(build_stem(device, &key, spec, launch)?)
@@ -372,7 +378,10 @@ fn companion_specs(device: &Device, path: ConvPath, key: &PlanKey) -> Vec<Kernel
         if cached_quietly(&other) {
             continue;
         }
-        let splits = if let Some((spec, launch)) = direct::plan(device, path, &other) {
+        let splits = if let Some((spec, launch)) = depthwise::plan(device, path, &other) {
+            out.push(spec);
+            launch.splits
+        } else if let Some((spec, launch)) = direct::plan(device, path, &other) {
             out.push(spec);
             launch.splits
         } else if let Some((spec, launch)) = stem::plan(device, path, &other) {
@@ -563,6 +572,21 @@ fn build_direct(
     build_gather(device, key, spec, geometry, Kind::Direct(launch))
 }
 
+fn build_depthwise(
+    device: &Device,
+    key: &PlanKey,
+    spec: KernelSpec,
+    launch: depthwise::Launch,
+) -> Result<Plan> {
+    let geometry = (
+        launch.grid,
+        depthwise::THREADS as u32,
+        launch.shared,
+        launch.splits,
+    );
+    build_gather(device, key, spec, geometry, Kind::Depthwise(launch))
+}
+
 fn build_stem(
     device: &Device,
     key: &PlanKey,
@@ -578,7 +602,7 @@ fn build_stem(
     build_gather(device, key, spec, geometry, Kind::Stem(launch))
 }
 
-/// A plan for a gather family (direct, stem): its kernel with `shared` bytes allowed, and the
+/// A plan for a gather family (depthwise, direct, stem): its kernel with `shared` bytes allowed, and the
 /// split sum when `splits` > 1.
 fn build_gather(
     device: &Device,
