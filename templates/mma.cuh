@@ -1,4 +1,5 @@
-// Tensor-core building blocks shared by the mma.sync families (conv_igemm, conv_stem): the
+// Tensor-core building blocks shared by the mma.sync families (conv_igemm, conv_stem,
+// conv_grouped): the
 // m16n8k16 product with f32 accumulators and ldmatrix. Fragments are laid out as the PTX ISA's
 // mma.m16n8k16 describes: A's register 0 holds row lane / 4, k 2 (lane % 4) and the next; 1 the
 // row 8 further; 2 and 3 the same rows 8 k further. B's 0 and 1 hold k 2 (lane % 4) (+8), column
@@ -11,7 +12,9 @@ template <typename U> struct kiln_mma;
 template <> struct kiln_mma<kiln_f16> {
   static __device__ __forceinline__ void run(float (&c)[4], const unsigned (&a)[4],
                                              unsigned b0, unsigned b1) {
-#if KILN_ARCH >= 800
+#ifdef KILN_HOST
+    kiln_host_mma(c, a, b0, b1, kiln_host_f16_to_float);  // tests/host/cuda_host.h
+#elif KILN_ARCH >= 800
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
         "{%8,%9}, {%0,%1,%2,%3};\n"
@@ -34,7 +37,9 @@ template <> struct kiln_mma<kiln_f16> {
 template <> struct kiln_mma<kiln_bf16> {
   static __device__ __forceinline__ void run(float (&c)[4], const unsigned (&a)[4],
                                              unsigned b0, unsigned b1) {
-#if KILN_ARCH >= 800
+#ifdef KILN_HOST
+    kiln_host_mma(c, a, b0, b1, kiln_host_bf16_to_float);
+#elif KILN_ARCH >= 800
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
         "{%8,%9}, {%0,%1,%2,%3};\n"
@@ -51,7 +56,9 @@ template <> struct kiln_mma<float> {
 // ldmatrix exists from sm_75 on, as tensor cores kiln uses do.
 template <bool TRANS>
 __device__ __forceinline__ void kiln_ldmatrix_x4(unsigned (&r)[4], const void* smem) {
-#if KILN_ARCH >= 750
+#ifdef KILN_HOST
+  kiln_host_ldmatrix<4, TRANS>(r, smem);
+#elif KILN_ARCH >= 750
   const unsigned a = (unsigned)__cvta_generic_to_shared(smem);
   if (TRANS)
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -60,6 +67,24 @@ __device__ __forceinline__ void kiln_ldmatrix_x4(unsigned (&r)[4], const void* s
   else
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+#endif
+}
+
+// Two matrices: lanes 0-15 give the row addresses (the others' are not read).
+template <bool TRANS>
+__device__ __forceinline__ void kiln_ldmatrix_x2(unsigned (&r)[2], const void* smem) {
+#ifdef KILN_HOST
+  kiln_host_ldmatrix<2, TRANS>(r, smem);
+#elif KILN_ARCH >= 750
+  const unsigned a = (unsigned)__cvta_generic_to_shared(smem);
+  if (TRANS)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "r"(a));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1])
                  : "r"(a));
 #endif
 }

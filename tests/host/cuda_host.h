@@ -1,7 +1,9 @@
-// Just enough of CUDA for kiln's plain-C++ kernels (no tensor cores, no warp shuffles, no
-// asynchronous copies) to compile and run on the host: each block's threads are OS threads,
-// __syncthreads a barrier among them, dynamic shared memory one buffer for the block that runs.
-// Used by tests/host_direct.rs with -DKILN_HOST -DKILN_ARCH=700 (the portable paths).
+// Just enough of CUDA for kiln's plain-C++ kernels to compile and run on the host: each block's
+// threads are OS threads, __syncthreads a barrier among them, dynamic shared memory one buffer
+// for the block that runs. Asynchronous copies are plain copies; ldmatrix and mma.sync (the
+// m16n8k16 shapes kiln uses) are emulated warp by warp; warp shuffles are not. Used by
+// tests/host_direct.rs with -DKILN_HOST and -DKILN_ARCH=700 (the portable paths) or 800 (the
+// tensor-core paths of a family that has no other).
 #pragma once
 
 #include <barrier>
@@ -63,6 +65,69 @@ inline float kiln_host_no_warps() {
 inline float __shfl_xor_sync(unsigned, float, int) { return kiln_host_no_warps(); }
 inline float __shfl_sync(unsigned, float, int) { return kiln_host_no_warps(); }
 
+// A warp's meeting place for the collective operations below: its 32 threads publish their
+// operands, meet, read what each needs from the others, and meet again before the next
+// operation overwrites what was published. Every lane must call them, as on the GPU.
+struct kiln_host_warp {
+  std::barrier<> meet{32};
+  const void* addr[32];
+  unsigned a[32][4];
+  unsigned b[32][2];
+};
+inline thread_local kiln_host_warp* kiln_host_this_warp = nullptr;
+inline thread_local unsigned kiln_host_lane = 0;
+
+// ldmatrix .x2 / .x4 (.trans): lane l gives the address of row l % 8 of matrix l / 8 (eight
+// 16-bit elements); register m of lane l receives elements (l / 4, 2 (l % 4)) and the next of
+// matrix m, of its transpose with TRANS.
+template <int X, bool TRANS> inline void kiln_host_ldmatrix(unsigned* r, const void* smem) {
+  kiln_host_warp* w = kiln_host_this_warp;
+  const unsigned lane = kiln_host_lane;
+  w->addr[lane] = smem;
+  w->meet.arrive_and_wait();
+  for (int m = 0; m < X; ++m) {
+    unsigned e[2];
+    for (int i = 0; i < 2; ++i) {
+      int row = lane / 4, col = 2 * (lane % 4) + i;
+      if (TRANS) {
+        const int t = row;
+        row = col;
+        col = t;
+      }
+      e[i] = static_cast<const unsigned short*>(w->addr[m * 8 + row])[col];
+    }
+    r[m] = e[0] | (e[1] << 16);
+  }
+  w->meet.arrive_and_wait();
+}
+
+// mma.sync m16n8k16 with f32 accumulators: C[16x8] += A[16x16] B[16x8] on the PTX ISA's
+// fragments (A's register 0 holds row l / 4, k 2 (l % 4) and the next; 1 the row 8 further; 2
+// and 3 the same rows 8 k further; B's 0 and 1 k 2 (l % 4) (+8), column l / 4; C's 0 and 1 row
+// l / 4, columns 2 (l % 4) and the next, 2 and 3 the row 8 further). The products are summed in
+// f64, then added to C in f32.
+inline void kiln_host_mma(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1,
+                          float (*widen)(unsigned short)) {
+  kiln_host_warp* w = kiln_host_this_warp;
+  const unsigned lane = kiln_host_lane;
+  for (int i = 0; i < 4; ++i) w->a[lane][i] = a[i];
+  w->b[lane][0] = b0;
+  w->b[lane][1] = b1;
+  w->meet.arrive_and_wait();
+  auto half = [&](unsigned word, int k) { return widen((unsigned short)(word >> (16 * (k % 2)))); };
+  for (int e = 0; e < 4; ++e) {
+    const int row = lane / 4 + (e >= 2 ? 8 : 0), col = 2 * (lane % 4) + e % 2;
+    double sum = 0.0;
+    for (int k = 0; k < 16; ++k) {
+      const float av = half(w->a[(row % 8) * 4 + (k % 8) / 2][(row >= 8) + 2 * (k >= 8)], k);
+      const float bv = half(w->b[col * 4 + (k % 8) / 2][k >= 8], k);
+      sum += (double)av * bv;
+    }
+    c[e] = (float)(c[e] + sum);
+  }
+  w->meet.arrive_and_wait();
+}
+
 // f16 <-> f32 in software, rounding to nearest even as cvt.rn.f16.f32 does.
 inline float kiln_host_f16_to_float(unsigned short h) {
   const int sign = h >> 15, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
@@ -88,3 +153,4 @@ inline unsigned short kiln_host_float_to_f16(float f) {
   // Subnormal (or zero): a multiple of 2^-24, rounded to nearest even.
   return sign | (unsigned short)std::nearbyint(std::fabs(f) * 16777216.0f);
 }
+inline float kiln_host_bf16_to_float(unsigned short h) { return __uint_as_float((unsigned)h << 16); }

@@ -1,4 +1,4 @@
-// Runs one launch of a conv_direct, conv_depthwise or conv_stem kernel on the host (see
+// Runs one launch of a conv_direct, conv_depthwise, conv_grouped or conv_stem kernel on the host (see
 // cuda_host.h). KILN_KERNEL names the rendered kernel source, KILN_ENTRY its kernel and
 // KILN_PROBLEM its problem struct (conv_direct's by default); the families take the same
 // arguments. Usage: run_direct IN OUT. IN holds, little-endian: grid and block (3 x
@@ -70,12 +70,16 @@ int main(int argc, char** argv) {
     for (unsigned by = 0; by < g[1]; ++by)
       for (unsigned bx = 0; bx < g[0]; ++bx) {
         std::barrier<> barrier(threads);
+        // Warps for the collective operations, where the block is whole warps.
+        std::vector<kiln_host_warp> warps(threads % 32 == 0 ? threads / 32 : 0);
         std::vector<std::thread> pool;
         for (unsigned t = 0; t < threads; ++t)
           pool.emplace_back([&, t] {
             threadIdx = {t % b[0], t / b[0] % b[1], t / (b[0] * b[1])};
             blockIdx = {bx, by, bz};
             kiln_host_barrier = &barrier;
+            kiln_host_this_warp = warps.empty() ? nullptr : &warps[t / 32];
+            kiln_host_lane = t % 32;
             KILN_ENTRY(reinterpret_cast<const T*>(src.data()),
                              reinterpret_cast<const T*>(second.data()),
                              reinterpret_cast<T*>(out.data()),
