@@ -322,8 +322,9 @@ pub fn launch_for(key: &PlanKey, sms: usize, limit: usize) -> Option<Launch> {
     let tiles_w = out[2].div_ceil(tile[1]);
     let tiles = g.batch * tiles_h * tiles_w;
     // Blocks along x for each chunk of channels: forward and backward-data walk every
-    // x-th tile; backward-weight's blocks each sum a run of tiles (a split).
-    let per_chunk = blocks.div_ceil(chunks).clamp(1, tiles.max(1));
+    // x-th tile; backward-weight's blocks each sum a run of tiles (a split). Rounded down: the
+    // blocks are persistent, and one past what the SMs hold at once would run as a second wave.
+    let per_chunk = (blocks / chunks).clamp(1, tiles.max(1));
     let (blocks_x, splits, per_split) = if pass == Pass::BackwardWeight {
         let per_split = tiles.div_ceil(per_chunk).max(1);
         let splits = tiles.div_ceil(per_split).max(1);
@@ -495,6 +496,9 @@ mod tests {
                                 assert!(s * pr.tiles_per_split >= pr.tiles, "{kk:?}");
                             } else {
                                 assert!(l.grid.0 >= 1 && l.grid.0 as i32 <= pr.tiles);
+                                // One wave: no more blocks than the SMs hold at once.
+                                let blocks = l.grid.0 * l.grid.1;
+                                assert!(blocks <= 4 * 132 || l.grid.0 == 1, "{kk:?}");
                             }
                         }
                     }
