@@ -89,7 +89,7 @@ const GROUPED: &str = "grouped";
 const PATCH: &str = "patch";
 const STEM: &str = "stem";
 
-/// The class suite: depthwise (3x3, 5x5, 7x7; channel multipliers 1 and 2), grouped (4 to 16
+/// The class suite: depthwise (3x3, 5x5, 7x7; channel multipliers 1 and 2), grouped (4 to 32
 /// channels a group), patch embeddings (14x14 and 16x16) and stems (3 channels, 7x7 and 3x3 at
 /// stride 2), from MobileNetV2, EfficientNet, ConvNeXt, ResNeXt-50 (32x4d), ViT and ResNet.
 fn class_layers() -> Vec<Layer> {
@@ -111,6 +111,9 @@ fn class_layers() -> Vec<Layer> {
         class_layer(GROUPED, 64, 256, &[28, 28], 256, 3, 1, 1, 32),
         class_layer(GROUPED, 64, 256, &[56, 56], 256, 3, 2, 1, 32),
         class_layer(GROUPED, 64, 512, &[14, 14], 512, 3, 1, 1, 32),
+        // ResNeXt-101 32x8d (16 a group at 28x28) and ResNeXt-50's last stage (32 a group).
+        class_layer(GROUPED, 64, 512, &[28, 28], 512, 3, 1, 1, 32),
+        class_layer(GROUPED, 64, 1024, &[7, 7], 1024, 3, 1, 1, 32),
         // ViT-B/16 and ViT-L/14 patch embeddings at 224x224.
         class_layer(PATCH, 64, 3, &[224, 224], 768, 16, 16, 0, 1),
         class_layer(PATCH, 64, 3, &[224, 224], 1024, 14, 14, 0, 1),

@@ -17,7 +17,8 @@ use std::sync::{Arc, Mutex};
 
 use kiln::env::{Config, ConvPath};
 use kiln::ops::conv::{
-    self, depthwise, direct, hopper, plan, reference, stem, tuning, ConvParams, Geometry, Pass,
+    self, depthwise, direct, grouped, hopper, plan, reference, stem, tuning, ConvParams, Geometry,
+    Pass,
 };
 use kiln::runtime::{Array, CommandEncoder, Device};
 use kiln::selfcheck::TestRng;
@@ -53,6 +54,7 @@ fn cases() -> Vec<Case> {
     let direct = common::conv_cases::direct()
         .into_iter()
         .chain(common::conv_cases::depthwise())
+        .chain(common::conv_cases::grouped())
         .chain(common::conv_cases::stem())
         .map(|c| Case {
             name: c.name,
@@ -345,7 +347,7 @@ fn matrix(graphs: bool) {
     let mut enc = encoder(&dev, graphs);
     let mut failures = Vec::new();
     let (mut checked, mut on_hopper, mut on_direct, mut on_stem) = (0, 0, 0, 0);
-    let mut on_depthwise = 0;
+    let (mut on_depthwise, mut on_grouped) = (0, 0);
     let path = Config::from_env().unwrap().conv_path;
     for (ci, c) in cases().iter().enumerate() {
         for dtype in DType::ALL {
@@ -356,19 +358,25 @@ fn matrix(graphs: bool) {
                 checked += 1;
                 let key = aligned_key(&dev, dtype, pass, g);
                 let depthwise = depthwise::unsupported(path, &key).is_none();
-                let direct = !depthwise && direct::unsupported(path, &key).is_none();
-                let stem = !depthwise && !direct && stem::unsupported(path, &key).is_none();
+                let grouped = !depthwise && grouped::unsupported(path, &key).is_none();
+                let direct = !depthwise && !grouped && direct::unsupported(path, &key).is_none();
+                let stem =
+                    !depthwise && !grouped && !direct && stem::unsupported(path, &key).is_none();
                 let hopper = !depthwise
+                    && !grouped
                     && !direct
                     && !stem
                     && hopper::unsupported(&key).is_none()
                     && path == ConvPath::Auto;
                 on_hopper += hopper as usize;
                 on_depthwise += depthwise as usize;
+                on_grouped += grouped as usize;
                 on_direct += direct as usize;
                 on_stem += stem as usize;
                 let expected = if depthwise {
                     "conv_depthwise"
+                } else if grouped {
+                    "conv_grouped"
                 } else if direct {
                     "conv_direct"
                 } else if stem {
@@ -395,8 +403,8 @@ fn matrix(graphs: bool) {
     }
     eprintln!(
         "conv matrix ({}): {checked} checks ({on_hopper} on the Hopper path, {on_depthwise} on \
-         the depthwise family, {on_direct} on the direct family, {on_stem} on the stem family), {} \
-         failed",
+         the depthwise family, {on_grouped} on the grouped family, {on_direct} on the direct \
+         family, {on_stem} on the stem family), {} failed",
         if graphs { "graph" } else { "direct" },
         failures.len()
     );

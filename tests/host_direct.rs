@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use kiln::ops::conv::{
-    depthwise, direct, plan::PlanKey, reference, stem, ConvParams, Geometry, Pass,
+    depthwise, direct, grouped, plan::PlanKey, reference, stem, ConvParams, Geometry, Pass,
 };
 use kiln::selfcheck::TestRng;
 use kiln::DType;
@@ -76,10 +76,17 @@ fn executable(cxx: &str, spec: &kiln::jit::KernelSpec, defines: &[&str]) -> Path
     let kernel = dir.join(format!("kernel-{key}.cu"));
     std::fs::write(&kernel, &source).unwrap();
     let partial = dir.join(format!("run-{key}.{}.tmp", std::process::id()));
+    // The portable paths (sm_70) unless the defines name an architecture.
+    let arch = if defines.iter().any(|d| d.starts_with("KILN_ARCH=")) {
+        None
+    } else {
+        Some("-DKILN_ARCH=700")
+    };
     let out = Command::new(cxx)
         .args(["-std=c++20", "-O1", "-g", "-pthread", "-x", "c++"])
         .args(["-fsanitize=address,undefined", "-fno-sanitize-recover=all"])
-        .args(["-DKILN_HOST", "-DKILN_ARCH=700", "-Wno-unknown-pragmas"])
+        .args(["-DKILN_HOST", "-Wno-unknown-pragmas"])
+        .args(arch)
         .args(defines.iter().map(|d| format!("-D{d}")))
         .arg(format!("-DKILN_KERNEL=\"{}\"", kernel.display()))
         .arg(format!("-I{}", host_dir().display()))
@@ -269,6 +276,41 @@ fn run_host_depthwise(
     run_launch(&exe, &spec, dtype, &host, ops)
 }
 
+/// Runs `pass` of `g` through the host build of the grouped family's kernel: its tensor-core
+/// path (sm_80), with ldmatrix and mma.sync emulated warp by warp.
+fn run_host_grouped(
+    cxx: &str,
+    dtype: DType,
+    pass: Pass,
+    g: &Geometry,
+    ops: [&[f64]; 2],
+) -> Vec<f64> {
+    let key = PlanKey {
+        arch: grouped::MIN_ARCH,
+        ..host_key(dtype, pass, g)
+    };
+    let launch = grouped::launch_for(&key, SMS, 227 * 1024).expect("the family takes the case");
+    let spec = grouped::spec(dtype, pass, launch.shape);
+    let exe = executable(
+        cxx,
+        &spec,
+        &[
+            "KILN_ENTRY=kiln_conv_grouped",
+            "KILN_PROBLEM=kiln_grouped",
+            "KILN_ARCH=800",
+        ],
+    );
+    let host = HostLaunch {
+        grid: launch.grid,
+        block: (32, grouped::THREADS as u32 / 32, 1),
+        shared: launch.shared,
+        problem: problem_bytes(&launch.problem),
+        splits: launch.splits,
+        out_len: out_len(pass, g),
+    };
+    run_launch(&exe, &spec, dtype, &host, ops)
+}
+
 /// `n` random convolutions the direct family takes (seeded): 1 to 3 spatial dims, every group
 /// shape, strides, paddings, both dilations and flip, small enough to emulate quickly.
 fn random_cases(seed: u64, n: usize) -> Vec<Case> {
@@ -388,7 +430,58 @@ fn random_depthwise(pass: Pass, n: usize) -> Vec<Case> {
     out
 }
 
+/// `n` random grouped layers the grouped family takes for `pass` (seeded): 1-D and 2-D, every
+/// group width, channel counts over several 64-channel blocks or one partial (some without
+/// 16-byte copies), kernels up to 3 a side, strides up to 2 (1 for backward-data), uneven
+/// padding and flip.
+fn random_grouped(pass: Pass, n: usize) -> Vec<Case> {
+    let mut rng = TestRng::new(0x9a0c + pass as u64);
+    let mut pick = |lo: usize, hi: usize| lo + (rng.next_f64() * (hi - lo + 1) as f64) as usize;
+    let most_stride = if pass == Pass::BackwardData { 1 } else { 2 };
+    let mut out = Vec::new();
+    while out.len() < n {
+        let cg = grouped::GROUP_WIDTHS[pick(0, grouped::GROUP_WIDTHS.len() - 1)];
+        let c = cg * pick(2, (160 / cg).max(2));
+        let one_d = pick(0, 3) == 0;
+        let k = [
+            if one_d {
+                1
+            } else {
+                pick(1, grouped::MAX_KERNEL)
+            },
+            pick(1, grouped::MAX_KERNEL),
+        ];
+        let size = [if one_d { 1 } else { pick(1, 19) }, pick(1, 40)];
+        let (x, w) = if one_d {
+            (vec![pick(1, 2), size[1], c], vec![c, k[1], cg])
+        } else {
+            (
+                vec![pick(1, 2), size[0], size[1], c],
+                vec![c, k[0], k[1], cg],
+            )
+        };
+        let dims = if one_d { 1 } else { 2 };
+        let strides: Vec<usize> = (0..dims).map(|_| pick(1, most_stride)).collect();
+        let lo: Vec<usize> = (0..dims).map(|_| pick(0, 2)).collect();
+        let hi: Vec<usize> = (0..dims).map(|_| pick(0, 2)).collect();
+        let p = ConvParams::default()
+            .groups(c / cg)
+            .strides(&strides)
+            .padding_lo(&lo)
+            .padding_hi(&hi)
+            .flip(pick(0, 2) == 0);
+        if Geometry::new(&x, &w, &p).is_ok() {
+            out.push((format!("random grouped {x:?} {w:?} {p:?}"), x, w, p));
+        }
+    }
+    out
+}
+
 fn check_cases(label: &str, pass: Pass, cases: &[Case], run: Runner) {
+    check_dtypes(label, pass, cases, run, &DType::ALL)
+}
+
+fn check_dtypes(label: &str, pass: Pass, cases: &[Case], run: Runner, dtypes: &[DType]) {
     let Some(cxx) = compiler() else {
         eprintln!("{label}: no C++ compiler, skipped");
         return;
@@ -398,7 +491,7 @@ fn check_cases(label: &str, pass: Pass, cases: &[Case], run: Runner) {
     for (ci, c) in cases.iter().enumerate() {
         let (name, x_shape, w_shape, params) = c;
         let g = Geometry::new(x_shape, w_shape, params).unwrap();
-        for dtype in DType::ALL {
+        for &dtype in dtypes {
             let mut rng = TestRng::new(ci as u64 * 13 + 5);
             let x = random(&mut rng, dtype, x_shape.iter().product());
             let w = random(&mut rng, dtype, w_shape.iter().product());
@@ -468,6 +561,40 @@ fn check_depthwise(pass: Pass) {
         .map(|c| (c.name.to_string(), c.x, c.w, c.p));
     let cases: Vec<_> = fixed.chain(random_depthwise(pass, 6)).collect();
     check_cases("host_depthwise", pass, &cases, run_host_depthwise);
+}
+
+/// The grouped family is 16-bit only.
+fn check_grouped(pass: Pass) {
+    let taken = |c: &common::conv_cases::ConvCase| {
+        let g = Geometry::new(&c.x, &c.w, &c.p).unwrap();
+        let key = PlanKey {
+            arch: grouped::MIN_ARCH,
+            ..host_key(DType::F16, pass, &g)
+        };
+        grouped::unsupported(kiln::env::ConvPath::Auto, &key).is_none()
+    };
+    let fixed = common::conv_cases::grouped()
+        .into_iter()
+        .filter(taken)
+        .map(|c| (c.name.to_string(), c.x, c.w, c.p));
+    let cases: Vec<_> = fixed.chain(random_grouped(pass, 6)).collect();
+    let sixteen = [DType::F16, DType::BF16];
+    check_dtypes("host_grouped", pass, &cases, run_host_grouped, &sixteen);
+}
+
+#[test]
+fn grouped_forward_matches_the_reference() {
+    check_grouped(Pass::Forward);
+}
+
+#[test]
+fn grouped_backward_data_matches_the_reference() {
+    check_grouped(Pass::BackwardData);
+}
+
+#[test]
+fn grouped_backward_weight_matches_the_reference() {
+    check_grouped(Pass::BackwardWeight);
 }
 
 #[test]

@@ -201,6 +201,67 @@ pub fn depthwise() -> Vec<ConvCase> {
     ]
 }
 
+/// Cases for the grouped family (2 to 32 channels a group, as many out as in, kernels up to
+/// 3x3, 16-bit): every group width, more than one 64-channel block with a partial last one,
+/// channel counts that take no 16-byte copies, strides, uneven padding, flip, 1-D, edges that
+/// cut tiles, a long backward-weight sum.
+pub fn grouped() -> Vec<ConvCase> {
+    let d = ConvParams::default;
+    vec![
+        ConvCase::new(
+            "grouped 3x3, 4 a group, 96 channels",
+            &[2, 13, 15, 96],
+            &[96, 3, 3, 4],
+            d().groups(24).padding(&[1]),
+        ),
+        ConvCase::new(
+            "grouped 3x3 stride 2, 8 a group, 64 channels",
+            &[2, 17, 19, 64],
+            &[64, 3, 3, 8],
+            d().groups(8).strides(&[2]).padding(&[1]),
+        ),
+        ConvCase::new(
+            "grouped 3x3, 16 a group, 48 channels",
+            &[1, 9, 22, 48],
+            &[48, 3, 3, 16],
+            d().groups(3).padding(&[1]),
+        ),
+        ConvCase::new(
+            "grouped 3x3, 32 a group, 128 channels",
+            &[2, 7, 9, 128],
+            &[128, 3, 3, 32],
+            d().groups(4).padding(&[1]),
+        ),
+        ConvCase::new(
+            "grouped 2x3 flip, uneven padding, 2 a group, 6 channels",
+            &[2, 8, 11, 6],
+            &[6, 2, 3, 2],
+            d().groups(3)
+                .flip(true)
+                .padding_lo(&[1, 0])
+                .padding_hi(&[0, 2]),
+        ),
+        ConvCase::new(
+            "grouped 1d kernel 3, 8 a group, 40 channels",
+            &[2, 37, 40],
+            &[40, 3, 8],
+            d().groups(5).padding(&[1]),
+        ),
+        ConvCase::new(
+            "grouped 1x1 stride 2x1, 4 a group, 20 channels",
+            &[1, 10, 12, 20],
+            &[20, 1, 1, 4],
+            d().groups(5).strides(&[2, 1]),
+        ),
+        ConvCase::new(
+            "grouped long backward-weight sum, 8 a group",
+            &[8, 20, 20, 16],
+            &[16, 3, 3, 8],
+            d().groups(2).padding(&[1]),
+        ),
+    ]
+}
+
 /// Cases for the stem family (1 to 4 input channels, 2-D): several tiles in each direction,
 /// edges that cut tiles, more than one block of 64 output channels.
 pub fn stem() -> Vec<ConvCase> {

@@ -1,7 +1,8 @@
 //! Convolution with MLX's `conv_general` semantics, channels last, 1 to 3 spatial dims: the
 //! forward pass and both gradients, each an implicit GEMM (`templates/conv_igemm.cu`, and on
 //! sm_90 `conv_wgmma.cu`), for 1-D and 2-D depthwise layers a stencil over shared-memory tiles
-//! (`conv_depthwise.cu`), for other few-channel groups a stencil (`conv_direct.cu`), for 1-4
+//! (`conv_depthwise.cu`), for 16-bit groups of 2-32 channels tensor-core tiles
+//! (`conv_grouped.cu`), for other few-channel groups a stencil (`conv_direct.cu`), for 1-4
 //! input channels (image stems) a gather from a staged patch (`conv_stem.cu`); patch
 //! convolutions run as a 1x1 convolution over rearranged operands (`patch`).
 //!
@@ -19,6 +20,9 @@ pub mod depthwise;
 #[doc(hidden)]
 pub mod direct;
 pub mod geometry;
+// Internal: public for kiln's own tests, benches and CLI; not part of the stable API.
+#[doc(hidden)]
+pub mod grouped;
 // Internal: public for kiln's own tests, benches and CLI; not part of the stable API.
 #[doc(hidden)]
 pub mod hopper;
@@ -393,7 +397,7 @@ fn run(
     Ok(out)
 }
 
-/// Launches a gather family's kernel (`conv_depthwise`, `conv_direct`, `conv_stem`): arguments (source, weight or
+/// Launches a gather family's kernel (`conv_depthwise`, `conv_grouped`, `conv_direct`, `conv_stem`): arguments (source, weight or
 /// cotangent, out, partial, problem). Forward and backward-data read (source, weight),
 /// backward-weight (input, cotangent): the GEMM operands `ab` (cotangent, input) in the other
 /// order. It writes `out`, or the f32 partials when the plan splits.
@@ -503,6 +507,21 @@ fn launch(enc: &mut CommandEncoder, plan: &Plan, a: &Array, b: &Array, out: &Arr
         }
         Kind::Stem(l) => {
             let block = (plan.threads, 1, 1);
+            let split = partial.as_ref();
+            launch_gather(
+                enc,
+                plan,
+                l.pass,
+                l.grid,
+                block,
+                l.problem,
+                out,
+                split,
+                [a, b],
+            )?;
+        }
+        Kind::Grouped(l) => {
+            let block = (32, plan.threads / 32, 1);
             let split = partial.as_ref();
             launch_gather(
                 enc,

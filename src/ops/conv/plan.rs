@@ -10,6 +10,7 @@ use lru::LruCache;
 use super::depthwise;
 use super::direct;
 use super::geometry::{Geometry, Pass, Problem};
+use super::grouped;
 use super::hopper;
 use super::stem;
 use crate::dtype::DType;
@@ -199,6 +200,9 @@ pub fn specs(arch: u32) -> Vec<KernelSpec> {
         out.push(split_sum_spec(dtype));
     }
     out.extend(depthwise::specs());
+    if arch >= grouped::MIN_ARCH {
+        out.extend(grouped::specs());
+    }
     out.extend(direct::specs());
     out.extend(stem::specs(arch));
     if arch == hopper::ARCH {
@@ -248,6 +252,8 @@ pub enum Kind {
     Wgmma(hopper::Launch),
     /// The depthwise family (`conv_depthwise`) for 1-D and 2-D depthwise layers.
     Depthwise(depthwise::Launch),
+    /// The grouped family (`conv_grouped`) for few channels a group on 16-bit tensor cores.
+    Grouped(grouped::Launch),
     /// The direct family (`conv_direct`) for few channels per group.
     Direct(direct::Launch),
     /// The stem family (`conv_stem`) for 1 to 4 input channels.
@@ -334,6 +340,20 @@ pub fn create(device: &Device, key: PlanKey) -> Result<Arc<Plan>> {
     device.prefetch(companion_specs(device, path, &key));
     let plan = if let Some((spec, launch)) = depthwise::plan(device, path, &key) {
         Arc::new(build_depthwise(device, &key, spec, launch)?)
+    } else if let Some((spec, launch)) = grouped::plan(device, path, &key) {
+        let geometry = (
+            launch.grid,
+            grouped::THREADS as u32,
+            launch.shared,
+            launch.splits,
+        );
+        Arc::new(build_gather(
+            device,
+            &key,
+            spec,
+            geometry,
+            Kind::Grouped(launch),
+        )?)
     } else if let Some((spec, launch)) = direct::plan(device, path, &key) {
         Arc::new(build_direct(device, &key, spec, launch)?)
     } else if let Some((spec, launch)) = stem::plan(device, path, &key) {
@@ -379,6 +399,9 @@ fn companion_specs(device: &Device, path: ConvPath, key: &PlanKey) -> Vec<Kernel
             continue;
         }
         let splits = if let Some((spec, launch)) = depthwise::plan(device, path, &other) {
+            out.push(spec);
+            launch.splits
+        } else if let Some((spec, launch)) = grouped::plan(device, path, &other) {
             out.push(spec);
             launch.splits
         } else if let Some((spec, launch)) = direct::plan(device, path, &other) {
@@ -602,7 +625,7 @@ fn build_stem(
     build_gather(device, key, spec, geometry, Kind::Stem(launch))
 }
 
-/// A plan for a gather family (depthwise, direct, stem): its kernel with `shared` bytes allowed, and the
+/// A plan for a gather family (depthwise, grouped, direct, stem): its kernel with `shared` bytes allowed, and the
 /// split sum when `splits` > 1.
 fn build_gather(
     device: &Device,

@@ -1,0 +1,391 @@
+// Grouped convolution with few channels a group (CG input and CG output channels, CG = 2 to 32),
+// 1-D or 2-D, channels last, 16-bit types on tensor cores (mma.sync m16n8k16, sm_80+): input
+// (batch, h, w, C), weight (C, kh, kw, CG), output (batch, oh, ow, C). Such layers move many
+// bytes for little arithmetic, so a block works on 64 channels and walks tiles of outputs: it
+// copies the next tile's source pixels (their 64 channels) into shared memory with cp.async
+// while it computes this one, and every product reads staged values with ldmatrix.
+//
+// Every product is an MMA over 16-channel chunks: a group's weights between 16 output channels
+// and the 16 (CG <= 16) or CG (CG = 32) source channels they read form a block-diagonal 16 x 16
+// matrix, or two dense ones. The zeros cost MMAs, which are cheap next to the bytes; one code
+// path serves every group width.
+//
+// A tile is TILE_H x TILE_W outputs (TILE_W a multiple of 8): segments of 8 outputs along a row,
+// and M tiles of two segments (16 outputs). A staged pixel (a slot) holds 64 channels, padded to
+// PITCH elements so that ldmatrix's eight rows (eight consecutive slots) fall in distinct banks
+// and a tap moves every row's address by one constant. Source columns are staged by stride
+// phase (column c at (c % SW) * phase_cols + c / SW): the 8 outputs of a segment read 8
+// consecutive slots at every tap, at any stride.
+//
+// The passes:
+//   PASS 0 forward:         out = output, src = input. A warp takes a 16-channel chunk of the
+//                           block and every other M tile: A = 16 outputs x 16 source channels
+//                           (ldmatrix from the tile), B = the chunk's weights (ldmatrix from
+//                           the block's staged weights), a tap and k chunk at a time.
+//   PASS 1 backward-data:   out = input gradient, src = cotangent, stride 1: the forward with
+//                           the taps walked backwards (off = pad - (k - 1)) and each group's
+//                           weight transposed.
+//   PASS 2 backward-weight: src = input, the cotangent staged beside it. M = the chunk's 16
+//                           output channels, N = 8 source channels, K = 16 outputs (A: the
+//                           cotangent, B: the source at a tap, both ldmatrix .trans); a warp
+//                           holds every tap's sums for its chunk and half of its source
+//                           channels over its block's tiles (a split of the batch's) and writes
+//                           them, as f32 partials that conv_split_sum adds up when the sum is
+//                           split, so the result is deterministic.
+{{> prelude}}
+{{> mma}}
+
+typedef {{dtype}} T;
+constexpr int PASS = {{PASS}};
+constexpr int CG = {{CG}};
+constexpr int KH = {{KH}}, KW = {{KW}};
+constexpr int SH = {{SH}}, SW = {{SW}};
+constexpr int THREADS = {{block_dim}};
+constexpr int WARPS = THREADS / 32;
+constexpr int CHUNKS = 4;             // 16-channel chunks a block
+constexpr int PER = 16 * CHUNKS;      // channels a staged pixel
+constexpr int UNITS = PER / 8;        // its 16-byte units
+constexpr int PITCH = PER + 8;        // elements a slot: 144 bytes, 16 bytes past a bank cycle
+constexpr int SPAN = CG < 16 ? 16 : CG;  // source channels an output chunk reads
+constexpr int KC = SPAN / 16;            // their 16-channel k chunks
+constexpr int KSIZE = KH * KW;
+constexpr int MB = 4;  // M tiles a forward warp sums at once, at most
+// Blocks an SM must hold (the launch bound); backward-weight of 32-channel groups holds twice
+// the sums.
+constexpr int MIN_BLOCKS = PASS == 2 && KC > 1 ? 2 : 3;
+static_assert(sizeof(T) == 2, "16-bit types only");
+static_assert(KILN_ARCH >= 800, "mma.sync m16n8k16 for both 16-bit types needs sm_80");
+static_assert(WARPS == 2 * CHUNKS, "two warps a chunk");
+static_assert(UNITS == 8 && THREADS % UNITS == 0, "a thread copies one unit of its pixels");
+static_assert(16 % CG == 0 || CG == 32, "group widths 2, 4, 8, 16 and 32");
+static_assert(PASS != 1 || (SH == 1 && SW == 1), "backward-data is stride 1 only");
+
+// Mirrors ops::conv::grouped::Problem (repr(C)).
+struct kiln_grouped {
+  int batch;
+  int src_h, src_w;      // the source's extents
+  int out_h, out_w;      // the gather's output (backward-weight: the cotangent)
+  int chans;             // channels of source and output
+  int off_h, off_w;      // source position of output 0 at tap 0
+  int tile_h, tile_w;    // outputs a tile (tile_w a multiple of 8, tile_h * tile_w of 16)
+  int tiles_h, tiles_w;  // tiles an image
+  int tiles;             // batch * tiles_h * tiles_w
+  int reverse;           // the weight's tap is KSIZE - 1 - t
+  int vec;               // both staged arrays may be copied in 16-byte pieces
+  int tiles_per_split;   // backward-weight: tiles a block sums
+};
+
+// The staged source of a tile: rows, columns, columns a stride phase, slots a row.
+struct kiln_staged {
+  int rows, cols, phase_cols, row_slots;
+};
+__device__ __forceinline__ kiln_staged kiln_staged_of(const kiln_grouped& p) {
+  const int rows = (p.tile_h - 1) * SH + KH, cols = (p.tile_w - 1) * SW + KW;
+  const int phase_cols = (cols + SW - 1) / SW;
+  return {rows, cols, phase_cols, SW * phase_cols};
+}
+
+// Element offset of 16-byte unit `unit` of staged slot `slot`.
+__device__ __forceinline__ int kiln_at(int slot, int unit) { return slot * PITCH + unit * 8; }
+
+// Copies `rows` x `cols` pixels (channels c0 to c0 + 63) of an (n, ext_h, ext_w, chans) array,
+// from pixel (h0, w0) on, into the staged slots of `s` (pixel (r, c) to slot r * S * phase_cols
+// + (c % S) * phase_cols + c / S); zeros outside the array. With `vec`, in 16-byte pieces that
+// land asynchronously (kiln_cp_async_commit/wait); else one element at a time, at once.
+template <int S>
+__device__ __forceinline__ void kiln_stage(const T* __restrict__ src, T* s, int n, int h0, int w0,
+                                           int rows, int cols, int phase_cols, int ext_h,
+                                           int ext_w, int chans, int c0, bool vec) {
+  const int tid = threadIdx.y * 32 + threadIdx.x;
+  const long long image = (long long)n * ext_h;
+  const int pixels = rows * cols;
+  auto slot_of = [&](int r, int q) { return (r * S + q % S) * phase_cols + q / S; };
+  if (vec) {
+    // A thread copies unit e of every STEP-th pixel, walking (row, column) without dividing.
+    constexpr int STEP = THREADS / UNITS;
+    const int e = tid % UNITS, c = c0 + e * 8;
+    const int step_r = STEP / cols, step_q = STEP - step_r * cols;
+    int pixel = tid / UNITS, r = pixel / cols, q = pixel - r * cols;
+    for (; pixel < pixels; pixel += STEP) {
+      const int h = h0 + r, w = w0 + q;
+      const bool ok = h >= 0 && h < ext_h && w >= 0 && w < ext_w && c < chans;
+      const T* g = ok ? src + ((image + h) * ext_w + w) * chans + c : src;
+      kiln_cp_async<16, false>(s + kiln_at(slot_of(r, q), e), g, ok);
+      r += step_r;
+      q += step_q;
+      if (q >= cols) {
+        q -= cols;
+        ++r;
+      }
+    }
+  } else {
+    for (int u = tid; u < pixels * PER; u += THREADS) {
+      const int pixel = u / PER, e = u - pixel * PER;
+      const int r = pixel / cols, q = pixel - r * cols;
+      const int h = h0 + r, w = w0 + q, c = c0 + e;
+      const bool ok = h >= 0 && h < ext_h && w >= 0 && w < ext_w && c < chans;
+      s[slot_of(r, q) * PITCH + e] = ok ? src[((image + h) * ext_w + w) * chans + c] : T{};
+    }
+  }
+}
+
+// The tile's image and its first output row and column.
+struct kiln_tile {
+  int n, oh, ow;
+};
+__device__ __forceinline__ kiln_tile kiln_tile_at(const kiln_grouped& p, int tile) {
+  const int tw = tile % p.tiles_w, rest = tile / p.tiles_w;
+  const int th = rest % p.tiles_h;
+  return {rest / p.tiles_h, th * p.tile_h, tw * p.tile_w};
+}
+
+// Slots of a buffer: the source's, then (backward-weight) the cotangent's, a slot an output.
+__device__ __forceinline__ int kiln_buffer(const kiln_grouped& p) {
+  const kiln_staged st = kiln_staged_of(p);
+  return (st.rows * st.row_slots + (PASS == 2 ? p.tile_h * p.tile_w : 0)) * PITCH;
+}
+
+// Starts copying tile `tile`'s source (and for backward-weight its cotangent) into `s`.
+__device__ __forceinline__ void kiln_issue(const T* __restrict__ src, const T* __restrict__ dy,
+                                           const kiln_grouped& p, T* s, int tile, int c0) {
+  const kiln_tile t = kiln_tile_at(p, tile);
+  const kiln_staged st = kiln_staged_of(p);
+  kiln_stage<SW>(src, s, t.n, t.oh * SH + p.off_h, t.ow * SW + p.off_w, st.rows, st.cols,
+                 st.phase_cols, p.src_h, p.src_w, p.chans, c0, p.vec);
+  if (PASS == 2)
+    kiln_stage<1>(dy, s + st.rows * st.row_slots * PITCH, t.n, t.oh, t.ow, p.tile_h, p.tile_w,
+                  p.tile_w, p.out_h, p.out_w, p.chans, c0, p.vec);
+  kiln_cp_async_commit();
+}
+
+// The slot offset of tap (kh, kw) from an output's tap-0 slot.
+__device__ __forceinline__ int kiln_tap_slots(const kiln_staged& st, int kh, int kw) {
+  return kh * st.row_slots + (kw % SW) * st.phase_cols + kw / SW;
+}
+
+// The tap-0 slot of output `i` (0-7) of segment `s` of a tile, its row and column in the tile.
+__device__ __forceinline__ int kiln_segment_slot(const kiln_grouped& p, const kiln_staged& st,
+                                                 int s, int i) {
+  const int per_row = p.tile_w / 8;
+  const int row = s / per_row, col = (s - row * per_row) * 8 + i;
+  return row * SH * st.row_slots + col;
+}
+
+// Forward and backward-data: M tiles m0, m0 + 2, ... (NQ of them) of chunk j of the staged
+// tile `buf`, with the chunk's staged weights `wj`; stores the outputs. NQ is compile-time so
+// that the taps' loads and MMAs are straight-line code.
+template <int NQ>
+__device__ __forceinline__ void kiln_products(const kiln_grouped& p, const kiln_staged& st,
+                                              const T* buf, const T* wj, int m0, int j,
+                                              const kiln_tile& t, int c0,
+                                              T* __restrict__ out) {
+  const int lane = threadIdx.x, mi = lane >> 3, r = lane & 7;
+  // The first unit of the chunk's source channels in a staged pixel.
+  const int span_unit = 16 * j / SPAN * SPAN / 8;
+  float acc[NQ][2][4];
+  const T* row[NQ];  // this lane's ldmatrix row at tap 0 and k chunk 0, per M tile
+#pragma unroll
+  for (int q = 0; q < NQ; ++q) {
+    const int slot = kiln_segment_slot(p, st, 2 * (m0 + 2 * q) + (mi & 1), r);
+    row[q] = buf + kiln_at(slot, span_unit + (mi >> 1));
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[q][nt][e] = 0.0f;
+  }
+  // This lane's row of B: output channel n of the chunk, k half mi & 1 (swizzled by n / 4).
+  const int n = (mi >> 1) * 8 + r;
+  const int b_row = n * 16 + (((mi & 1) ^ ((n >> 2) & 1)) << 3);
+#pragma unroll
+  for (int kh = 0; kh < KH; ++kh)
+#pragma unroll
+    for (int kw = 0; kw < KW; ++kw) {
+      const int toff = kiln_tap_slots(st, kh, kw);
+#pragma unroll
+      for (int kc = 0; kc < KC; ++kc) {
+        unsigned b[4];
+        kiln_ldmatrix_x4<false>(b, wj + ((kh * KW + kw) * KC + kc) * 256 + b_row);
+        const int shift = toff * PITCH + kc * 16;
+#pragma unroll
+        for (int q = 0; q < NQ; ++q) {
+          unsigned a[4];
+          kiln_ldmatrix_x4<false>(a, row[q] + shift);
+          kiln_mma<T>::run(acc[q][0], a, b[0], b[1]);
+          kiln_mma<T>::run(acc[q][1], a, b[2], b[3]);
+        }
+      }
+    }
+  // Accumulator e of n tile nt: output g (+8 for e >= 2: the second segment), channels
+  // 16 j + 8 nt + 2 (lane % 4) and the next.
+  const int g = lane >> 2, pair = 2 * (lane & 3);
+  const int per_row = p.tile_w / 8;
+#pragma unroll
+  for (int q = 0; q < NQ; ++q) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int s = 2 * (m0 + 2 * q) + h;
+      const int row = s / per_row, col = (s - row * per_row) * 8 + g;
+      const int oh = t.oh + row, ow = t.ow + col;
+      if (oh >= p.out_h || ow >= p.out_w) continue;
+      T* dst = out + (((long long)t.n * p.out_h + oh) * p.out_w + ow) * p.chans;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const int c = c0 + 16 * j + 8 * nt + pair;  // even, as chans is
+        if (c >= p.chans) continue;
+        // One 32-bit store for the pair (c even, the output a fresh array).
+        const unsigned lo = kiln_from_float<T>(acc[q][nt][2 * h]).bits;
+        const unsigned hi = kiln_from_float<T>(acc[q][nt][2 * h + 1]).bits;
+        *reinterpret_cast<unsigned*>(dst + c) = lo | hi << 16;
+      }
+    }
+  }
+}
+
+// Backward-weight: adds M tile m of the staged tile `buf` (source slots, then the cotangent's)
+// to the sums of chunk j and source-channel half `half`: sums[tap][k tile].
+__device__ __forceinline__ void kiln_weight_sums(const kiln_grouped& p, const kiln_staged& st,
+                                                 const T* buf, int m, int j, int half,
+                                                 float (&sums)[KSIZE][KC][4]) {
+  const int lane = threadIdx.x, mi = lane >> 3, r = lane & 7;
+  // A: the cotangent of the M tile's 16 outputs (k) at the chunk's 16 channels (m), read
+  // transposed: matrix mi holds outputs of segment 2 m + mi / 2, channels 8 (mi % 2) on.
+  const T* dy = buf + st.rows * st.row_slots * PITCH;
+  const int per_row = p.tile_w / 8;
+  const int s = 2 * m + (mi >> 1);
+  const int srow = s / per_row, dslot = srow * p.tile_w + (s - srow * per_row) * 8 + r;
+  unsigned a[4];
+  kiln_ldmatrix_x4<true>(a, dy + kiln_at(dslot, 2 * j + (mi & 1)));
+  // B: the source at a tap, 16 outputs (k) x 8 channels (n), read transposed: matrix mi & 1
+  // holds segment 2 m + (mi & 1) (lanes 16-31 repeat 0-15; ldmatrix .x2 reads lanes 0-15).
+  const int unit0 = 16 * j / SPAN * SPAN / 8 + half * KC;
+  const T* row = buf + kiln_at(kiln_segment_slot(p, st, 2 * m + (mi & 1), r), unit0);
+#pragma unroll
+  for (int kh = 0; kh < KH; ++kh)
+#pragma unroll
+    for (int kw = 0; kw < KW; ++kw) {
+      const T* at = row + kiln_tap_slots(st, kh, kw) * PITCH;
+#pragma unroll
+      for (int nt = 0; nt < KC; ++nt) {
+        unsigned b[2];
+        kiln_ldmatrix_x2<true>(b, at + nt * 8);
+        kiln_mma<T>::run(sums[kh * KW + kw][nt], a, b[0], b[1]);
+      }
+    }
+}
+
+// Shared memory: [weights (forward, backward-data): CHUNKS x KSIZE x KC blocks of 16 x 16, B
+// fragments' order] then two tile buffers. Block: (32, WARPS); grid: (blocks walking the tiles,
+// or backward-weight's splits; blocks of 64 channels).
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{kernel}}(
+    const T* __restrict__ src, const T* __restrict__ other, T* __restrict__ out,
+    float* __restrict__ partial, kiln_grouped p) {
+  extern __shared__ float4 kiln_w4[];
+  const int lane = threadIdx.x, warp = threadIdx.y;
+  const int tid = warp * 32 + lane;
+  const int c0 = blockIdx.y * PER;
+  const int j = warp % CHUNKS, half = warp / CHUNKS;
+  const bool active = c0 + 16 * j < p.chans;
+  constexpr int WEIGHTS = PASS == 2 ? 0 : CHUNKS * KSIZE * KC * 256;
+  T* ws = reinterpret_cast<T*>(kiln_w4);
+  T* bufs = ws + WEIGHTS;
+  const int buffer = kiln_buffer(p);
+  const kiln_staged st = kiln_staged_of(p);
+  const int mtiles = p.tile_h * p.tile_w / 16;
+  const T* dy = PASS == 2 ? other : nullptr;
+  // Tiles: forward and backward-data walk every gridDim.x-th; backward-weight its split's.
+  const int first = PASS == 2 ? blockIdx.x * p.tiles_per_split : blockIdx.x;
+  const int end = PASS == 2 ? min(p.tiles, first + p.tiles_per_split) : p.tiles;
+  const int step = PASS == 2 ? 1 : gridDim.x;
+  if (first < end) kiln_issue(src, dy, p, bufs, first, c0);
+
+  if (PASS != 2) {
+    // B of chunk j, walked tap, k chunk kc, at [((j * KSIZE + tap) * KC + kc) * 256 + n * 16 +
+    // k] (the two 8-element halves of row n swapped when n / 4 is odd): the weight between
+    // gather output channel c0 + 16 j + n and source channel c0 + (its span) + 16 kc + k; zero
+    // across groups. Forward: weight[output][tap][source % CG]; backward-data (the gather's
+    // output is the layer's input): weight[source][tap][output % CG].
+    const T* weight = other;
+    for (int e = tid; e < WEIGHTS; e += THREADS) {
+      const int k = e & 15, n = (e >> 4) & 15, block = e >> 8;
+      const int kc = block % KC, jt = block / KC;
+      const int tap = jt % KSIZE, jj = jt / KSIZE;
+      const int oc = c0 + 16 * jj + n;
+      const int sc = c0 + 16 * jj / SPAN * SPAN + 16 * kc + k;
+      T v{};
+      if (oc < p.chans && sc < p.chans && oc / CG == sc / CG) {
+        const int wt = p.reverse ? KSIZE - 1 - tap : tap;
+        const int wo = PASS == 1 ? sc : oc, wi = PASS == 1 ? oc : sc;
+        v = weight[((long long)wo * KSIZE + wt) * CG + wi % CG];
+      }
+      ws[block * 256 + n * 16 + (((k >> 3) ^ ((n >> 2) & 1)) << 3) + (k & 7)] = v;
+    }
+    __syncthreads();
+  }
+
+  float sums[KSIZE][KC][4];
+#pragma unroll
+  for (int t = 0; t < KSIZE; ++t)
+#pragma unroll
+    for (int nt = 0; nt < KC; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sums[t][nt][e] = 0.0f;
+
+  int k = 0;
+  for (int tile = first; tile < end; tile += step, ++k) {
+    // Start the next tile's copy into the other buffer, then wait for this one's.
+    const int next = tile + step;
+    const T* buf = bufs + (k & 1) * buffer;
+    if (next < end) {
+      kiln_issue(src, dy, p, bufs + ((k + 1) & 1) * buffer, next, c0);
+      kiln_cp_async_wait<1>();
+    } else {
+      kiln_cp_async_wait<0>();
+    }
+    __syncthreads();
+    if (active) {
+      if constexpr (PASS == 2) {
+        for (int m = 0; m < mtiles; ++m) kiln_weight_sums(p, st, buf, m, j, half, sums);
+      } else {
+        const kiln_tile t = kiln_tile_at(p, tile);
+        const T* wj = ws + j * KSIZE * KC * 256;
+        for (int m0 = half; m0 < mtiles; m0 += 2 * MB) {
+          const int nq = (mtiles - m0 + 1) / 2;  // this warp's M tiles from m0 on
+          if (nq >= 4)
+            kiln_products<4>(p, st, buf, wj, m0, j, t, c0, out);
+          else if (nq == 3)
+            kiln_products<3>(p, st, buf, wj, m0, j, t, c0, out);
+          else if (nq == 2)
+            kiln_products<2>(p, st, buf, wj, m0, j, t, c0, out);
+          else
+            kiln_products<1>(p, st, buf, wj, m0, j, t, c0, out);
+        }
+      }
+    }
+    __syncthreads();  // this buffer is read; the next issue may overwrite it
+  }
+
+  if constexpr (PASS == 2) {
+    // Sum e of k tile nt at a tap: output channel c0 + 16 j + g (+8 for e >= 2), source
+    // channel c0 + (the chunk's span) + 8 (half * KC + nt) + 2 (lane % 4) (+1 for odd e).
+    if (!active) return;
+    const int g = lane >> 2, pair = 2 * (lane & 3);
+    const long long weights = (long long)p.chans * KSIZE * CG;
+    const int span0 = c0 + 16 * j / SPAN * SPAN + 8 * half * KC;
+#pragma unroll
+    for (int t = 0; t < KSIZE; ++t)
+#pragma unroll
+      for (int nt = 0; nt < KC; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int oc = c0 + 16 * j + g + (e >= 2 ? 8 : 0);
+          const int sc = span0 + 8 * nt + pair + (e & 1);
+          if (oc >= p.chans || sc >= p.chans || oc / CG != sc / CG) continue;
+          const long long at = ((long long)oc * KSIZE + (p.reverse ? KSIZE - 1 - t : t)) * CG +
+                               sc % CG;
+          if (partial)
+            partial[blockIdx.x * weights + at] = sums[t][nt][e];
+          else
+            out[at] = kiln_from_float<T>(sums[t][nt][e]);
+        }
+  }
+}
