@@ -18,7 +18,7 @@ use crate::jit::{KernelSpec, TemplateDef};
 use crate::runtime::Device;
 
 use super::geometry::{Geometry, Pass};
-use super::plan::PlanKey;
+use super::plan::{persistent_grid, PlanKey};
 
 pub static DEPTHWISE: TemplateDef = TemplateDef {
     name: "conv_depthwise",
@@ -321,17 +321,7 @@ pub fn launch_for(key: &PlanKey, sms: usize, limit: usize) -> Option<Launch> {
     let tiles_h = out[1].div_ceil(tile[0]);
     let tiles_w = out[2].div_ceil(tile[1]);
     let tiles = g.batch * tiles_h * tiles_w;
-    // Blocks along x for each chunk of channels: forward and backward-data walk every
-    // x-th tile; backward-weight's blocks each sum a run of tiles (a split). Rounded down: the
-    // blocks are persistent, and one past what the SMs hold at once would run as a second wave.
-    let per_chunk = (blocks / chunks).clamp(1, tiles.max(1));
-    let (blocks_x, splits, per_split) = if pass == Pass::BackwardWeight {
-        let per_split = tiles.div_ceil(per_chunk).max(1);
-        let splits = tiles.div_ceil(per_split).max(1);
-        (splits, splits, per_split)
-    } else {
-        (per_chunk, 1, 0)
-    };
+    let (blocks_x, splits, per_split) = persistent_grid(pass, blocks, chunks, tiles);
     if tiles == 0 || tiles > i32::MAX as usize || chunks > 65535 {
         return None;
     }

@@ -18,7 +18,7 @@ use crate::jit::{KernelSpec, TemplateDef};
 use crate::runtime::Device;
 
 use super::geometry::{Geometry, Pass};
-use super::plan::PlanKey;
+use super::plan::{persistent_grid, PlanKey};
 
 pub static GROUPED: TemplateDef = TemplateDef {
     name: "conv_grouped",
@@ -309,17 +309,7 @@ pub fn launch_for(key: &PlanKey, sms: usize, limit: usize) -> Option<Launch> {
     if tiles == 0 || tiles > i32::MAX as usize || blocks_y > 65535 {
         return None;
     }
-    // Blocks along x for each block of channels: forward and backward-data walk every x-th
-    // tile; backward-weight's blocks each sum a run of tiles (a split). Rounded down: the blocks
-    // are persistent, and one past what the SMs hold at once would run as a second wave.
-    let per_y = (blocks / blocks_y).clamp(1, tiles);
-    let (blocks_x, splits, per_split) = if pass == Pass::BackwardWeight {
-        let per_split = tiles.div_ceil(per_y);
-        let splits = tiles.div_ceil(per_split);
-        (splits, splits, per_split)
-    } else {
-        (per_y, 1, 0)
-    };
+    let (blocks_x, splits, per_split) = persistent_grid(pass, blocks, blocks_y, tiles);
     let problem = Problem {
         batch: g.batch as i32,
         src_h: src[1] as i32,

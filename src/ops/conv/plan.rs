@@ -368,6 +368,28 @@ pub fn create(device: &Device, key: PlanKey) -> Result<Arc<Plan>> {
     Ok(plan)
 }
 
+/// How a persistent gather family's blocks (depthwise, grouped) share `tiles` tiles: blocks
+/// along x for each of `blocks_y` blocks along y, out of `blocks` that the SMs hold at once;
+/// returned as (blocks along x, splits, tiles a split). Forward and backward-data blocks walk
+/// every x-th tile; backward-weight's each sum a run of tiles (a split, one f32 partial). Rounded
+/// down: a block past what the SMs hold would run as a second wave and take as long again.
+pub fn persistent_grid(
+    pass: Pass,
+    blocks: usize,
+    blocks_y: usize,
+    tiles: usize,
+) -> (usize, usize, usize) {
+    let tiles = tiles.max(1);
+    let per_y = (blocks / blocks_y.max(1)).clamp(1, tiles);
+    if pass == Pass::BackwardWeight {
+        let per_split = tiles.div_ceil(per_y);
+        let splits = tiles.div_ceil(per_split);
+        (splits, splits, per_split)
+    } else {
+        (per_y, 1, 0)
+    }
+}
+
 /// Whether each GEMM operand of `pass` may use vector loads as far as the channel counts go:
 /// the channel run its vectors lie in (see the template's gather) is a multiple of the vector
 /// width. (Each array's alignment decides too.)
