@@ -18,7 +18,7 @@ use crate::jit::{KernelSpec, TemplateDef};
 use crate::runtime::Device;
 
 use super::geometry::{Geometry, Pass};
-use super::plan::{persistent_grid, PlanKey};
+use super::plan::{persistent_grid, tile_limits, PlanKey};
 
 pub static DEPTHWISE: TemplateDef = TemplateDef {
     name: "conv_depthwise",
@@ -150,24 +150,7 @@ pub fn unsupported(path: ConvPath, key: &PlanKey) -> Option<&'static str> {
     if !MULTIPLIERS.contains(&(g.cout / g.groups)) {
         return Some("a channel multiplier the family does not take");
     }
-    if g.spatial > 2 {
-        return Some("3-D");
-    }
-    if g.kernel[1..].iter().any(|&k| k > MAX_KERNEL) {
-        return Some("a kernel wider than the family's");
-    }
-    let most = if key.pass == Pass::BackwardData {
-        1
-    } else {
-        MAX_STRIDE
-    };
-    if g.stride[1..].iter().any(|&s| s > most) {
-        return Some("a stride larger than the family's");
-    }
-    if g.kernel_dilation != [1; 3] || g.input_dilation != [1; 3] {
-        return Some("dilation");
-    }
-    None
+    tile_limits(key, MAX_KERNEL, MAX_STRIDE)
 }
 
 /// The kernel's view of a problem: `struct kiln_depthwise` in the template.
@@ -371,22 +354,10 @@ pub fn plan(device: &Device, path: ConvPath, key: &PlanKey) -> Option<(KernelSpe
 #[cfg(test)]
 mod tests {
     use super::super::geometry::ConvParams;
+    use super::super::plan::test_key as key;
     use super::*;
 
     const H100_SHARED: usize = 227 * 1024;
-
-    fn key(dtype: DType, pass: Pass, x: &[usize], w: &[usize], p: &ConvParams) -> PlanKey {
-        PlanKey {
-            device: 0,
-            arch: 90,
-            dtype,
-            pass,
-            geometry: Geometry::new(x, w, p).unwrap(),
-            vec_a: false,
-            vec_b: false,
-            aligned: true,
-        }
-    }
 
     fn depthwise(
         c: usize,

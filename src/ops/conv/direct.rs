@@ -377,20 +377,8 @@ pub fn launch_for(key: &PlanKey, sms: usize, limit: usize) -> Option<Launch> {
 #[cfg(test)]
 mod tests {
     use super::super::geometry::ConvParams;
+    use super::super::plan::test_key as key;
     use super::*;
-
-    fn key(dtype: DType, pass: Pass, x: &[usize], w: &[usize], p: &ConvParams) -> PlanKey {
-        PlanKey {
-            device: 0,
-            arch: 90,
-            dtype,
-            pass,
-            geometry: Geometry::new(x, w, p).unwrap(),
-            vec_a: false,
-            vec_b: false,
-            aligned: true,
-        }
-    }
 
     #[test]
     fn takes_the_group_shapes_it_compiles() {

@@ -18,7 +18,7 @@ use crate::jit::{KernelSpec, TemplateDef};
 use crate::runtime::Device;
 
 use super::geometry::{Geometry, Pass};
-use super::plan::{persistent_grid, PlanKey};
+use super::plan::{persistent_grid, tile_limits, PlanKey};
 
 pub static GROUPED: TemplateDef = TemplateDef {
     name: "conv_grouped",
@@ -131,24 +131,7 @@ pub fn unsupported(path: ConvPath, key: &PlanKey) -> Option<&'static str> {
     if !GROUP_WIDTHS.contains(&(g.cin / g.groups)) {
         return Some("a group width the family does not take");
     }
-    if g.spatial > 2 {
-        return Some("3-D");
-    }
-    if g.kernel[1..].iter().any(|&k| k > MAX_KERNEL) {
-        return Some("a kernel wider than the family's");
-    }
-    let most = if key.pass == Pass::BackwardData {
-        1
-    } else {
-        MAX_STRIDE
-    };
-    if g.stride[1..].iter().any(|&s| s > most) {
-        return Some("a stride larger than the family's");
-    }
-    if g.kernel_dilation != [1; 3] || g.input_dilation != [1; 3] {
-        return Some("dilation");
-    }
-    None
+    tile_limits(key, MAX_KERNEL, MAX_STRIDE)
 }
 
 /// The kernel's view of a problem: `struct kiln_grouped` in the template.
@@ -352,22 +335,10 @@ pub fn plan(device: &Device, path: ConvPath, key: &PlanKey) -> Option<(KernelSpe
 #[cfg(test)]
 mod tests {
     use super::super::geometry::ConvParams;
+    use super::super::plan::test_key as key;
     use super::*;
 
     const H100_SHARED: usize = 227 * 1024;
-
-    fn key(dtype: DType, pass: Pass, x: &[usize], w: &[usize], p: &ConvParams) -> PlanKey {
-        PlanKey {
-            device: 0,
-            arch: 90,
-            dtype,
-            pass,
-            geometry: Geometry::new(x, w, p).unwrap(),
-            vec_a: false,
-            vec_b: false,
-            aligned: true,
-        }
-    }
 
     fn grouped(c: usize, cg: usize, size: [usize; 2], k: usize) -> [Vec<usize>; 2] {
         [vec![2, size[0], size[1], c], vec![c, k, k, cg]]

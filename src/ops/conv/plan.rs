@@ -368,6 +368,53 @@ pub fn create(device: &Device, key: PlanKey) -> Result<Arc<Plan>> {
     Ok(plan)
 }
 
+/// What the tiled stencil families (depthwise, grouped) share in what they take: 1-D and 2-D
+/// layers, kernels up to `max_kernel` taps a side, strides up to `max_stride` (1 for
+/// backward-data, which walks the taps at stride 1), no dilation. Why not, or None.
+pub fn tile_limits(key: &PlanKey, max_kernel: usize, max_stride: usize) -> Option<&'static str> {
+    let g = &key.geometry;
+    if g.spatial > 2 {
+        return Some("3-D");
+    }
+    if g.kernel[1..].iter().any(|&k| k > max_kernel) {
+        return Some("a kernel wider than the family's");
+    }
+    let most = if key.pass == Pass::BackwardData {
+        1
+    } else {
+        max_stride
+    };
+    if g.stride[1..].iter().any(|&s| s > most) {
+        return Some("a stride larger than the family's");
+    }
+    if g.kernel_dilation != [1; 3] || g.input_dilation != [1; 3] {
+        return Some("dilation");
+    }
+    None
+}
+
+/// A sm_90 key for `pass` of the convolution of `x` by `w` (aligned operands, no vector flags),
+/// for the conv families' unit tests.
+#[cfg(test)]
+pub fn test_key(
+    dtype: DType,
+    pass: Pass,
+    x: &[usize],
+    w: &[usize],
+    p: &super::geometry::ConvParams,
+) -> PlanKey {
+    PlanKey {
+        device: 0,
+        arch: 90,
+        dtype,
+        pass,
+        geometry: Geometry::new(x, w, p).unwrap(),
+        vec_a: false,
+        vec_b: false,
+        aligned: true,
+    }
+}
+
 /// How a persistent gather family's blocks (depthwise, grouped) share `tiles` tiles: blocks
 /// along x for each of `blocks_y` blocks along y, out of `blocks` that the SMs hold at once;
 /// returned as (blocks along x, splits, tiles a split). Forward and backward-data blocks walk

@@ -295,20 +295,8 @@ pub fn plan(device: &Device, path: ConvPath, key: &PlanKey) -> Option<(KernelSpe
 #[cfg(test)]
 mod tests {
     use super::super::geometry::ConvParams;
+    use super::super::plan::test_key as key;
     use super::*;
-
-    fn key(dtype: DType, pass: Pass, x: &[usize], w: &[usize], p: &ConvParams) -> PlanKey {
-        PlanKey {
-            device: 0,
-            arch: 90,
-            dtype,
-            pass,
-            geometry: Geometry::new(x, w, p).unwrap(),
-            vec_a: false,
-            vec_b: false,
-            aligned: true,
-        }
-    }
 
     #[test]
     fn takes_stems_and_names_what_it_does_not() {
