@@ -2,7 +2,8 @@
 forward, backward-data and backward-weight (aten.convolution_backward with one output each),
 with cudnn.benchmark on and TF32 off, on the shapes given as arguments ("N,C,H,W,K,R,S,stride,pad"
 for 2-D, "N,C,D1xD2..,K,R1xR2..,stride,pad" for any rank). Times with CUDA events, median of
-repeats; `--dtypes f16,bf16` first limits the dtypes. Prints one JSON object:
+repeats; `--dtypes f16,bf16` first limits the dtypes; `--tf32` first turns TF32 on (kiln's
+KILN_ALLOW_TF32 counterpart). Prints one JSON object:
 {"SHAPE dtype pass": seconds, ...}."""
 import json
 import statistics
@@ -59,10 +60,18 @@ def channels_last(t):
 CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 args = sys.argv[1:]
+if args[:1] == ["--tf32"]:
+    torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cuda.matmul.allow_tf32 = True
+    args = args[1:]
 if args[:1] == ["--dtypes"]:
     DTYPES = {d: DTYPES[d] for d in args[1].split(",")}
     args = args[2:]
-out = {"torch": torch.__version__, "cudnn": torch.backends.cudnn.version()}
+out = {
+    "torch": torch.__version__,
+    "cudnn": torch.backends.cudnn.version(),
+    "tf32": torch.backends.cudnn.allow_tf32,
+}
 for shape in args:
     n, c, spatial, k, kernel, stride, pad, groups = parse(shape)
     rank = len(spatial)

@@ -91,6 +91,10 @@ pub struct Config {
     /// `KILN_CONV_AUTOTUNE` (default false): time a few Hopper tiles on a plan's first use and
     /// keep the fastest in the disk cache.
     pub conv_autotune: bool,
+    /// `KILN_ALLOW_TF32` (default false): f32 convolutions may multiply as one TF32 product
+    /// (11 bits of each operand kept) instead of three, on sm_80 and later. About three times
+    /// the tensor-core throughput, at about TF32's accuracy (relative errors near 1e-3).
+    pub allow_tf32: bool,
     /// `KILN_EMULATE_ARCH` = sm_XY: run the code paths kiln takes on that older architecture
     /// (and its shared-memory limit) on a newer GPU, to test them where no such GPU is at hand.
     /// Holds the architecture as compute capability x 10 (75 for sm_75).
@@ -125,6 +129,7 @@ pub const VARIABLES: &[&str] = &[
     "KILN_MAX_MB_IN_FLIGHT",
     "KILN_CONV_PATH",
     "KILN_CONV_AUTOTUNE",
+    "KILN_ALLOW_TF32",
     "KILN_EMULATE_ARCH",
     "KILN_NCCL_LIB",
     "KILN_NCCL_TIMEOUT",
@@ -211,6 +216,10 @@ impl Config {
             conv_autotune: match set("KILN_CONV_AUTOTUNE") {
                 None => false,
                 Some(v) => parse_bool("KILN_CONV_AUTOTUNE", &v)?,
+            },
+            allow_tf32: match set("KILN_ALLOW_TF32") {
+                None => false,
+                Some(v) => parse_bool("KILN_ALLOW_TF32", &v)?,
             },
             emulate_arch: set("KILN_EMULATE_ARCH")
                 .map(|v| parse_arch("KILN_EMULATE_ARCH", &v))
@@ -477,6 +486,12 @@ mod tests {
         assert!(!config(&[]).unwrap().conv_autotune);
         assert!(config(&[("KILN_CONV_PATH", "wgmma")]).is_err());
         assert!(config(&[("KILN_CONV_AUTOTUNE", "maybe")]).is_err());
+        assert!(!config(&[]).unwrap().allow_tf32);
+        assert!(config(&[("KILN_ALLOW_TF32", "1")]).unwrap().allow_tf32);
+        match config(&[("KILN_ALLOW_TF32", "fast")]) {
+            Err(Error::Env { var, .. }) => assert_eq!(var, "KILN_ALLOW_TF32"),
+            other => panic!("expected KILN_ALLOW_TF32's error, got {other:?}"),
+        }
         let c = config(&[
             ("KILN_NCCL_LIB", "/opt/nccl/libnccl.so.2"),
             ("KILN_NCCL_TIMEOUT", "2.5"),

@@ -6,10 +6,13 @@
 //   PASS 1 backward-data:   m = (batch, in pos),  n = in channel,  k = (kernel pos, out channel)
 //   PASS 2 backward-weight: m = out channel, n = (kernel pos, in channel), k = (batch, out pos)
 // A block computes BM x BN of C, stepping BK along k through STAGES shared-memory buffers.
-// TENSOR: 16-bit types multiply on tensor cores (mma.sync m16n8k16, or on Turing two m16n8k8;
-// f32 accumulators), WM x WN warps. Otherwise the FMA units run, each thread a square tile: f32,
-// and 16-bit types where the GPU has no tensor cores for them (bf16 before sm_80, everything
-// before sm_75), widened to f32 as they leave shared memory. Before sm_80 there is no cp.async:
+// TENSOR 1: tensor cores at the type's precision, WM x WN warps, f32 accumulators. 16-bit types
+// take mma.sync m16n8k16 (on Turing two m16n8k8). f32 (sm_80 on) is split into a TF32 high part
+// and a TF32 remainder, and each product is three TF32 MMAs (high*low + low*high + high*high),
+// which keeps about 22 bits of each operand: f32 accuracy, where one TF32 MMA keeps 11.
+// TENSOR 2: f32 as one TF32 MMA per product (the KILN_ALLOW_TF32 opt-in). TENSOR 0: the FMA
+// units, each thread a square tile: f32, and 16-bit types where the GPU has no tensor cores for
+// them (bf16 before sm_80, everything before sm_75), widened to f32 as they leave shared memory. Before sm_80 there is no cp.async:
 // operands go through registers (fetched a tile ahead, stored after the tile's math). Backward-weight may split k over blocks
 // (blockIdx.z), writing f32 partial sums that conv_split_sum adds up. Strided backward-data
 // without dilation runs one GEMM per stride phase (blockIdx.z too): input pixels whose position
@@ -32,14 +35,19 @@ constexpr int VEC_A = {{VEC_A}}, VEC_B = {{VEC_B}};
 constexpr bool TAP_TILES = {{TAP_TILES}} != 0;
 constexpr int THREADS = {{block_dim}};
 constexpr bool TENSOR = {{TENSOR}} != 0;
-static_assert(!TENSOR || sizeof(T) == 2, "tensor cores take the 16-bit types");
+constexpr bool TF32 = TENSOR && sizeof(T) == 4;            // f32 on tensor cores
+constexpr int TF32_PRODUCTS = {{TENSOR}} == 2 ? 1 : 3;     // per product, when TF32
+static_assert({{TENSOR}} != 2 || TF32, "one TF32 product is an f32 choice");
 template <typename U> struct kiln_is_f16 { static constexpr bool value = false; };
 template <> struct kiln_is_f16<kiln_f16> { static constexpr bool value = true; };
 static_assert(!TENSOR || KILN_ARCH >= 800 || (KILN_ARCH >= 750 && kiln_is_f16<T>::value),
-              "tensor cores: f16 from sm_75, bf16 from sm_80");
-// FMA backward-weight steps 16: with vector loads both operands go by cp.async, so the longer
-// step holds no tile in registers.
-constexpr int BK = TENSOR ? 32 : (PASS == 2 ? 16 : 8);
+              "tensor cores: f16 from sm_75, bf16 and TF32 from sm_80");
+// A k step is 64 bytes of each row on tensor cores (32 16-bit elements, 16 f32). FMA
+// backward-weight steps 16: with vector loads both operands go by cp.async, so the longer step
+// holds no tile in registers.
+constexpr int BK = TENSOR ? 64 / (int)sizeof(T) : (PASS == 2 ? 16 : 8);
+// Elements in 16 bytes: a vector, the padding of a k-contiguous row, an ldmatrix row.
+constexpr int E16 = 16 / (int)sizeof(T);
 
 // Mirrors ops::conv::Problem (repr(C)).
 struct kiln_conv {
@@ -335,8 +343,11 @@ template <bool IS_A> struct kiln_operand {
   // Tensor cores read fragments with ldmatrix, which transposes as needed, so shared memory
   // keeps the global order. The FMA path wants [k][m] and [k][n].
   static constexpr bool SHARED_K = TENSOR && GLOBAL_K;
-  // Row padding keeps ldmatrix and float4 reads free of bank conflicts.
-  static constexpr int PITCH = SHARED_K ? BK + 8 : ROWS + (TENSOR ? 8 : 4);
+  // Row padding keeps ldmatrix, float4 and TF32 fragment reads free of bank conflicts: 16
+  // bytes on a k-contiguous row; on an m- or n-contiguous one 16 bytes for ldmatrix .trans and 8
+  // f32 for TF32 (k rows then start 8 banks apart, so the four k rows a fragment reads meet
+  // eight columns each on distinct banks).
+  static constexpr int PITCH = SHARED_K ? BK + E16 : ROWS + (TENSOR ? 8 : 4);
   static constexpr int STAGE_ELEMS = SHARED_K ? ROWS * PITCH : BK * PITCH;
   // The tile moves in vectors of VEC elements along the global contiguous dim. A line is what
   // shares one mn_info: a row (GLOBAL_K; its vectors run along k) or a vector's span of rows
@@ -530,6 +541,10 @@ struct kiln_tensor_tile {
   float acc[MT][NT][4];
 
   __device__ __forceinline__ void compute(const T* sa, const T* sb) {
+    if constexpr (TF32) {
+      compute_tf32(sa, sb);
+      return;
+    }
     typedef kiln_operand<true> OA;
     typedef kiln_operand<false> OB;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, j = lane / 8, r8 = lane % 8;
@@ -563,6 +578,78 @@ struct kiln_tensor_tile {
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) kiln_mma<T>::run(acc[mt][nt], a[mt], b[nt][0], b[nt][1]);
     }
+  }
+
+  // f32 on TF32 tensor cores, k steps of 8 (fragments as kiln_mma_tf32 lays them out). A
+  // k-contiguous operand is read with ldmatrix: its 16-bit pairs are the f32 words, and a row of
+  // an 8x8 16-bit matrix is four k of one row. An m- or n-contiguous one is read a word at a time
+  // (ldmatrix .trans would split the words).
+  __device__ __forceinline__ void compute_tf32(const T* sa, const T* sb) {
+    typedef kiln_operand<true> OA;
+    typedef kiln_operand<false> OB;
+    const unsigned* wa = reinterpret_cast<const unsigned*>(sa);
+    const unsigned* wb = reinterpret_cast<const unsigned*>(sb);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, j = lane / 8, r8 = lane % 8;
+    const int gid = lane / 4, tig = lane % 4;
+    const int wm = warp % WM, wn = warp / WM;
+#pragma unroll
+    for (int kk = 0; kk < BK; kk += 8) {
+      unsigned a[MT][4], b[NT][2];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const int m = wm * WTM + mt * 16;
+        if (OA::SHARED_K)
+          kiln_ldmatrix_x4<false>(a[mt], sa + (m + r8 + 8 * (j % 2)) * OA::PITCH + kk + 4 * (j / 2));
+        else
+#pragma unroll
+          for (int r = 0; r < 4; ++r)
+            a[mt][r] = wa[(kk + tig + 4 * (r / 2)) * OA::PITCH + m + gid + 8 * (r % 2)];
+      }
+#pragma unroll
+      for (int np = 0; np < NT / 2; ++np) {
+        const int n = wn * WTN + np * 16;
+        if (OB::SHARED_K) {
+          unsigned r[4];
+          kiln_ldmatrix_x4<false>(r, sb + (n + r8 + 8 * (j / 2)) * OB::PITCH + kk + 4 * (j % 2));
+          b[2 * np][0] = r[0];
+          b[2 * np][1] = r[1];
+          b[2 * np + 1][0] = r[2];
+          b[2 * np + 1][1] = r[3];
+        } else {
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+              b[2 * np + h][r] = wb[(kk + tig + 4 * r) * OB::PITCH + n + 8 * h + gid];
+        }
+      }
+      // High parts (and with three products, remainders) of both operands.
+      unsigned ah[MT][4], al[MT][4], bh[NT][2], bl[NT][2];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) kiln_tf32_split<TF32_PRODUCTS>(a[mt][r], ah[mt][r], al[mt][r]);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) kiln_tf32_split<TF32_PRODUCTS>(b[nt][r], bh[nt][r], bl[nt][r]);
+      // One product term over every accumulator, then the next: consecutive MMAs add into
+      // different accumulators, so none waits for the one before. The small terms come first,
+      // so that they are not lost against the large one.
+      if (TF32_PRODUCTS == 3) {
+        tf32_products(al, bh);
+        tf32_products(ah, bl);
+      }
+      tf32_products(ah, bh);
+    }
+  }
+
+  __device__ __forceinline__ void tf32_products(const unsigned (&a)[MT][4],
+                                                const unsigned (&b)[NT][2]) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) kiln_mma_tf32(acc[mt][nt], a[mt], b[nt][0], b[nt][1]);
   }
 
   // Calls store(row, m, n, v0, v1) for each pair of adjacent columns this thread holds, with
@@ -671,10 +758,10 @@ constexpr int MIN_BLOCKS = !TENSOR && THREADS == 256 ? 2 : 1;
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{kernel}}(
     const T* __restrict__ a_src, const T* __restrict__ b_src, T* __restrict__ out,
     float* __restrict__ partial, kiln_conv p) {
-  extern __shared__ __align__(16) unsigned char kiln_smem[];
+  extern __shared__ float4 kiln_w4[];  // 16-byte aligned (the host harness's name for it too)
   typedef kiln_operand<true> OA;
   typedef kiln_operand<false> OB;
-  T* sa = reinterpret_cast<T*>(kiln_smem);
+  T* sa = reinterpret_cast<T*>(kiln_w4);
   T* sb = sa + STAGES * OA::STAGE_ELEMS;
   kiln_kinfo* tables = reinterpret_cast<kiln_kinfo*>(sb + STAGES * OB::STAGE_ELEMS);  // [2][BK]
 

@@ -53,6 +53,43 @@ template <> struct kiln_mma<float> {
                                              unsigned) {}
 };
 
+// C[16x8] += A[16x8] B[8x8] in TF32 (sm_80 on), f32 accumulators. A's register 0 holds row
+// lane / 4, k lane % 4; 1 the row 8 further; 2 and 3 the same rows 4 k further. B's 0 and 1
+// hold k lane % 4 (+4), column lane / 4. C as for m16n8k16. The MMA reads the top 19 bits of
+// each f32 word (sign, exponent, 10 mantissa bits).
+__device__ __forceinline__ void kiln_mma_tf32(float (&c)[4], const unsigned (&a)[4], unsigned b0,
+                                              unsigned b1) {
+#ifdef KILN_HOST
+  kiln_host_mma_tf32(c, a, b0, b1);  // tests/host/cuda_host.h
+#elif KILN_ARCH >= 800
+  // Not volatile: the compiler may move it among the fragment loads (its result is used).
+  asm(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+// The f32 word x as TF32 operands. PRODUCTS 1: x rounded to the nearest TF32 (ties away from
+// zero) in hi; lo unused. PRODUCTS 3: hi is x truncated to TF32 and lo the rest, x - hi (exact
+// in f32), rounded to TF32, so that hi + lo holds about 22 of x's 24 bits; truncating hi cannot
+// overflow to infinity, as rounding the largest f32 values would.
+template <int PRODUCTS>
+__device__ __forceinline__ void kiln_tf32_split(unsigned x, unsigned& hi, unsigned& lo) {
+  constexpr unsigned kMask = 0xffffe000u, kHalf = 0x1000u;  // the 13 bits TF32 drops
+  const auto round = [](unsigned v) {
+    return (v & 0x7f800000u) == 0x7f800000u ? v : (v + kHalf) & kMask;  // inf, NaN as they are
+  };
+  if (PRODUCTS == 1) {
+    hi = round(x);
+    lo = 0;
+  } else {
+    hi = x & kMask;
+    lo = round(__float_as_uint(__uint_as_float(x) - __uint_as_float(hi)));
+  }
+}
+
 // ldmatrix exists from sm_75 on, as tensor cores kiln uses do.
 template <bool TRANS>
 __device__ __forceinline__ void kiln_ldmatrix_x4(unsigned (&r)[4], const void* smem) {

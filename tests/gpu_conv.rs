@@ -7,7 +7,10 @@
 //! Tolerance per element: |out - ref| <= r * |ref| + 2e-5 * S, where S is the sum of |terms|
 //! (which bounds any summation order's rounding) and r is the output type's rounding: 1e-6
 //! (f32), 1e-3 (f16, half an ulp is 4.9e-4), 8e-3 (bf16, half an ulp is 3.9e-3). Inputs are
-//! exact in their dtype, so products are exact in f32 and only the sums round.
+//! exact in their dtype, so products are exact in f32 and only the sums round; except f32 on
+//! tensor cores (sm_80 on), whose operands are split into two TF32 parts each: a product's error
+//! is then below 2^-20 of its magnitude, well within the 2e-5 S term. One TF32 product
+//! (`KILN_ALLOW_TF32`) is held to 2e-3 S instead.
 
 mod common;
 
@@ -339,6 +342,7 @@ fn aligned_key(dev: &Device, dtype: DType, pass: Pass, g: Geometry) -> plan::Pla
         vec_a: true,
         vec_b: true,
         aligned: true,
+        tf32: false,
     }
 }
 
@@ -411,6 +415,81 @@ fn matrix(graphs: bool) {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
+/// f32 on the `mma.sync` family: three TF32 products (TENSOR 1) from sm_80 on, within f32's
+/// bound (the matrix checks that); with `KILN_ALLOW_TF32` on a device of its own, one TF32
+/// product (TENSOR 2), within TF32's bound and, on some case, past f32's: the opt-in ran.
+#[test]
+fn f32_tf32_only_when_allowed() {
+    if common::gpus_or_skip("f32_tf32_only_when_allowed").is_none() {
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let exact = Device::get(0).unwrap();
+    if exact.arch() < 80 {
+        eprintln!(
+            "f32_tf32_only_when_allowed: sm_{} has no TF32, skipped",
+            exact.arch()
+        );
+        return;
+    }
+    let mut config = Config::from_env().unwrap();
+    config.allow_tf32 = true;
+    let jit: &'static kiln::jit::Jit = Box::leak(Box::new(kiln::jit::Jit::new(config)));
+    let tf32 = Device::with_jit(0, jit).unwrap();
+    let (mut past_f32, mut failures, mut checked) = (0, Vec::new(), 0);
+    for (ci, c) in cases().iter().enumerate() {
+        for pass in Pass::ALL {
+            for (dev, products) in [(&exact, 1), (&tf32, 2)] {
+                let mut enc = encoder(dev, false);
+                let (got, want, _, family) =
+                    run_pass(&mut enc, DType::F32, c, pass, None, ci as u64 * 7 + 1);
+                if family != plan::IGEMM.name {
+                    continue;
+                }
+                checked += 1;
+                let (xa, wa, dya) = {
+                    let g = Geometry::new(&c.x, &c.w, &c.p).unwrap();
+                    let mut zeros = |s: &[usize]| {
+                        let n = s.iter().product();
+                        Array::from_f64(&mut enc, DType::F32, &vec![0.0; n], s).unwrap()
+                    };
+                    (zeros(&c.x), zeros(&c.w), zeros(&g.output_shape()))
+                };
+                let spec = conv::plan_for(&enc, pass, &c.p, &xa, &wa, &dya)
+                    .unwrap()
+                    .spec;
+                if spec.constant("TENSOR") != Some(products) {
+                    failures.push(format!("{} {}: {spec}", c.name, pass.name()));
+                }
+                if products == 2 {
+                    let tf32_bound = got
+                        .iter()
+                        .zip(want.values.iter().zip(&want.magnitude))
+                        .map(|(&g, (&r, &s))| (g - r).abs() / (1e-6 * r.abs() + 2e-3 * s + 1e-30))
+                        .fold(
+                            0.0,
+                            |m: f64, e| if e.is_nan() { f64::INFINITY } else { m.max(e) },
+                        );
+                    if tf32_bound > 1.0 {
+                        failures.push(format!(
+                            "{} {}: {tf32_bound:.2}x TF32's bound",
+                            c.name,
+                            pass.name()
+                        ));
+                    }
+                    past_f32 += (worst(DType::F32, &got, &want).0 > 1.0) as usize;
+                }
+            }
+        }
+    }
+    eprintln!("f32 tf32: {checked} checks, {past_f32} TF32 runs past f32's bound");
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    assert!(
+        past_f32 > 0,
+        "no KILN_ALLOW_TF32 run was less exact than f32: did TF32 run?"
+    );
+}
+
 #[test]
 fn matrix_graph_mode() {
     if common::gpus_or_skip("matrix_graph_mode").is_none() {
@@ -473,7 +552,7 @@ fn every_tile_and_vector_width() {
     let mut checked = 0;
     for c in &shapes {
         for dtype in DType::ALL {
-            let tensor = plan::tensor_cores(dtype, dev.arch());
+            let tensor = plan::Math::of(dtype, dev.arch(), false).tensor();
             for &t in plan::tiles(tensor) {
                 for pass in Pass::ALL {
                     // A tile larger than the GPU's shared memory is never chosen (Turing).

@@ -314,7 +314,7 @@ fn the_rewrite_agrees_with_the_geometry_as_given() {
     for c in [&all[3], &all[7], &all[8]] {
         for dtype in DType::ALL {
             let (o, host) = upload(&mut enc, dtype, c, 3);
-            let tile = if plan::tensor_cores(dtype, dev.arch()) {
+            let tile = if plan::Math::of(dtype, dev.arch(), false).tensor() {
                 tuning::TENSOR_TILES[0]
             } else {
                 tuning::FMA_TILES[0]

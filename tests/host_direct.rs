@@ -15,7 +15,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use kiln::ops::conv::{
-    depthwise, direct, grouped, plan::PlanKey, reference, stem, ConvParams, Geometry, Pass,
+    depthwise, direct, grouped,
+    plan::{self, PlanKey},
+    reference, stem, ConvParams, Geometry, Pass,
 };
 use kiln::selfcheck::TestRng;
 use kiln::DType;
@@ -204,6 +206,7 @@ fn host_key(dtype: DType, pass: Pass, g: &Geometry) -> PlanKey {
         vec_a: false,
         vec_b: false,
         aligned: true,
+        tf32: false,
     }
 }
 
@@ -309,6 +312,95 @@ fn run_host_grouped(
         out_len: out_len(pass, g),
     };
     run_launch(&exe, &spec, dtype, &host, ops)
+}
+
+/// The `mma.sync` family's launch of `pass` of `g` on sm_80 (16-bit and split-TF32 f32 tensor
+/// cores; one TF32 product where `tf32`), with tile `tile` or the model's.
+fn igemm_host_launch(
+    dtype: DType,
+    pass: Pass,
+    g: &Geometry,
+    tf32: bool,
+    tile: Option<plan::Tile>,
+) -> plan::IgemmLaunch {
+    let (vec_a, vec_b) = plan::channel_vectors(dtype, pass, g);
+    let key = PlanKey {
+        arch: 80,
+        vec_a,
+        vec_b,
+        tf32,
+        ..host_key(dtype, pass, g)
+    };
+    let (t, splits) = plan::pick(SMS, IGEMM_SHARED, &key);
+    plan::igemm_launch(&key, tile.unwrap_or(t), splits, IGEMM_SHARED).unwrap()
+}
+
+/// sm_80's shared memory a block: every tile of the `mma.sync` family fits.
+const IGEMM_SHARED: usize = 163 * 1024;
+
+fn run_igemm(
+    cxx: &str,
+    dtype: DType,
+    pass: Pass,
+    g: &Geometry,
+    ops: [&[f64]; 2],
+    l: plan::IgemmLaunch,
+) -> Vec<f64> {
+    let exe = executable(
+        cxx,
+        &l.spec,
+        &[
+            "KILN_ENTRY=kiln_conv_igemm",
+            "KILN_PROBLEM=kiln_conv",
+            "KILN_ARCH=800",
+        ],
+    );
+    // The GEMM's operands: backward-weight's A is the cotangent, B the input (the gather
+    // families take them the other way round).
+    let ops = match pass {
+        Pass::BackwardWeight => [ops[1], ops[0]],
+        _ => ops,
+    };
+    let host = HostLaunch {
+        grid: l.grid,
+        block: (l.threads, 1, 1),
+        shared: l.shared,
+        problem: problem_bytes(&l.problem),
+        splits: l.splits,
+        out_len: out_len(pass, g),
+    };
+    run_launch(&exe, &l.spec, dtype, &host, ops)
+}
+
+/// Runs `pass` of `g` through the host build of the `mma.sync` family's kernel on sm_80's
+/// tensor-core paths, ldmatrix and mma.sync emulated warp by warp.
+fn run_host_igemm(cxx: &str, dtype: DType, pass: Pass, g: &Geometry, ops: [&[f64]; 2]) -> Vec<f64> {
+    run_igemm(
+        cxx,
+        dtype,
+        pass,
+        g,
+        ops,
+        igemm_host_launch(dtype, pass, g, false, None),
+    )
+}
+
+/// The same with `KILN_ALLOW_TF32`: f32 as one TF32 product.
+fn run_host_igemm_tf32(
+    cxx: &str,
+    dtype: DType,
+    pass: Pass,
+    g: &Geometry,
+    ops: [&[f64]; 2],
+) -> Vec<f64> {
+    run_igemm(
+        cxx,
+        dtype,
+        pass,
+        g,
+        ops,
+        igemm_host_launch(dtype, pass, g, true, None),
+    )
 }
 
 /// `n` random convolutions the direct family takes (seeded): 1 to 3 spatial dims, every group
@@ -482,9 +574,26 @@ fn check_cases(label: &str, pass: Pass, cases: &[Case], run: Runner) {
 }
 
 fn check_dtypes(label: &str, pass: Pass, cases: &[Case], run: Runner, dtypes: &[DType]) {
+    let failed = check_with(label, pass, cases, run, dtypes, worst);
+    assert!(failed.is_empty(), "{}", failed.join("\n"));
+}
+
+/// The largest error over a tolerance (<= 1 passes) and where it is.
+type Bound = fn(DType, &[f64], &reference::Reference) -> (f64, usize);
+
+/// Runs every case of `pass` in each of `dtypes` through `run`; the failures against `bound`
+/// (none when no C++ compiler is found).
+fn check_with(
+    label: &str,
+    pass: Pass,
+    cases: &[Case],
+    run: Runner,
+    dtypes: &[DType],
+    bound: Bound,
+) -> Vec<String> {
     let Some(cxx) = compiler() else {
         eprintln!("{label}: no C++ compiler, skipped");
-        return;
+        return Vec::new();
     };
     let mut failures = Vec::new();
     let mut checked = 0;
@@ -512,7 +621,7 @@ fn check_dtypes(label: &str, pass: Pass, cases: &[Case], run: Runner, dtypes: &[
             };
             checked += 1;
             assert_eq!(got.len(), want.values.len());
-            let worst = worst(dtype, &got, &want);
+            let worst = bound(dtype, &got, &want);
             if worst.0 > 1.0 {
                 failures.push(format!(
                     "{name} {dtype} {}: error {:.2}x tolerance at {}: got {} want {}",
@@ -530,7 +639,7 @@ fn check_dtypes(label: &str, pass: Pass, cases: &[Case], run: Runner, dtypes: &[
         pass.name(),
         failures.len()
     );
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    failures
 }
 
 fn check_pass(pass: Pass) {
@@ -580,6 +689,132 @@ fn check_grouped(pass: Pass) {
     let cases: Vec<_> = fixed.chain(random_grouped(pass, 6)).collect();
     let sixteen = [DType::F16, DType::BF16];
     check_dtypes("host_grouped", pass, &cases, run_host_grouped, &sixteen);
+}
+
+/// Cases for the `mma.sync` family: k tiles within one tap (channels a multiple of 32) and
+/// through the k table, stride phases of backward-data, groups, 1-D and 3-D, both dilations,
+/// flip, scalar loads (odd channels), several tiles each way and a backward-weight sum long
+/// enough to split.
+fn igemm_cases() -> Vec<Case> {
+    let d = ConvParams::default;
+    let case = |name: &str, x: &[usize], w: &[usize], p: ConvParams| {
+        (name.to_string(), x.to_vec(), w.to_vec(), p)
+    };
+    vec![
+        case(
+            "tap tiles, stride 2, pad 1/2",
+            &[2, 9, 11, 32],
+            &[40, 3, 3, 32],
+            d().strides(&[2]).padding_lo(&[1]).padding_hi(&[2]),
+        ),
+        case(
+            "groups 2, flip, kernel dilation 2",
+            &[2, 8, 9, 48],
+            &[32, 3, 2, 24],
+            d().groups(2).flip(true).kernel_dilation(&[2]).padding(&[2]),
+        ),
+        case(
+            "odd channels 5 -> 7",
+            &[2, 6, 7, 5],
+            &[7, 3, 3, 5],
+            d().padding(&[1]),
+        ),
+        case(
+            "1d input dilation 2",
+            &[3, 9, 16],
+            &[24, 3, 16],
+            d().input_dilation(&[2]).padding(&[1]),
+        ),
+        case(
+            "3d stride (1, 2, 1)",
+            &[1, 4, 5, 6, 16],
+            &[16, 3, 2, 3, 16],
+            d().strides(&[1, 2, 1]).padding(&[1, 0, 1]),
+        ),
+        case(
+            "136 -> 144, several tiles each way, long sum",
+            &[2, 9, 9, 136],
+            &[144, 3, 3, 136],
+            d().padding(&[1]),
+        ),
+    ]
+}
+
+fn check_igemm(pass: Pass) {
+    let failed = check_with(
+        "host_igemm",
+        pass,
+        &igemm_cases(),
+        run_host_igemm,
+        &DType::ALL,
+        worst,
+    );
+    assert!(failed.is_empty(), "{}", failed.join("\n"));
+}
+
+#[test]
+fn igemm_forward_matches_the_reference() {
+    check_igemm(Pass::Forward);
+}
+
+#[test]
+fn igemm_backward_data_matches_the_reference() {
+    check_igemm(Pass::BackwardData);
+}
+
+#[test]
+fn igemm_backward_weight_matches_the_reference() {
+    check_igemm(Pass::BackwardWeight);
+}
+
+/// One TF32 product (`KILN_ALLOW_TF32`) within TF32's bound (two operands of 11 bits: 2e-3 of
+/// the sum of the products' magnitudes); and not within f32's, which the three-product split
+/// meets above: the bound tells the two apart.
+#[test]
+fn igemm_one_tf32_product_meets_tf32s_bound_and_not_f32s() {
+    let Some(cxx) = compiler() else {
+        return;
+    };
+    let dtype = DType::F32;
+    for pass in Pass::ALL {
+        let (mut past_tf32, mut past_f32) = (Vec::new(), 0);
+        for (ci, (name, x_shape, w_shape, params)) in igemm_cases().iter().enumerate() {
+            let g = Geometry::new(x_shape, w_shape, params).unwrap();
+            let mut rng = TestRng::new(ci as u64 * 13 + 5);
+            let x = random(&mut rng, dtype, x_shape.iter().product());
+            let w = random(&mut rng, dtype, w_shape.iter().product());
+            let dy = random(&mut rng, dtype, g.output_shape().iter().product());
+            let (ops, want) = match pass {
+                Pass::Forward => ([&x[..], &w[..]], reference::forward(&g, &x, &w)),
+                Pass::BackwardData => ([&dy[..], &w[..]], reference::backward_data(&g, &dy, &w)),
+                Pass::BackwardWeight => {
+                    ([&x[..], &dy[..]], reference::backward_weight(&g, &x, &dy))
+                }
+            };
+            let got = run_host_igemm_tf32(&cxx, dtype, pass, &g, ops);
+            let tf32 = got
+                .iter()
+                .zip(want.values.iter().zip(&want.magnitude))
+                .map(|(&g, (&r, &s))| (g - r).abs() / (1e-6 * r.abs() + 2e-3 * s + 1e-30))
+                .fold(
+                    0.0,
+                    |m: f64, e| if e.is_nan() { f64::INFINITY } else { m.max(e) },
+                );
+            if tf32 > 1.0 {
+                past_tf32.push(format!("{name}: {tf32:.2}x TF32's bound"));
+            }
+            if worst(dtype, &got, &want).0 > 1.0 {
+                past_f32 += 1;
+            }
+        }
+        let label = pass.name();
+        assert!(past_tf32.is_empty(), "{label}: {}", past_tf32.join("\n"));
+        assert!(
+            past_f32 > 0,
+            "{label}: one TF32 product met f32's bound on every case"
+        );
+        eprintln!("host_igemm_tf32 {label}: {past_f32} cases past f32's bound, none past TF32's");
+    }
 }
 
 #[test]

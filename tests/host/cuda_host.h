@@ -30,6 +30,10 @@ inline thread_local std::barrier<>* kiln_host_barrier = nullptr;
 
 inline void __syncthreads() { kiln_host_barrier->arrive_and_wait(); }
 
+struct alignas(8) float2 {
+  float x, y;
+};
+inline float2 make_float2(float x, float y) { return float2{x, y}; }
 struct alignas(16) float4 {
   float x, y, z, w;
 };
@@ -121,6 +125,30 @@ inline void kiln_host_mma(float (&c)[4], const unsigned (&a)[4], unsigned b0, un
     for (int k = 0; k < 16; ++k) {
       const float av = half(w->a[(row % 8) * 4 + (k % 8) / 2][(row >= 8) + 2 * (k >= 8)], k);
       const float bv = half(w->b[col * 4 + (k % 8) / 2][k >= 8], k);
+      sum += (double)av * bv;
+    }
+    c[e] = (float)(c[e] + sum);
+  }
+  w->meet.arrive_and_wait();
+}
+
+// mma.sync m16n8k8 TF32: C[16x8] += A[16x8] B[8x8] (A's register 0 holds row l / 4, k l % 4;
+// 1 the row 8 further; 2 and 3 the same rows 4 k further; B's 0 and 1 k l % 4 (+4), column
+// l / 4; C as above). Each word is read as TF32, its low 13 bits dropped, as the hardware does.
+inline void kiln_host_mma_tf32(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  kiln_host_warp* w = kiln_host_this_warp;
+  const unsigned lane = kiln_host_lane;
+  for (int i = 0; i < 4; ++i) w->a[lane][i] = a[i];
+  w->b[lane][0] = b0;
+  w->b[lane][1] = b1;
+  w->meet.arrive_and_wait();
+  auto tf32 = [](unsigned word) { return __uint_as_float(word & 0xffffe000u); };
+  for (int e = 0; e < 4; ++e) {
+    const int row = lane / 4 + (e >= 2 ? 8 : 0), col = 2 * (lane % 4) + e % 2;
+    double sum = 0.0;
+    for (int k = 0; k < 8; ++k) {
+      const float av = tf32(w->a[(row % 8) * 4 + k % 4][(row >= 8) + 2 * (k >= 4)]);
+      const float bv = tf32(w->b[col * 4 + k % 4][k >= 4]);
       sum += (double)av * bv;
     }
     c[e] = (float)(c[e] + sum);

@@ -627,6 +627,7 @@ mod tests {
             vec_a: true,
             vec_b: true,
             aligned: true,
+            tf32: false,
         }
     }
 
@@ -733,6 +734,7 @@ mod tests {
                 vec_a: true,
                 vec_b: true,
                 aligned: true,
+                tf32: false,
             },
             tile,
             splits,

@@ -299,6 +299,7 @@ fn plan_key(enc: &CommandEncoder, pass: Pass, g: &Geometry, a: &Array, b: &Array
         vec_a: vec_a && aligned(a),
         vec_b: vec_b && aligned(b),
         aligned: aligned(a) && aligned(b),
+        tf32: enc.device().jit().config().allow_tf32,
     }
 }
 

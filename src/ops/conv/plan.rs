@@ -77,10 +77,10 @@ const fn tile(bm: u16, bn: u16, wm: u16, wn: u16, stages: u16, threads: u16, eff
     }
 }
 
-/// Whether `dtype` multiplies on tensor cores (`mma.sync`) on architecture `arch`: f16 from
-/// Turing (sm_75, as pairs of m16n8k8), bf16 from Ampere (sm_80, which brought bf16 tensor
-/// cores). f32, and the 16-bit types on older GPUs, take the FMA path: 16-bit operands are
-/// widened to f32 as they are read from shared memory.
+/// Whether `dtype` has tensor cores of its own precision (16-bit products) on architecture
+/// `arch`: f16 from Turing (sm_75, as pairs of m16n8k8), bf16 from Ampere (sm_80, which brought
+/// bf16 tensor cores). The 16-bit types on older GPUs take FMA paths: their operands are widened
+/// to f32 as they are read from shared memory.
 pub fn tensor_cores(dtype: DType, arch: u32) -> bool {
     match dtype {
         DType::F16 => arch >= 75,
@@ -89,7 +89,46 @@ pub fn tensor_cores(dtype: DType, arch: u32) -> bool {
     }
 }
 
-/// Tensor-core tiles: k steps of 32.
+/// How the `mma.sync` family (`conv_igemm`) multiplies: its template's `TENSOR`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Math {
+    /// The FMA units: f32 before sm_80, and 16-bit types without tensor cores.
+    Fma,
+    /// Tensor cores at the type's precision: 16-bit products, or (sm_80 on) f32 split into a
+    /// TF32 high part and remainder, three TF32 products each (about 22 bits of each operand
+    /// kept, where one TF32 product keeps 11).
+    Tensor,
+    /// f32 as one TF32 product (`KILN_ALLOW_TF32=1`, sm_80 on).
+    Tf32,
+}
+
+impl Math {
+    /// How `dtype` multiplies on `arch`; `allow_tf32`: `KILN_ALLOW_TF32`.
+    pub fn of(dtype: DType, arch: u32, allow_tf32: bool) -> Math {
+        match dtype {
+            DType::F32 if arch >= 80 && allow_tf32 => Math::Tf32,
+            DType::F32 if arch >= 80 => Math::Tensor,
+            _ if tensor_cores(dtype, arch) => Math::Tensor,
+            _ => Math::Fma,
+        }
+    }
+
+    /// Whether it runs on tensor cores.
+    pub fn tensor(self) -> bool {
+        self != Math::Fma
+    }
+
+    /// The template's `TENSOR`.
+    fn template_value(self) -> i32 {
+        match self {
+            Math::Fma => 0,
+            Math::Tensor => 1,
+            Math::Tf32 => 2,
+        }
+    }
+}
+
+/// Tensor-core tiles: k steps of 64 bytes (32 16-bit elements, 16 f32).
 pub const TENSOR_TILES: [Tile; 5] = [
     tile(128, 128, 2, 4, 4, 256, 100),
     tile(128, 64, 2, 2, 4, 128, 75),
@@ -116,12 +155,13 @@ pub fn tiles(tensor: bool) -> &'static [Tile] {
     }
 }
 
-/// The k step of a tile (the template's BK). FMA backward-weight takes 16: with vector loads
-/// both of its operands go straight to shared memory, so the longer step costs no registers and
-/// halves the per-step overhead (table, gathers, barrier) against the FMAs.
-fn block_k(tensor: bool, pass: Pass) -> usize {
+/// The k step of a tile (the template's BK): 64 bytes of a row on tensor cores. FMA
+/// backward-weight takes 16: with vector loads both of its operands go straight to shared
+/// memory, so the longer step costs no registers and halves the per-step overhead (table,
+/// gathers, barrier) against the FMAs.
+fn block_k(dtype: DType, tensor: bool, pass: Pass) -> usize {
     match (tensor, pass) {
-        (true, _) => 32,
+        (true, _) => 64 / dtype.size(),
         (false, Pass::BackwardWeight) => 16,
         (false, _) => 8,
     }
@@ -144,12 +184,12 @@ fn vec_widths(dtype: DType, tensor: bool) -> [u8; 2] {
     [vec_elems(dtype, tensor), 1]
 }
 
-/// `tensor`: the tensor-core path (else FMA); `tap_tiles`: every k tile lies within one kernel
-/// tap (see [`tap_tiles`]).
+/// `math`: how it multiplies; `tap_tiles`: every k tile lies within one kernel tap (see
+/// [`tap_tiles`]).
 pub fn igemm_spec(
     dtype: DType,
     pass: Pass,
-    tensor: bool,
+    math: Math,
     t: Tile,
     vec_a: u8,
     vec_b: u8,
@@ -162,7 +202,7 @@ pub fn igemm_spec(
         1,
         &[
             pass as i32,
-            tensor as i32,
+            math.template_value(),
             t.bm as i32,
             t.bn as i32,
             t.wm as i32,
@@ -179,21 +219,23 @@ pub fn split_sum_spec(dtype: DType) -> KernelSpec {
     KernelSpec::new(&SPLIT_SUM, dtype, SPLIT_SUM_BLOCK, 1, &[])
 }
 
-/// Every spec a plan can choose on architecture `arch`.
+/// Every spec a plan can choose on architecture `arch` at the default precision (the
+/// `KILN_ALLOW_TF32` opt-in's one-product f32 kernels are compiled on first use).
 pub fn specs(arch: u32) -> Vec<KernelSpec> {
     let mut out = Vec::new();
     for dtype in DType::ALL {
-        let tensor = tensor_cores(dtype, arch);
+        let math = Math::of(dtype, arch, false);
+        let tensor = math.tensor();
         for pass in Pass::ALL {
             for &t in tiles(tensor) {
                 for va in vec_widths(dtype, tensor) {
                     for vb in vec_widths(dtype, tensor) {
-                        out.push(igemm_spec(dtype, pass, tensor, t, va, vb, false));
+                        out.push(igemm_spec(dtype, pass, math, t, va, vb, false));
                     }
                 }
                 if pass != Pass::BackwardWeight {
                     let v = vec_elems(dtype, tensor);
-                    out.push(igemm_spec(dtype, pass, tensor, t, v, v, true));
+                    out.push(igemm_spec(dtype, pass, math, t, v, v, true));
                 }
             }
         }
@@ -215,12 +257,12 @@ pub fn specs(arch: u32) -> Vec<KernelSpec> {
 /// template pads them) and, unless tap tiles or backward-weight's cursors replace them, two
 /// k-index tables.
 pub fn shared_bytes(dtype: DType, pass: Pass, tensor: bool, t: Tile, tap_tiles: bool) -> usize {
-    let bk = block_k(tensor, pass);
+    let bk = block_k(dtype, tensor, pass);
     let a_k = pass != Pass::BackwardWeight;
     let b_k = pass == Pass::Forward;
     let stage = |rows: usize, global_k: bool| {
         if tensor && global_k {
-            rows * (bk + 8)
+            rows * (bk + 16 / dtype.size())
         } else {
             bk * (rows + if tensor { 8 } else { 4 })
         }
@@ -277,12 +319,19 @@ pub struct PlanKey {
     /// Whether both operands' base addresses are 16-byte aligned (the direct family's vector
     /// loads need it whatever the channel counts).
     pub aligned: bool,
+    /// `KILN_ALLOW_TF32`: f32 may multiply as one TF32 product.
+    pub tf32: bool,
 }
 
 impl PlanKey {
+    /// How the `mma.sync` family multiplies this key.
+    pub fn math(&self) -> Math {
+        Math::of(self.dtype, self.arch, self.tf32)
+    }
+
     /// Whether the `mma.sync` family runs this key on tensor cores (else on FMA units).
     pub fn tensor(&self) -> bool {
-        tensor_cores(self.dtype, self.arch)
+        self.math().tensor()
     }
 }
 
@@ -412,6 +461,7 @@ pub fn test_key(
         vec_a: false,
         vec_b: false,
         aligned: true,
+        tf32: false,
     }
 }
 
@@ -538,7 +588,7 @@ fn vec_for(dtype: DType, tensor: bool, allowed: bool) -> u8 {
 /// unphased tap may land between cotangent pixels).
 pub fn tap_tiles(key: &PlanKey) -> bool {
     let g = &key.geometry;
-    let bk = block_k(key.tensor(), key.pass);
+    let bk = block_k(key.dtype, key.tensor(), key.pass);
     let ones = |v: &[usize; 3]| v.iter().all(|&x| x == 1);
     key.vec_a
         && key.vec_b
@@ -553,11 +603,11 @@ pub fn tap_tiles(key: &PlanKey) -> bool {
 
 /// The `conv_igemm` spec that runs `key` with tile `t`.
 fn igemm_spec_for(key: &PlanKey, t: Tile) -> KernelSpec {
-    let tensor = key.tensor();
+    let (math, tensor) = (key.math(), key.tensor());
     igemm_spec(
         key.dtype,
         key.pass,
-        tensor,
+        math,
         t,
         vec_for(key.dtype, tensor, key.vec_a),
         vec_for(key.dtype, tensor, key.vec_b),
@@ -565,28 +615,40 @@ fn igemm_spec_for(key: &PlanKey, t: Tile) -> KernelSpec {
     )
 }
 
-fn build(device: &Device, key: &PlanKey, t: Tile, splits: usize) -> Result<Plan> {
+/// An `mma.sync` family launch, before its kernel is loaded.
+pub struct IgemmLaunch {
+    pub spec: KernelSpec,
+    pub grid: (u32, u32, u32),
+    pub threads: u32,
+    pub shared: usize,
+    pub splits: usize,
+    pub problem: Problem,
+}
+
+/// The launch of `key` with tile `t` and (backward-weight) `splits` splits of the reduction, on
+/// a GPU whose blocks may use `shared_limit` bytes of shared memory.
+pub fn igemm_launch(
+    key: &PlanKey,
+    t: Tile,
+    splits: usize,
+    shared_limit: usize,
+) -> Result<IgemmLaunch> {
     let (tensor, tap) = (key.tensor(), tap_tiles(key));
     let spec = igemm_spec_for(key, t);
     let shared = shared_bytes(key.dtype, key.pass, tensor, t, tap);
-    if shared > device.shared_limit() {
+    if shared > shared_limit {
         return Err(Error::InvalidArgument {
             arg: "tile",
             reason: format!(
                 "{}x{} with {} stages needs {shared} bytes of shared memory; this GPU's blocks \
-                 may use {}",
-                t.bm,
-                t.bn,
-                t.stages,
-                device.shared_limit()
+                 may use {shared_limit}",
+                t.bm, t.bn, t.stages,
             ),
         });
     }
-    let kernel = device.kernel(&spec)?;
-    kernel.allow_shared(shared)?;
     let g = &key.geometry;
     let (m, n, k) = key.pass.block_gemm(g);
-    let k_tiles = k.div_ceil(block_k(tensor, key.pass));
+    let k_tiles = k.div_ceil(block_k(key.dtype, tensor, key.pass));
     let per_split = k_tiles.div_ceil(splits.max(1)).max(1);
     let splits = k_tiles.div_ceil(per_split).max(1);
     let z = g.groups * key.pass.phases(g) * splits;
@@ -602,17 +664,30 @@ fn build(device: &Device, key: &PlanKey, t: Tile, splits: usize) -> Result<Plan>
             ),
         });
     }
-    let grid = (m.div_ceil(t.bm as usize) as u32, y as u32, z as u32);
-    let split_sum = split_sum_for(device, key.dtype, splits)?;
+    Ok(IgemmLaunch {
+        spec,
+        grid: (m.div_ceil(t.bm as usize) as u32, y as u32, z as u32),
+        threads: t.threads as u32,
+        shared,
+        splits,
+        problem: Problem::new(g, key.pass, per_split, splits),
+    })
+}
+
+fn build(device: &Device, key: &PlanKey, t: Tile, splits: usize) -> Result<Plan> {
+    let launch = igemm_launch(key, t, splits, device.shared_limit())?;
+    let kernel = device.kernel(&launch.spec)?;
+    kernel.allow_shared(launch.shared)?;
+    let split_sum = split_sum_for(device, key.dtype, launch.splits)?;
     Ok(Plan {
         kernel,
-        spec,
-        grid,
-        threads: t.threads as u32,
-        shared: shared as u32,
-        splits,
+        spec: launch.spec,
+        grid: launch.grid,
+        threads: launch.threads,
+        shared: launch.shared as u32,
+        splits: launch.splits,
         split_sum,
-        kind: Kind::Igemm(Problem::new(g, key.pass, per_split, splits)),
+        kind: Kind::Igemm(launch.problem),
     })
 }
 
@@ -745,13 +820,13 @@ fn choose(device: &Device, key: &PlanKey) -> (Tile, usize) {
     )
 }
 
-/// [`choose`] for a GPU of `sms` multiprocessors and `optin` bytes of shared memory per block.
-fn pick(sms: usize, optin: usize, key: &PlanKey) -> (Tile, usize) {
+/// `choose` for a GPU of `sms` multiprocessors and `optin` bytes of shared memory per block.
+pub fn pick(sms: usize, optin: usize, key: &PlanKey) -> (Tile, usize) {
     let g = &key.geometry;
     let (m, n, k) = key.pass.block_gemm(g);
     let groups = g.groups * key.pass.phases(g);
     let tensor = key.tensor();
-    let bk = block_k(tensor, key.pass);
+    let bk = block_k(key.dtype, tensor, key.pass);
     let tap = tap_tiles(key);
     let mut best: Option<(f64, Tile, usize)> = None;
     for &t in tiles(tensor) {
@@ -800,7 +875,8 @@ mod tests {
             let unique: std::collections::HashSet<_> = all.iter().collect();
             assert_eq!(unique.len(), all.len());
             for dtype in DType::ALL {
-                let tensor = tensor_cores(dtype, arch);
+                let math = Math::of(dtype, arch, false);
+                let tensor = math.tensor();
                 for pass in Pass::ALL {
                     for &t in tiles(tensor) {
                         for a in [true, false] {
@@ -809,7 +885,7 @@ mod tests {
                                     let s = igemm_spec(
                                         dtype,
                                         pass,
-                                        tensor,
+                                        math,
                                         t,
                                         vec_for(dtype, tensor, a),
                                         vec_for(dtype, tensor, b),
@@ -834,7 +910,16 @@ mod tests {
         assert!(!tensor_cores(DType::F16, 70) && !tensor_cores(DType::F16, 72));
         assert!(tensor_cores(DType::F16, 75) && !tensor_cores(DType::BF16, 75));
         assert!(tensor_cores(DType::BF16, 80) && tensor_cores(DType::F16, 90));
-        assert!(!tensor_cores(DType::F32, 90));
+        assert!(
+            !tensor_cores(DType::F32, 90),
+            "no f32 products of f32's precision"
+        );
+        // f32 splits into TF32 parts from sm_80 on; one TF32 product only when allowed.
+        assert_eq!(Math::of(DType::F32, 75, true), Math::Fma);
+        assert_eq!(Math::of(DType::F32, 80, false), Math::Tensor);
+        assert_eq!(Math::of(DType::F32, 90, true), Math::Tf32);
+        assert_eq!(Math::of(DType::BF16, 90, true), Math::Tensor);
+        assert_eq!(Math::of(DType::F16, 70, true), Math::Fma);
     }
 
     #[test]
@@ -849,6 +934,7 @@ mod tests {
             vec_a: true,
             vec_b: true,
             aligned: true,
+            tf32: false,
         };
         let d = ConvParams::default;
         let (f16, f32) = (DType::F16, DType::F32);
@@ -896,6 +982,7 @@ mod tests {
                 vec_a: true,
                 vec_b: true,
                 aligned: true,
+                tf32: false,
             }
         };
         let picked = |shape, pass| {
@@ -920,9 +1007,6 @@ mod tests {
         for dtype in DType::ALL {
             for pass in Pass::ALL {
                 for tensor in [true, false] {
-                    if tensor && dtype == DType::F32 {
-                        continue; // f32 never runs on tensor cores
-                    }
                     let fit = |limit: usize| {
                         tiles(tensor)
                             .iter()
@@ -956,6 +1040,7 @@ mod tests {
                         vec_a: true,
                         vec_b: true,
                         aligned: true,
+                        tf32: false,
                     };
                     let (t, _) = pick(40, optin, &key);
                     assert!(tiles(key.tensor()).contains(&t));
