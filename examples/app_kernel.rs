@@ -176,10 +176,10 @@ fn run_on_gpu(dtype: DType) -> kiln::Result<f64> {
     let got = y.to_f64(&mut enc)?;
     // The reference from the values as rounded to `dtype`, in f64.
     let round = |v: &[f64]| kiln::dtype::decode(dtype, &kiln::dtype::encode(dtype, v));
-    let (ra, rb, rbias) = (round(&a), round(&b), round(&bias));
+    let (ra, rb, rbias) = (round(&a)?, round(&b)?, round(&bias)?);
     let mut max_err: f64 = 0.0;
     for i in 0..n {
-        let s = round(&[0.75 * ra[i] + 1.25 * rb[i]])[0];
+        let s = round(&[0.75 * ra[i] + 1.25 * rb[i]])?[0];
         let want = gelu_ref(s + rbias[i % cols]);
         max_err = max_err.max((got[i] - want).abs() / (1.0 + want.abs()));
     }

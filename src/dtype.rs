@@ -131,16 +131,27 @@ pub fn encode(dtype: DType, values: &[f64]) -> Vec<u8> {
     out
 }
 
-/// Decodes little-endian `dtype` elements to f64.
-pub fn decode(dtype: DType, bytes: &[u8]) -> Vec<f64> {
-    bytes
+/// Decodes little-endian `dtype` elements to f64. A length that is not a whole number of
+/// elements is an error naming `bytes` (a trailing part-element is never dropped silently).
+pub fn decode(dtype: DType, bytes: &[u8]) -> crate::Result<Vec<f64>> {
+    if bytes.len() % dtype.size() != 0 {
+        return Err(crate::Error::InvalidArgument {
+            arg: "bytes",
+            reason: format!(
+                "{} bytes are not a whole number of {dtype} elements ({} bytes each)",
+                bytes.len(),
+                dtype.size()
+            ),
+        });
+    }
+    Ok(bytes
         .chunks_exact(dtype.size())
         .map(|c| match dtype {
-            DType::F32 => f32::from_le_bytes(c.try_into().unwrap()) as f64,
-            DType::F16 => half::f16::from_le_bytes(c.try_into().unwrap()).to_f64(),
-            DType::BF16 => half::bf16::from_le_bytes(c.try_into().unwrap()).to_f64(),
+            DType::F32 => f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64,
+            DType::F16 => half::f16::from_le_bytes([c[0], c[1]]).to_f64(),
+            DType::BF16 => half::bf16::from_le_bytes([c[0], c[1]]).to_f64(),
         })
-        .collect()
+        .collect())
 }
 
 #[cfg(test)]
@@ -151,8 +162,30 @@ mod tests {
     fn codec_round_trips_representable_values() {
         let values = [0.0, 1.0, -2.5, 0.125, 256.0, -0.0078125];
         for dtype in DType::ALL {
-            assert_eq!(decode(dtype, &encode(dtype, &values)), values, "{dtype}");
+            assert_eq!(
+                decode(dtype, &encode(dtype, &values)).unwrap(),
+                values,
+                "{dtype}"
+            );
         }
+    }
+
+    #[test]
+    fn decode_refuses_a_part_element() {
+        // Five bytes of f32 decoded as one value, the fifth byte dropped without a word.
+        for (dtype, len) in [
+            (DType::F32, 5),
+            (DType::F32, 3),
+            (DType::F16, 1),
+            (DType::BF16, 7),
+        ] {
+            let err = decode(dtype, &vec![0; len]).unwrap_err();
+            assert!(
+                matches!(err, crate::Error::InvalidArgument { arg: "bytes", .. }),
+                "{err:?}"
+            );
+        }
+        assert_eq!(decode(DType::F16, &[]).unwrap(), Vec::<f64>::new());
     }
 
     #[test]

@@ -411,12 +411,16 @@ pub fn parse_bytes(var: &'static str, v: &str) -> Result<u64> {
         expected: "a byte count such as 1073741824, 512M or 2G",
     };
     let t = v.trim().to_ascii_uppercase();
-    let t = t.trim_end_matches('B').trim_end_matches('I');
+    // One optional B, then an optional I that must follow a unit ("512MiB"); any other
+    // repetition ("5I", "512BB") is not a byte count.
+    let t = t.strip_suffix('B').unwrap_or(&t);
+    let (t, binary) = t.strip_suffix('I').map_or((t, false), |rest| (rest, true));
     let (digits, shift) = match t.chars().last() {
         Some('K') => (&t[..t.len() - 1], 10),
         Some('M') => (&t[..t.len() - 1], 20),
         Some('G') => (&t[..t.len() - 1], 30),
         Some('T') => (&t[..t.len() - 1], 40),
+        _ if binary => return Err(bad()),
         _ => (t, 0),
     };
     let n: u64 = digits.trim().parse().map_err(|_| bad())?;
@@ -593,6 +597,19 @@ mod tests {
         assert_eq!(parse_bytes("X", "10MB").unwrap(), 10 << 20);
         assert!(parse_bytes("X", "lots").is_err());
         assert!(parse_bytes("X", "-1").is_err());
+        assert_eq!(parse_bytes("X", "1TiB").unwrap(), 1 << 40);
+        assert_eq!(parse_bytes("X", "512b").unwrap(), 512);
+    }
+
+    #[test]
+    fn malformed_byte_suffixes_are_errors() {
+        // Each was read as a plain count (5, 512) or as 1 MiB, whatever the stray letters.
+        for value in ["5I", "5IB", "512BB", "1MBB", "1MII"] {
+            match parse_bytes("KILN_CACHE_MAX_BYTES", value) {
+                Err(Error::Env { var, .. }) => assert_eq!(var, "KILN_CACHE_MAX_BYTES"),
+                other => panic!("{value:?}: expected Error::Env, got {other:?}"),
+            }
+        }
     }
 
     #[test]

@@ -234,6 +234,32 @@ pub enum Error {
         got: Vec<usize>,
     },
 
+    /// An array lives on another GPU than the call runs on (the encoder's, or the GPU of the
+    /// array or communicator the call pairs it with).
+    #[error(
+        "argument `{arg}` lives on GPU {got}, but the call runs on GPU {expected}{}",
+        if got == expected { " (another kiln Device of the same GPU: see Device::with_jit)" } else { "" }
+    )]
+    DeviceMismatch {
+        /// The argument's name.
+        arg: &'static str,
+        /// The ordinal of the GPU the call runs on.
+        expected: usize,
+        /// The ordinal of the GPU the argument lives on.
+        got: usize,
+    },
+
+    /// A file given as a cache bundle is not one this kiln can read: not a bundle at all, or
+    /// another bundle format version. (Damage inside a readable bundle is not an error: the
+    /// import report lists the entries it left out.)
+    #[error("{path} is not a usable cache bundle: {reason}")]
+    BadBundle {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it, and what to do.
+        reason: String,
+    },
+
     /// An array's element type is not the one the call needs.
     #[error("argument `{arg}` must hold {expected}, got {got}")]
     DTypeMismatch {
@@ -248,12 +274,13 @@ pub enum Error {
 
 impl Error {
     /// The argument a bad-argument error names (`InvalidArgument`, `ShapeMismatch`,
-    /// `DTypeMismatch`); None for other errors.
+    /// `DTypeMismatch`, `DeviceMismatch`); None for other errors.
     pub fn argument(&self) -> Option<&'static str> {
         match self {
             Error::InvalidArgument { arg, .. }
             | Error::ShapeMismatch { arg, .. }
-            | Error::DTypeMismatch { arg, .. } => Some(arg),
+            | Error::DTypeMismatch { arg, .. }
+            | Error::DeviceMismatch { arg, .. } => Some(arg),
             _ => None,
         }
     }
@@ -297,6 +324,16 @@ mod tests {
         assert!(dtype.to_string().contains("bf16"), "{dtype}");
         let io = Error::io("reading", "/x", std::io::Error::other("disk on fire"));
         assert_eq!(io.argument(), None);
+        let device = Error::DeviceMismatch {
+            arg: "x",
+            expected: 0,
+            got: 1,
+        };
+        assert_eq!(device.clone().argument(), Some("x"));
+        assert_eq!(
+            device.to_string(),
+            "argument `x` lives on GPU 1, but the call runs on GPU 0"
+        );
         assert_eq!(io.clone().to_string(), io.to_string());
     }
 }

@@ -139,9 +139,9 @@ fn check_norms(gpu: &GpuInfo) -> Result<Vec<CheckResult>> {
             // Quantise the inputs first, so the reference sees exactly what the GPU sees.
             let q = |v: Vec<f64>| decode(dtype, &encode(dtype, &v));
             let (x, w, b) = (
-                q(rng.values(rows * d, 2.0, 0.5)),
-                q(rng.values(d, 1.0, 1.0)),
-                q(rng.values(d, 0.5, 0.0)),
+                q(rng.values(rows * d, 2.0, 0.5))?,
+                q(rng.values(d, 1.0, 1.0))?,
+                q(rng.values(d, 0.5, 0.0))?,
             );
             let xa = Array::from_f64(&mut enc, dtype, &x, &[rows, d])?;
             let wa = Array::from_f64(&mut enc, dtype, &w, &[d])?;
@@ -169,7 +169,7 @@ fn check_norms(gpu: &GpuInfo) -> Result<Vec<CheckResult>> {
                 passed: err <= tol,
             });
             if d == 1000 || d == 65536 {
-                let g = q(rng.values(rows * d, 1.0, 0.0));
+                let g = q(rng.values(rows * d, 1.0, 0.0))?;
                 let ga = Array::from_f64(&mut enc, dtype, &g, &[rows, d])?;
                 let vspec =
                     norm::choose_spec(Pass::Vjp, Kind::LayerNorm, dtype, d, vectorized, limit);
@@ -234,9 +234,9 @@ fn check_convs(gpu: &GpuInfo) -> Result<Vec<CheckResult>> {
             let mut rng = TestRng::new(100 + i as u64);
             let q = |v: Vec<f64>| decode(dtype, &encode(dtype, &v));
             let count = |s: &[usize]| s.iter().product::<usize>();
-            let x = q(rng.values(count(&x_shape), 1.0, 0.0));
-            let w = q(rng.values(count(&w_shape), 1.0, 0.0));
-            let dy = q(rng.values(count(&g.output_shape()), 1.0, 0.0));
+            let x = q(rng.values(count(&x_shape), 1.0, 0.0))?;
+            let w = q(rng.values(count(&w_shape), 1.0, 0.0))?;
+            let dy = q(rng.values(count(&g.output_shape()), 1.0, 0.0))?;
             let xa = Array::from_f64(&mut enc, dtype, &x, &x_shape)?;
             let wa = Array::from_f64(&mut enc, dtype, &w, &w_shape)?;
             let dya = Array::from_f64(&mut enc, dtype, &dy, &g.output_shape())?;

@@ -31,7 +31,7 @@ fn encoder(dev: &Arc<Device>, graphs: bool) -> CommandEncoder {
 }
 
 fn q(dtype: DType, v: Vec<f64>) -> Vec<f64> {
-    kiln::dtype::decode(dtype, &kiln::dtype::encode(dtype, &v))
+    kiln::dtype::decode(dtype, &kiln::dtype::encode(dtype, &v)).unwrap()
 }
 
 /// How the weight is laid out on the device.

@@ -173,7 +173,7 @@ fn run_launch(
     let bytes = std::fs::read(&outp).unwrap();
     let (out, partial) = bytes.split_at(out_len * dtype.size());
     if partials == 0 {
-        return kiln::dtype::decode(dtype, out);
+        return kiln::dtype::decode(dtype, out).unwrap();
     }
     let partial: Vec<f32> = partial
         .chunks_exact(4)
@@ -182,7 +182,7 @@ fn run_launch(
     let sums: Vec<f64> = (0..out_len)
         .map(|i| (0..launch.splits).fold(0f32, |s, k| s + partial[k * out_len + i]) as f64)
         .collect();
-    kiln::dtype::decode(dtype, &kiln::dtype::encode(dtype, &sums))
+    kiln::dtype::decode(dtype, &kiln::dtype::encode(dtype, &sums)).unwrap()
 }
 
 fn out_len(pass: Pass, g: &Geometry) -> usize {

@@ -175,16 +175,17 @@ fn invalid(arg: &'static str, reason: String) -> Error {
 impl Communicator {
     fn check_array(&self, enc: &CommandEncoder, name: &'static str, a: &Array) -> Result<()> {
         let ordinal = self.shared.device.ordinal();
-        if a.device().ordinal() != ordinal || enc.device().ordinal() != ordinal {
-            return Err(invalid(
-                name,
-                format!(
-                    "the array is on GPU {} and the encoder on GPU {}, the communicator's rank \
-                     on GPU {ordinal}",
-                    a.device().ordinal(),
-                    enc.device().ordinal()
-                ),
-            ));
+        for (arg, got) in [
+            ("enc", enc.device().ordinal()),
+            (name, a.device().ordinal()),
+        ] {
+            if got != ordinal {
+                return Err(Error::DeviceMismatch {
+                    arg,
+                    expected: ordinal,
+                    got,
+                });
+            }
         }
         if !a.is_contiguous() {
             return Err(invalid(

@@ -67,6 +67,10 @@ impl UniqueId {
         if hex.len() != 2 * ID_BYTES || !hex.is_ascii() {
             return Err(bad(&format!("got {} characters", hex.len())));
         }
+        // `from_str_radix` alone takes a sign too: "+f" would pass as 0f.
+        if !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(bad("found a character that is not a hex digit"));
+        }
         let mut id = ncclUniqueId {
             internal: [0; ID_BYTES],
         };
@@ -674,5 +678,13 @@ mod tests {
         }
         let missing = UniqueId::read_from(&dir.path().join("none"), Duration::from_millis(30));
         assert!(matches!(missing, Err(Error::Io { .. })));
+    }
+
+    #[test]
+    fn a_signed_hex_id_is_refused() {
+        // 128 pairs "+f": each parsed as 0x0f, a different id than any rank wrote.
+        let signed = "+f".repeat(ID_BYTES);
+        let err = UniqueId::from_hex(&signed).unwrap_err();
+        assert_eq!(err.argument(), Some("id"), "{err}");
     }
 }

@@ -85,14 +85,14 @@ pub fn export(cache: &DiskCache, path: &Path, archs: &[u32]) -> Result<BundleRep
 }
 
 /// Publishes every entry of the bundle at `path` (of `archs`, when given) that verifies;
-/// damaged ones are reported and never imported. A bundle whose framing is broken (not a
-/// bundle, cut short, a damaged length) imports the entries before the damage and reports the
-/// rest as damaged.
+/// damaged ones are reported and never imported. A bundle whose framing is broken (cut short, a
+/// damaged length) imports the entries before the damage and reports the rest as damaged. A
+/// file that is not a bundle, or one of another bundle version, is [`Error::BadBundle`].
 pub fn import(cache: &DiskCache, path: &Path, archs: &[u32]) -> Result<BundleReport> {
     let bytes = fs::read(path).map_err(|e| Error::io("reading a cache bundle", path, e))?;
-    let bad_bundle = |why: String| Error::InvalidArgument {
-        arg: "bundle",
-        reason: format!("{}: {why}", path.display()),
+    let bad_bundle = |reason: String| Error::BadBundle {
+        path: path.to_path_buf(),
+        reason,
     };
     if bytes.len() < 20 || &bytes[..8] != BUNDLE_MAGIC {
         return Err(bad_bundle("not a kiln cache bundle".into()));
@@ -100,7 +100,8 @@ pub fn import(cache: &DiskCache, path: &Path, archs: &[u32]) -> Result<BundleRep
     let version = u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes"));
     if version != BUNDLE_VERSION {
         return Err(bad_bundle(format!(
-            "bundle version {version}; this kiln reads {BUNDLE_VERSION}"
+            "bundle version {version}; this kiln reads {BUNDLE_VERSION} (export it again with \
+             this kiln)"
         )));
     }
     let count = u64::from_le_bytes(bytes[12..20].try_into().expect("8 bytes"));

@@ -140,6 +140,20 @@ fn validate(def: &TemplateDef, extras: &FamilyExtras) -> Result<()> {
             ),
         );
     }
+    // The template sees the constants beside these values, in one namespace: a constant named
+    // like one of them, or like an earlier constant, would replace it without a word.
+    let context = super::template::CONTEXT;
+    for (i, c) in def.const_names.iter().enumerate() {
+        if !plain(c) || context.contains(c) || def.const_names[..i].contains(c) {
+            return bad(
+                "template.const_names",
+                format!(
+                    "{c:?} is empty, has spaces, repeats an earlier constant or takes the name of \
+                     a value every template sees ({context:?})"
+                ),
+            );
+        }
+    }
     for (name, _) in extras.partials {
         if !plain(name) || PARTIALS.iter().any(|(k, _)| k == name) {
             return bad(
@@ -169,4 +183,46 @@ fn validate(def: &TemplateDef, extras: &FamilyExtras) -> Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    static SHADOWS_BLOCK_DIM: TemplateDef = TemplateDef {
+        name: "test_shadows_block_dim",
+        source: "{{block_dim}}",
+        kernel: "test_shadows_block_dim",
+        const_names: &["block_dim"],
+        arch_specific: false,
+        only_arch: None,
+    };
+
+    static REPEATS_A_CONSTANT: TemplateDef = TemplateDef {
+        name: "test_repeats_a_constant",
+        source: "{{N}}",
+        kernel: "test_repeats_a_constant",
+        const_names: &["N", "M", "N"],
+        arch_specific: false,
+        only_arch: None,
+    };
+
+    #[test]
+    fn constants_that_would_replace_another_value_are_refused() {
+        // Rendered, `block_dim` was the constant's value while the launch used the spec's
+        // block_dim; and `N` the second value while `KernelSpec::constant("N")` read the first.
+        for def in [&SHADOWS_BLOCK_DIM, &REPEATS_A_CONSTANT] {
+            let err = register_family(def, FamilyExtras::NONE).unwrap_err();
+            assert_eq!(err.argument(), Some("template.const_names"), "{err}");
+            let err = crate::jit::KernelSpec::try_new(
+                def,
+                crate::DType::F32,
+                32,
+                1,
+                &[1, 2, 3][..def.const_names.len()],
+            )
+            .unwrap_err();
+            assert_eq!(err.argument(), Some("template.const_names"), "{err}");
+        }
+    }
 }

@@ -63,8 +63,11 @@ fn family_registry(def: &'static TemplateDef) -> Result<Arc<Handlebars<'static>>
     Ok(map.entry(id).or_insert(hb).clone())
 }
 
-/// The values a template sees: `dtype` (device type), `dtype_name`, `block_dim`, `n_reads`,
-/// `kernel`, and each named constant.
+/// The values every template sees besides its named constants, which may not take these names.
+pub const CONTEXT: [&str; 5] = ["dtype", "dtype_name", "block_dim", "n_reads", "kernel"];
+
+/// The values a template sees: [`CONTEXT`] (`dtype` is the device type), and each named
+/// constant.
 fn context(spec: &KernelSpec) -> Value {
     let mut m = Map::new();
     m.insert("dtype".into(), spec.dtype.cuda_type().into());

@@ -219,7 +219,7 @@ impl Array {
 
     /// Downloads the elements in row-major order as f64 (waits for the encoder's work first).
     pub fn to_f64(&self, enc: &mut CommandEncoder) -> Result<Vec<f64>> {
-        Ok(decode(self.dtype, &self.to_bytes(enc)?))
+        decode(self.dtype, &self.to_bytes(enc)?)
     }
 
     /// Downloads the elements in row-major order as `T`, which must be the array's dtype (an
@@ -306,13 +306,7 @@ impl Array {
 
     /// A view with a new shape of the same size; the array must be contiguous.
     pub fn reshape(&self, shape: &[usize]) -> Result<Array> {
-        check_rank(shape)?;
-        if shape.iter().product::<usize>() != self.size() {
-            return Err(invalid(
-                "shape",
-                format!("{shape:?} does not hold {} elements", self.size()),
-            ));
-        }
+        check_reshape(shape, self.size())?;
         if !self.is_contiguous() {
             return Err(invalid(
                 "self",
@@ -393,28 +387,7 @@ impl Array {
 
     /// A view broadcast to `shape` (NumPy rules: size-1 or missing leading axes get stride 0).
     pub fn broadcast_to(&self, shape: &[usize]) -> Result<Array> {
-        check_rank(shape)?;
-        if shape.len() < self.ndim() {
-            return Err(invalid(
-                "shape",
-                format!("cannot broadcast {:?} to {shape:?}", self.shape),
-            ));
-        }
-        let lead = shape.len() - self.ndim();
-        let mut strides = vec![0isize; shape.len()];
-        for (i, &n) in shape.iter().enumerate().skip(lead) {
-            let (have, stride) = (self.shape[i - lead], self.strides[i - lead]);
-            strides[i] = if have == n {
-                stride
-            } else if have == 1 {
-                0
-            } else {
-                return Err(invalid(
-                    "shape",
-                    format!("cannot broadcast {:?} to {shape:?}", self.shape),
-                ));
-            };
-        }
+        let strides = broadcast_layout(self.dtype, &self.shape, &self.strides, shape)?;
         Ok(self.view(shape.to_vec(), strides, self.offset))
     }
 
@@ -433,6 +406,54 @@ impl Array {
         }
         super::copy::copy(enc, self, dtype)
     }
+}
+
+/// [`Array::reshape`]'s check of the new shape against the array's `size`: within the rank,
+/// and its extents multiply to `size` (without overflowing, which in release builds would wrap
+/// round to any size, 0 included).
+fn check_reshape(shape: &[usize], size: usize) -> Result<()> {
+    check_rank(shape)?;
+    let product = shape.iter().try_fold(1usize, |acc, &n| acc.checked_mul(n));
+    if product != Some(size) {
+        return Err(invalid(
+            "shape",
+            format!("{shape:?} does not hold {size} elements"),
+        ));
+    }
+    Ok(())
+}
+
+/// The strides of [`Array::broadcast_to`]'s view of an array of `shape` and `strides` as `to`.
+/// The view's elements, like an array's, must be countable in bytes.
+fn broadcast_layout(
+    dtype: DType,
+    shape: &[usize],
+    strides: &[isize],
+    to: &[usize],
+) -> Result<Vec<isize>> {
+    byte_size(dtype, to)?;
+    if to.len() < shape.len() {
+        return Err(invalid(
+            "shape",
+            format!("cannot broadcast {shape:?} to {to:?}"),
+        ));
+    }
+    let lead = to.len() - shape.len();
+    let mut out = vec![0isize; to.len()];
+    for (i, &n) in to.iter().enumerate().skip(lead) {
+        let (have, stride) = (shape[i - lead], strides[i - lead]);
+        out[i] = if have == n {
+            stride
+        } else if have == 1 {
+            0
+        } else {
+            return Err(invalid(
+                "shape",
+                format!("cannot broadcast {shape:?} to {to:?}"),
+            ));
+        };
+    }
+    Ok(out)
 }
 
 /// The shape and strides of [`Array::split_axis`]'s view.
@@ -527,6 +548,54 @@ mod tests {
         assert_eq!(
             split_layout(&[0, 3], &[3, 1], 0, &[0, 4]).unwrap().0,
             vec![0, 4, 3]
+        );
+    }
+
+    fn err_arg<T: std::fmt::Debug>(r: Result<T>) -> &'static str {
+        match r {
+            Err(Error::InvalidArgument { arg, .. }) => arg,
+            other => panic!("expected an argument error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn reshape_refuses_a_shape_whose_product_overflows() {
+        check_reshape(&[2, 3], 6).unwrap();
+        check_reshape(&[], 1).unwrap();
+        assert_eq!(err_arg(check_reshape(&[4, 2], 6)), "shape");
+        // 2^32 x 2^32 wraps to 0 in release builds: it must not pass as an empty array's shape.
+        assert_eq!(err_arg(check_reshape(&[1 << 32, 1 << 32], 0)), "shape");
+        assert_eq!(err_arg(check_reshape(&[1 << 32, 1 << 32, 0], 0)), "shape");
+        assert_eq!(err_arg(check_reshape(&[1; MAX_RANK + 1], 1)), "shape");
+    }
+
+    #[test]
+    fn broadcast_refuses_a_shape_too_large_to_count() {
+        let t = broadcast_layout(DType::F32, &[3, 1], &[1, 1], &[2, 3, 4]).unwrap();
+        assert_eq!(t, vec![0, 1, 0]);
+        assert_eq!(
+            err_arg(broadcast_layout(DType::F32, &[3], &[1], &[2, 4])),
+            "shape"
+        );
+        assert_eq!(
+            err_arg(broadcast_layout(DType::F32, &[3], &[1], &[])),
+            "shape"
+        );
+        // A scalar broadcast to 2^40 x 2^40: `size()` overflowed (a panic in debug builds, a
+        // wrapped element count in release).
+        assert_eq!(
+            err_arg(broadcast_layout(
+                DType::F32,
+                &[1],
+                &[1],
+                &[1 << 40, 1 << 40]
+            )),
+            "shape"
+        );
+        // Countable in elements but not in bytes.
+        assert_eq!(
+            err_arg(broadcast_layout(DType::F32, &[1], &[1], &[1 << 62])),
+            "shape"
         );
     }
 

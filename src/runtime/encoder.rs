@@ -244,6 +244,20 @@ pub fn default_limits(major: u32) -> (usize, usize) {
     }
 }
 
+/// The byte limits (per commit, in flight) of `config`, whose unset megabyte counts default to
+/// `default_mb` per commit and four commits' worth in flight. A count too large for a byte count
+/// is no limit (`usize::MAX`), never a smaller one: `<< 20` alone would drop its high bits.
+fn byte_limits(config: &Config, default_mb: usize) -> (usize, usize) {
+    let mb = config.max_mb_per_buffer.unwrap_or(default_mb);
+    let in_flight = config
+        .max_mb_in_flight
+        .unwrap_or(DEFAULT_COMMITS_OF_BYTES_IN_FLIGHT.saturating_mul(mb));
+    (
+        mb.saturating_mul(1 << 20),
+        in_flight.saturating_mul(1 << 20),
+    )
+}
+
 /// Records kernel launches on one stream of one device (see the module docs for direct and graph
 /// mode).
 ///
@@ -298,7 +312,7 @@ impl CommandEncoder {
         }
         device.bind()?;
         let (ops, mb) = default_limits(device.info().compute_capability.0);
-        let mb = config.max_mb_per_buffer.unwrap_or(mb);
+        let (max_bytes, max_bytes_in_flight) = byte_limits(config, mb);
         let mut streams = [ptr::null_mut(); 2];
         for s in &mut streams {
             // SAFETY: the device's context is current.
@@ -312,12 +326,9 @@ impl CommandEncoder {
             capture_stream: streams[1],
             use_graphs: config.use_cuda_graphs,
             max_ops: config.max_ops_per_buffer.unwrap_or(ops),
-            max_bytes: mb << 20,
+            max_bytes,
             max_commits_in_flight: config.max_commits_in_flight,
-            max_bytes_in_flight: config
-                .max_mb_in_flight
-                .unwrap_or(DEFAULT_COMMITS_OF_BYTES_IN_FLIGHT * mb)
-                << 20,
+            max_bytes_in_flight,
             tracker: DependencyTracker::new(),
             nodes: Vec::new(),
             ops_in_batch: 0,
@@ -432,8 +443,8 @@ impl CommandEncoder {
         reads: &[&Array],
         writes: &[&Array],
     ) -> Result<()> {
-        self.check_device(reads)?;
-        self.check_device(writes)?;
+        self.check_device("reads", reads)?;
+        self.check_device("writes", writes)?;
         if let Some(why) = args.refused() {
             return Err(Error::InvalidArgument {
                 arg: "args",
@@ -503,22 +514,19 @@ impl CommandEncoder {
         writes: &[&Array],
         work: impl FnOnce(sys::CUstream) -> Result<()>,
     ) -> Result<()> {
-        self.check_device(reads)?;
-        self.check_device(writes)?;
+        self.check_device("reads", reads)?;
+        self.check_device("writes", writes)?;
         self.add_captured_with(reads, writes, None, work)
     }
 
-    /// An error unless every array lives on this encoder's device.
-    fn check_device(&self, arrays: &[&Array]) -> Result<()> {
+    /// [`Error::DeviceMismatch`] naming `arg` unless every array lives on this encoder's device.
+    fn check_device(&self, arg: &'static str, arrays: &[&Array]) -> Result<()> {
         for a in arrays {
             if !Arc::ptr_eq(a.device(), &self.device) {
-                return Err(Error::InvalidArgument {
-                    arg: "arrays",
-                    reason: format!(
-                        "an array lives on GPU {} but the encoder runs on GPU {}",
-                        a.device().ordinal(),
-                        self.device.ordinal()
-                    ),
+                return Err(Error::DeviceMismatch {
+                    arg,
+                    expected: self.device.ordinal(),
+                    got: a.device().ordinal(),
                 });
             }
         }
@@ -1161,6 +1169,22 @@ mod tests {
             NodeState::Empty.change_to(&NodeWork::Empty),
             NodeChange::Same
         );
+    }
+
+    #[test]
+    fn byte_limits_saturate_instead_of_wrapping() {
+        let mut config = Config::from_lookup(|_| None).unwrap();
+        assert_eq!(byte_limits(&config, 400), (400 << 20, 1600 << 20));
+        config.max_mb_per_buffer = Some(100);
+        config.max_mb_in_flight = Some(64);
+        assert_eq!(byte_limits(&config, 400), (100 << 20, 64 << 20));
+        // `1 << 44` megabytes is 2^64 bytes: `<< 20` wrapped it to a limit of 0 (a commit after
+        // every launch), and four commits of `usize::MAX / 2` overflowed.
+        config.max_mb_per_buffer = Some(1 << 44);
+        config.max_mb_in_flight = None;
+        assert_eq!(byte_limits(&config, 400), (usize::MAX, usize::MAX));
+        config.max_mb_per_buffer = Some(usize::MAX / 2);
+        assert_eq!(byte_limits(&config, 400), (usize::MAX, usize::MAX));
     }
 
     #[test]

@@ -153,6 +153,12 @@ fn per_dim(
         if x < min {
             return Err(bad(arg, format!("must be at least {min}, got {v:?}")));
         }
+        if x > INDEX_LIMIT {
+            return Err(bad(
+                arg,
+                format!("{x} exceeds kiln's 32-bit indexing ({INDEX_LIMIT})"),
+            ));
+        }
         out[3 - spatial + i] = x;
     }
     Ok(out)
@@ -160,6 +166,25 @@ fn per_dim(
 
 /// Extents that the kernels index with 32-bit integers.
 const INDEX_LIMIT: usize = i32::MAX as usize;
+
+/// An error naming `arg` unless the extents of `shape`, an empty one counting as 1, multiply to
+/// at most [`INDEX_LIMIT`]. That bounds every extent, and every product of some of them (pixels,
+/// taps, the elements), which the kernels take as 32-bit ints, even where another extent is 0.
+fn check_extents(arg: &'static str, shape: &[usize]) -> Result<()> {
+    let product = shape
+        .iter()
+        .try_fold(1usize, |acc, &n| acc.checked_mul(n.max(1)));
+    if product.map_or(true, |n| n > INDEX_LIMIT) {
+        return Err(bad(
+            arg,
+            format!(
+                "shape {shape:?} exceeds kiln's 32-bit indexing: its extents (an empty one \
+                 counting as 1) multiply to more than {INDEX_LIMIT}"
+            ),
+        ));
+    }
+    Ok(())
+}
 
 impl Geometry {
     /// Checks the forward convolution of `input` (N, spatial..., C_in) with `weight`
@@ -212,6 +237,17 @@ impl Geometry {
                 ),
             ));
         }
+        // Bounded before any arithmetic on them: every size computed below then fits.
+        check_extents("input", input)?;
+        check_extents("weight", weight)?;
+        let phases = stride.iter().try_fold(1usize, |acc, &s| acc.checked_mul(s));
+        if phases.map_or(true, |n| n > INDEX_LIMIT) {
+            // Backward-data runs a GEMM per stride phase, one per product of the strides.
+            return Err(bad(
+                "strides",
+                format!("{stride:?} multiply to more than kiln's 32-bit indexing ({INDEX_LIMIT})"),
+            ));
+        }
         let mut g = Geometry {
             spatial,
             batch: input[0],
@@ -258,22 +294,7 @@ impl Geometry {
             }
             g.output[d] = (padded - span) / stride[d] + 1;
         }
-        let too_big = [
-            ("input", g.batch * g.input.iter().product::<usize>() * cin),
-            (
-                "output",
-                g.batch * g.output.iter().product::<usize>() * cout,
-            ),
-            ("weight", weight.iter().product::<usize>()),
-        ];
-        for (arg, n) in too_big {
-            if n > INDEX_LIMIT {
-                return Err(bad(
-                    arg,
-                    format!("{n} elements exceed kiln's 32-bit indexing ({INDEX_LIMIT})"),
-                ));
-            }
-        }
+        check_extents("output", &g.output_shape())?;
         Ok(g)
     }
 
@@ -571,6 +592,77 @@ mod tests {
             err_arg(Geometry::new(&[2, 5, 5, 3], &[4, 3, 3, 3], &ok.groups(0))),
             "groups"
         );
+    }
+
+    #[test]
+    fn sizes_past_32_bits_are_refused_not_wrapped() {
+        let ok = ConvParams::default();
+        // Element counts that wrapped to 0 (2^32 x 2^32) and passed the size check in release
+        // builds (a debug build panicked on the multiplication).
+        assert_eq!(
+            err_arg(Geometry::new(&[1 << 32, 1 << 32, 1], &[1, 1, 1], &ok)),
+            "input"
+        );
+        assert_eq!(
+            err_arg(Geometry::new(&[1, 4, 1], &[1 << 32, 1, 1 << 32], &ok)),
+            "weight"
+        );
+        // The dilated extent overflowed before any size was checked.
+        assert_eq!(
+            err_arg(Geometry::new(
+                &[1, 1 << 40, 1],
+                &[1, 1, 1],
+                &ok.clone().input_dilation(&[1 << 30])
+            )),
+            "input"
+        );
+        // An empty batch hid any spatial extent from the element counts, but not from the
+        // pixel counts and the kernels' 32-bit extents.
+        assert_eq!(
+            err_arg(Geometry::new(
+                &[0, 1 << 20, 1 << 20, 1 << 20, 3],
+                &[1, 1, 1, 1, 3],
+                &ok
+            )),
+            "input"
+        );
+        Geometry::new(&[0, 1 << 20, 3], &[2, 3, 3], &ok).unwrap();
+    }
+
+    #[test]
+    fn parameters_past_32_bits_are_refused_not_truncated() {
+        let ok = ConvParams::default();
+        // Padding 2^32 reached the kernels as 0: the one output read the input's first element
+        // instead of padding.
+        let p = ok.clone().strides(&[INDEX_LIMIT]).padding_lo(&[1 << 32]);
+        assert_eq!(
+            err_arg(Geometry::new(&[1, 4, 1], &[1, 1, 1], &p)),
+            "padding_lo"
+        );
+        let p = ok.clone().padding_hi(&[1 << 32]);
+        assert_eq!(
+            err_arg(Geometry::new(&[1, 4, 1], &[1, 1, 1], &p)),
+            "padding_hi"
+        );
+        for p in [
+            ok.clone().strides(&[1 << 32]),
+            ok.clone().kernel_dilation(&[1 << 32]),
+            ok.clone().input_dilation(&[1 << 32]),
+        ] {
+            let arg = err_arg(Geometry::new(&[1, 4, 1], &[1, 1, 1], &p));
+            assert!(
+                ["strides", "kernel_dilation", "input_dilation"].contains(&arg),
+                "{p:?}: {arg}"
+            );
+        }
+        // Strides whose product (backward-data's stride phases) overflowed.
+        let p = ok.clone().strides(&[1 << 30]);
+        assert_eq!(
+            err_arg(Geometry::new(&[1, 1, 1, 1, 1], &[1, 1, 1, 1, 1], &p)),
+            "strides"
+        );
+        let g = Geometry::new(&[1, 1, 1, 1, 1], &[1, 1, 1, 1, 1], &p.strides(&[1 << 10])).unwrap();
+        assert_eq!(Pass::BackwardData.phases(&g), 1 << 30);
     }
 
     #[test]

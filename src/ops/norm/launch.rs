@@ -18,22 +18,47 @@ fn cluster_grid(
     Ok((clusters * constant(spec, "CLUSTER"), clusters))
 }
 
+/// The longest row the kernels take: they index a row with 32-bit ints (`int d`), and step
+/// past its end by up to a block's span, so rows stay well below 2^31 elements.
+pub const MAX_ROW: usize = 1 << 30;
+
+/// An error naming `arg` when rows of `d` elements are longer than the kernels index.
+pub(super) fn check_row(arg: &'static str, d: usize) -> Result<()> {
+    if d > MAX_ROW {
+        return Err(bad(
+            arg,
+            format!(
+                "rows of {d} elements are longer than the norm kernels index with 32-bit ints \
+                 (at most {MAX_ROW})"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Checks x's shape and eps; returns d, the length of x's last axis, over which it is
+/// normalised.
+pub(super) fn row_length(x_shape: &[usize], eps: f32) -> Result<usize> {
+    let Some(&d) = x_shape.last() else {
+        return Err(bad(
+            "x",
+            "must have at least one axis (normalised over the last)".into(),
+        ));
+    };
+    if eps.is_nan() || eps < 0.0 || eps.is_infinite() {
+        return Err(bad("eps", format!("must be finite and >= 0, got {eps}")));
+    }
+    check_row("x", d)?;
+    Ok(d)
+}
+
 /// Checks x, eps, and an optional 1-D parameter of length d and x's dtype.
 pub(super) fn check_inputs(
     x: &Array,
     params: &[(&'static str, Option<&Array>)],
     eps: f32,
 ) -> Result<usize> {
-    if x.ndim() == 0 {
-        return Err(bad(
-            "x",
-            "must have at least one axis (normalised over the last)".into(),
-        ));
-    }
-    if eps.is_nan() || eps < 0.0 || eps.is_infinite() {
-        return Err(bad("eps", format!("must be finite and >= 0, got {eps}")));
-    }
-    let d = *x.shape().last().expect("ndim >= 1");
+    let d = row_length(x.shape(), eps)?;
     for (name, p) in params {
         let Some(p) = p else { continue };
         if p.shape() != [d] {
@@ -52,7 +77,11 @@ pub(super) fn check_inputs(
             });
         }
         if p.device().ordinal() != x.device().ordinal() {
-            return Err(bad(name, "is on another device than x".into()));
+            return Err(Error::DeviceMismatch {
+                arg: name,
+                expected: x.device().ordinal(),
+                got: p.device().ordinal(),
+            });
         }
     }
     Ok(d)
@@ -390,6 +419,7 @@ pub fn reduce_cols(enc: &mut CommandEncoder, partial: &Array, dtype: DType) -> R
             got: partial.dtype(),
         });
     }
+    check_row("partial", d)?;
     if d == 0 {
         return Array::empty_on(enc, dtype, &[0]);
     }

@@ -142,6 +142,6 @@ mod tests;
 pub mod tuning;
 
 pub use choose::{choose_spec, reduce_cols_spec, specs};
-pub use launch::{layer_norm, layer_norm_vjp, reduce_cols, rms_norm, rms_norm_vjp};
+pub use launch::{layer_norm, layer_norm_vjp, reduce_cols, rms_norm, rms_norm_vjp, MAX_ROW};
 #[doc(hidden)]
 pub use reference::{reference_forward, reference_vjp};

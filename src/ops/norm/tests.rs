@@ -1,6 +1,30 @@
 use super::choose::*;
+use super::launch::{check_row, row_length};
 use super::reference::*;
 use super::*;
+
+fn err_arg<T: std::fmt::Debug>(r: Result<T>) -> &'static str {
+    match r {
+        Err(Error::InvalidArgument { arg, .. }) => arg,
+        other => panic!("expected an argument error, got {other:?}"),
+    }
+}
+
+#[test]
+fn rows_longer_than_the_kernels_index_are_refused() {
+    assert_eq!(row_length(&[4, 768], 1e-5).unwrap(), 768);
+    assert_eq!(row_length(&[MAX_ROW], 0.0).unwrap(), MAX_ROW);
+    assert_eq!(row_length(&[3, 0], 0.0).unwrap(), 0);
+    assert_eq!(err_arg(row_length(&[], 1e-5)), "x");
+    assert_eq!(err_arg(row_length(&[4], -1.0)), "eps");
+    assert_eq!(err_arg(row_length(&[4], f32::NAN)), "eps");
+    // `d as i32` passed 2^31 to the kernels as -2^31, and 2^32 + 8 as 8: every row but its
+    // first 8 elements left out.
+    assert_eq!(err_arg(row_length(&[1, 1 << 31], 1e-5)), "x");
+    assert_eq!(err_arg(row_length(&[(1 << 32) + 8], 1e-5)), "x");
+    assert_eq!(err_arg(check_row("partial", MAX_ROW + 1)), "partial");
+    check_row("partial", MAX_ROW).unwrap();
+}
 
 #[test]
 fn a_balanced_grid_gives_every_block_the_same_turns() {
