@@ -315,12 +315,7 @@ pub fn worst(dtype: DType, got: &[f64], want: &reference::Reference) -> (f64, us
         .zip(want.values.iter().zip(&want.magnitude))
         .enumerate()
     {
-        let tol = kiln::selfcheck::conv_rounding(dtype) * r.abs() + 2e-5 * s + 1e-30;
-        let ratio = if g.is_finite() {
-            (g - r).abs() / tol
-        } else {
-            f64::INFINITY
-        };
+        let ratio = kiln::selfcheck::conv_error(dtype, g, r, s);
         if ratio > worst.0 {
             worst = (ratio, i);
         }
