@@ -14,7 +14,7 @@
 
 mod common;
 
-use common::conv_cases::{random, worst};
+use common::conv_cases::{random, worst, worst_tf32};
 
 use std::sync::{Arc, Mutex};
 
@@ -462,14 +462,7 @@ fn f32_tf32_only_when_allowed() {
                     failures.push(format!("{} {}: {spec}", c.name, pass.name()));
                 }
                 if products == 2 {
-                    let tf32_bound = got
-                        .iter()
-                        .zip(want.values.iter().zip(&want.magnitude))
-                        .map(|(&g, (&r, &s))| (g - r).abs() / (1e-6 * r.abs() + 2e-3 * s + 1e-30))
-                        .fold(
-                            0.0,
-                            |m: f64, e| if e.is_nan() { f64::INFINITY } else { m.max(e) },
-                        );
+                    let tf32_bound = worst_tf32(&got, &want);
                     if tf32_bound > 1.0 {
                         failures.push(format!(
                             "{} {}: {tf32_bound:.2}x TF32's bound",

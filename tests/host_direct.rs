@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::conv_cases::{random, worst};
+use common::conv_cases::{random, worst, worst_tf32};
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -792,14 +792,7 @@ fn igemm_one_tf32_product_meets_tf32s_bound_and_not_f32s() {
                 }
             };
             let got = run_host_igemm_tf32(&cxx, dtype, pass, &g, ops);
-            let tf32 = got
-                .iter()
-                .zip(want.values.iter().zip(&want.magnitude))
-                .map(|(&g, (&r, &s))| (g - r).abs() / (1e-6 * r.abs() + 2e-3 * s + 1e-30))
-                .fold(
-                    0.0,
-                    |m: f64, e| if e.is_nan() { f64::INFINITY } else { m.max(e) },
-                );
+            let tf32 = worst_tf32(&got, &want);
             if tf32 > 1.0 {
                 past_tf32.push(format!("{name}: {tf32:.2}x TF32's bound"));
             }

@@ -322,3 +322,20 @@ pub fn worst(dtype: DType, got: &[f64], want: &reference::Reference) -> (f64, us
     }
     worst
 }
+
+/// The largest error over one TF32 product's bound (`KILN_ALLOW_TF32`): operands of 11 bits,
+/// so 2e-3 of the sum of the products' magnitudes; <= 1 passes, a non-finite output fails.
+pub fn worst_tf32(got: &[f64], want: &reference::Reference) -> f64 {
+    assert_eq!(got.len(), want.values.len());
+    got.iter()
+        .zip(want.values.iter().zip(&want.magnitude))
+        .map(|(&g, (&r, &s))| {
+            let e = (g - r).abs() / (1e-6 * r.abs() + 2e-3 * s + 1e-30);
+            if g.is_finite() {
+                e
+            } else {
+                f64::INFINITY
+            }
+        })
+        .fold(0.0, f64::max)
+}
