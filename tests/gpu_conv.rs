@@ -19,6 +19,7 @@ use common::conv_cases::{random, worst, worst_tf32};
 use std::sync::{Arc, Mutex};
 
 use kiln::env::{Config, ConvPath};
+use kiln::jit::KernelSpec;
 use kiln::ops::conv::{
     self, depthwise, direct, grouped, hopper, plan, reference, stem, tuning, ConvParams, Geometry,
     Pass,
@@ -262,7 +263,8 @@ enum Explicit {
     Wgmma(hopper::Tile, usize),
 }
 
-/// Runs one pass on the GPU and returns (got, reference, geometry, the family the plan picks).
+/// Runs one pass on the GPU and returns (got, reference, geometry, the spec the plan picks;
+/// None for an explicit tile).
 fn run_pass(
     enc: &mut CommandEncoder,
     dtype: DType,
@@ -270,7 +272,7 @@ fn run_pass(
     pass: Pass,
     explicit: Option<Explicit>,
     seed: u64,
-) -> (Vec<f64>, reference::Reference, Geometry, &'static str) {
+) -> (Vec<f64>, reference::Reference, Geometry, Option<KernelSpec>) {
     let g = Geometry::new(&c.x, &c.w, &c.p).unwrap();
     let mut rng = TestRng::new(seed);
     let x = random(&mut rng, dtype, c.x.iter().product());
@@ -296,19 +298,19 @@ fn run_pass(
             up(enc, &dy, &g.output_shape()),
         ),
     };
-    let family = if explicit.is_none() {
+    let spec = if explicit.is_none() {
         let (xa, wa, dya) = (
             up(enc, &x, &c.x),
             up(enc, &w, &c.w),
             up(enc, &dy, &g.output_shape()),
         );
-        conv::plan_for(enc, pass, &c.p, &xa, &wa, &dya)
-            .unwrap()
-            .spec
-            .template
-            .name
+        Some(
+            conv::plan_for(enc, pass, &c.p, &xa, &wa, &dya)
+                .unwrap()
+                .spec,
+        )
     } else {
-        plan::IGEMM.name
+        None
     };
     let out = match explicit {
         Some(Explicit::Igemm(t, splits)) => {
@@ -327,7 +329,7 @@ fn run_pass(
             }
         },
     };
-    (out.to_f64(enc).unwrap(), want, g, family)
+    (out.to_f64(enc).unwrap(), want, g, spec)
 }
 
 /// The plan key a call on `dev` gets for operands of `g` whose channels and bases allow 16-byte
@@ -356,8 +358,9 @@ fn matrix(graphs: bool) {
     for (ci, c) in cases().iter().enumerate() {
         for dtype in DType::ALL {
             for pass in Pass::ALL {
-                let (got, want, g, family) =
+                let (got, want, g, spec) =
                     run_pass(&mut enc, dtype, c, pass, None, ci as u64 * 7 + 1);
+                let family = spec.expect("the plan's spec").template.name;
                 let (ratio, at) = worst(dtype, &got, &want);
                 checked += 1;
                 let key = aligned_key(&dev, dtype, pass, g);
@@ -441,23 +444,13 @@ fn f32_tf32_only_when_allowed() {
         for pass in Pass::ALL {
             for (dev, products) in [(&exact, 1), (&tf32, 2)] {
                 let mut enc = encoder(dev, false);
-                let (got, want, _, family) =
+                let (got, want, _, spec) =
                     run_pass(&mut enc, DType::F32, c, pass, None, ci as u64 * 7 + 1);
-                if family != plan::IGEMM.name {
+                let spec = spec.expect("the plan's spec");
+                if spec.template.name != plan::IGEMM.name {
                     continue;
                 }
                 checked += 1;
-                let (xa, wa, dya) = {
-                    let g = Geometry::new(&c.x, &c.w, &c.p).unwrap();
-                    let mut zeros = |s: &[usize]| {
-                        let n = s.iter().product();
-                        Array::from_f64(&mut enc, DType::F32, &vec![0.0; n], s).unwrap()
-                    };
-                    (zeros(&c.x), zeros(&c.w), zeros(&g.output_shape()))
-                };
-                let spec = conv::plan_for(&enc, pass, &c.p, &xa, &wa, &dya)
-                    .unwrap()
-                    .spec;
                 if spec.constant("TENSOR") != Some(products) {
                     failures.push(format!("{} {}: {spec}", c.name, pass.name()));
                 }
