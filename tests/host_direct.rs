@@ -693,7 +693,7 @@ fn check_grouped(pass: Pass) {
 
 /// Cases for the `mma.sync` family: k tiles within one tap (channels a multiple of 32) and
 /// through the k table, stride phases of backward-data, groups, 1-D and 3-D, both dilations,
-/// flip, scalar loads (odd channels), several tiles each way and a backward-weight sum long
+/// flip, scalar loads (odd channels), two or more tiles each way and a backward-weight sum long
 /// enough to split.
 fn igemm_cases() -> Vec<Case> {
     let d = ConvParams::default;
@@ -732,10 +732,16 @@ fn igemm_cases() -> Vec<Case> {
             d().strides(&[1, 2, 1]).padding(&[1, 0, 1]),
         ),
         case(
-            "136 -> 144, several tiles each way, long sum",
-            &[2, 9, 9, 136],
-            &[144, 3, 3, 136],
+            "72 -> 136 (k table), two or more tiles each way",
+            &[2, 7, 7, 72],
+            &[136, 3, 3, 72],
             d().padding(&[1]),
+        ),
+        case(
+            "1x1 over 16x16, a backward-weight sum that splits",
+            &[2, 16, 16, 8],
+            &[16, 1, 1, 8],
+            d(),
         ),
     ]
 }
