@@ -377,7 +377,7 @@ fn sweep_hopper(enc: &mut CommandEncoder) {
                 .fold(0.0f64, |m, v| m.max(v.abs()))
                 .max(1e-30);
             let (mut best, mut planned) = (0.0f64, 0.0f64);
-            for t in hopper::TILES {
+            for t in hopper::tiles(pass) {
                 for &sp in &splits {
                     let got = tuning::run_hopper_with(enc, pass, &o.g, first, second, t, sp)
                         .unwrap()

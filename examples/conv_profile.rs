@@ -1,8 +1,9 @@
 //! A small program for profilers (ncu, compute-sanitizer): one convolution pass, run twice.
 //! Usage: conv_profile N,C,H,W,K,R,S,stride,pad[,groups] f16|bf16|f32
-//! forward|backward_data|backward_weight
-//! (default: 32,128,28,28,128,3,3,1,1 f16 forward).
-use kiln::ops::conv::{self, ConvParams, Geometry, Pass};
+//! forward|backward_data|backward_weight [BMxBN[s]/SPLITS]
+//! (default: 32,128,28,28,128,3,3,1,1 f16 forward). The last argument runs the Hopper family
+//! with that tile (`s`: swapped) and split instead of the plan's choice.
+use kiln::ops::conv::{self, hopper, tuning, ConvParams, Geometry, Pass};
 use kiln::runtime::{Array, CommandEncoder, Device};
 use kiln::selfcheck::TestRng;
 use kiln::{DType, Error};
@@ -39,6 +40,10 @@ fn main() -> kiln::Result<()> {
         "backward_weight" => Pass::BackwardWeight,
         other => return Err(bad("pass", other)),
     };
+    let hopper_tile = match args.next() {
+        None => None,
+        Some(t) => Some(parse_tile(&t).ok_or_else(|| bad("tile", &t))?),
+    };
     let p = ConvParams::default()
         .strides(&[stride])
         .padding(&[pad])
@@ -54,10 +59,33 @@ fn main() -> kiln::Result<()> {
     let x = up(&mut enc, &g.input_shape())?;
     let wt = up(&mut enc, &g.weight_shape())?;
     let dy = up(&mut enc, &g.output_shape())?;
+    let (first, second) = match pass {
+        Pass::Forward => (&x, &wt),
+        Pass::BackwardData => (&dy, &wt),
+        Pass::BackwardWeight => (&x, &dy),
+    };
     for _ in 0..2 {
-        conv::conv_pass(&mut enc, pass, &p, &x, &wt, &dy)?;
+        match hopper_tile {
+            None => conv::conv_pass(&mut enc, pass, &p, &x, &wt, &dy)?,
+            Some((tile, splits)) => {
+                tuning::run_hopper_with(&mut enc, pass, &g, first, second, tile, splits)?
+            }
+        };
     }
     enc.synchronize()?;
     println!("done");
     Ok(())
+}
+
+/// "128x320s/3": a Hopper tile (`s`: swapped) and a split.
+fn parse_tile(text: &str) -> Option<(hopper::Tile, usize)> {
+    let (tile, splits) = text.split_once('/')?;
+    let swapped = tile.ends_with('s');
+    let (bm, bn) = tile.trim_end_matches('s').split_once('x')?;
+    let tile = hopper::Tile {
+        bm: bm.parse().ok()?,
+        bn: bn.parse().ok()?,
+        swapped,
+    };
+    Some((tile, splits.parse().ok()?))
 }

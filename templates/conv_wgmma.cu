@@ -6,6 +6,10 @@
 //   PASS 1 backward-data:   C[pixel, cin]  = sum over (tap, cout) im2col(cotangent) * weight
 //                           (stride 1: the forward of the cotangent with the kernel turned round)
 //   PASS 2 backward-weight: C[cout, (tap, cin)] = sum over pixels cotangent^T * im2col(input)
+//   PASS 3 backward-weight with C turned round: C[(tap, cin), cout] = im2col(input)^T *
+//                           cotangent, so that cout is the n side, which may be 320 wide (where
+//                           320 output channels would fill 83% of three 128-row tiles); its
+//                           f32 sums always go to the partials, stored in the weight's layout
 // A block is three warpgroups: the first issues the copies (one thread), the other two each
 // multiply half of the BM-row tile (64 or 128 rows). STAGES buffers of both operands, each with
 // a "full" barrier (the copy engine's bytes arrived) and an "empty" one (both consumers'
@@ -20,6 +24,7 @@
 //   K-major (rows of 64 k elements, 128 bytes): A of forward and backward-data, B of forward.
 //   MN-major (64-wide chunks of rows or columns, 64 k rows each): A of backward-weight, B of
 //   backward-data and backward-weight.
+// BN above 256 (PASS 3's 320) is one wgmma of n = 256 and one of n = BN - 256 per k step.
 {{> prelude}}
 {{> tma}}
 
@@ -27,13 +32,17 @@ typedef {{dtype}} T;
 constexpr int PASS = {{PASS}};
 constexpr int BM = {{BM}}, BN = {{BN}}, STAGES = {{STAGES}}, SPATIAL = {{SPATIAL}};
 constexpr int BK = 64;
+// Backward-weight, either way round: k runs over pixels; one operand is the cotangent's
+// (pixel, cout) boxes, the other the input's im2col chunks (64 channels of one tap each).
+constexpr bool WGRAD = PASS >= 2, SWAP = PASS == 3;
 // Each consumer warpgroup multiplies SLICES slices of 64 rows (BM = 128 or 256).
 constexpr int SLICES = BM / 128;
-constexpr int A_MN = PASS == 2, B_MN = PASS != 0;
+constexpr int A_MN = WGRAD, B_MN = PASS != 0;
 constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, CHUNK = 64 * BK * 2;
 constexpr int THREADS = 384;
-// Shared memory each consumer warp stages its stores through: 16 rows of 64 columns.
-constexpr int EPILOGUE_WARP_BYTES = 16 * 64 * 2;
+// Shared memory each consumer warp stages its stores through: 16 rows of 64 columns (none for
+// PASS 3, whose partials go straight from the registers).
+constexpr int EPILOGUE_WARP_BYTES = SWAP ? 0 : 16 * 64 * 2;
 
 // Mirrors ops::conv::hopper::Problem (repr(C)).
 struct kiln_wg_problem {
@@ -70,10 +79,13 @@ template <int N> __device__ __forceinline__ void kiln_wg_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
 
-// d (64 x BN per warpgroup, f32) += A (64 x 16) * B (16 x BN); d = A * B when !accumulate.
-__device__ __forceinline__ void kiln_wgmma(float (&d)[BN / 2], unsigned long long desc_a,
+// d (64 x N per warpgroup, f32: N / 2 a thread) += A (64 x 16) * B (16 x N); d = A * B when
+// !accumulate.
+template <int N>
+__device__ __forceinline__ void kiln_wgmma(float* d, unsigned long long desc_a,
                                            unsigned long long desc_b, int accumulate) {
-  if constexpr (BN == 64) {
+  static_assert(N == 64 || N == 128 || N == 256, "wgmma widths kiln issues");
+  if constexpr (N == 64) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.{{dtype_name}}.{{dtype_name}} "
@@ -86,7 +98,7 @@ __device__ __forceinline__ void kiln_wgmma(float (&d)[BN / 2], unsigned long lon
           "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
           "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
         : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(A_MN), "n"(B_MN));
-  } else if constexpr (BN == 128) {
+  } else if constexpr (N == 128) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n128k16.f32.{{dtype_name}}.{{dtype_name}} "
@@ -107,7 +119,7 @@ __device__ __forceinline__ void kiln_wgmma(float (&d)[BN / 2], unsigned long lon
           "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]),
           "+f"(d[62]), "+f"(d[63])
         : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(A_MN), "n"(B_MN));
-  } else if constexpr (BN == 256) {
+  } else {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n256k16.f32.{{dtype_name}}.{{dtype_name}} "
@@ -299,14 +311,12 @@ __device__ __forceinline__ long long kiln_wg_out_row(const kiln_wg_problem& p, i
   return row;
 }
 
-// The output column of 64-column chunk `ch` of tile `tl`, and how many of its columns are real.
-__device__ __forceinline__ int kiln_wg_chunk(const kiln_wg_problem& p, const kiln_wg_tile& tl,
-                                             int ch, long long& col) {
-  if (PASS != 2) {
-    col = tl.col0 + 64 * ch;
-    return p.cols - (tl.col0 + 64 * ch);
-  }
-  const int g = tl.col0 / 64 + ch, tap = g / p.col_blocks, c0 = (g % p.col_blocks) * 64;
+// Backward-weight's im2col chunk g: where its first channel lies in a row of the weight
+// gradient (the weight's tap times cin, plus its first channel), and how many of its channels
+// are real (none past the last tap).
+__device__ __forceinline__ int kiln_wg_weight_chunk(const kiln_wg_problem& p, int g,
+                                                    long long& col) {
+  const int tap = g / p.col_blocks, c0 = (g % p.col_blocks) * 64;
   if (tap >= p.taps) {
     col = 0;
     return 0;
@@ -314,6 +324,16 @@ __device__ __forceinline__ int kiln_wg_chunk(const kiln_wg_problem& p, const kil
   int unused[3];
   col = (long long)kiln_wg_tap(p, tap, unused) * p.cols + c0;
   return p.cols - c0;
+}
+
+// The output column of 64-column chunk `ch` of tile `tl`, and how many of its columns are real.
+__device__ __forceinline__ int kiln_wg_chunk(const kiln_wg_problem& p, const kiln_wg_tile& tl,
+                                             int ch, long long& col) {
+  if (PASS != 2) {
+    col = tl.col0 + 64 * ch;
+    return p.cols - (tl.col0 + 64 * ch);
+  }
+  return kiln_wg_weight_chunk(p, tl.col0 / 64 + ch, col);
 }
 
 // The producer: one thread walks the tile schedule and issues each k step's copies into the
@@ -329,11 +349,11 @@ __device__ __forceinline__ void kiln_wg_produce(const kiln_wg_problem& p,
   for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
     const kiln_wg_tile tl = kiln_wg_decode(p, t);
     // PASS 0, 1: k runs over (tap, channel block) from the first; the tile's pixels are fixed.
-    // PASS 2: k runs over blocks of 64 pixels; the tile's chunks (taps, channels) are fixed.
-    kiln_wg_cursor cur = kiln_wg_cursor_at(p, PASS == 2 ? tl.k0 * BK : tl.row0);
+    // PASS 2, 3: k runs over blocks of 64 pixels; the tile's chunks (taps, channels) are fixed.
+    kiln_wg_cursor cur = kiln_wg_cursor_at(p, WGRAD ? tl.k0 * BK : tl.row0);
     int tap[3] = {0, 0, 0}, cb = 0;
-    if (PASS == 2) {
-      const int g = tl.col0 / 64;
+    if (WGRAD) {
+      const int g = (SWAP ? tl.row0 : tl.col0) / 64;
       kiln_wg_tap_digits(p, g / p.col_blocks, tap);
       cb = g % p.col_blocks;
     }
@@ -345,7 +365,7 @@ __device__ __forceinline__ void kiln_wg_produce(const kiln_wg_problem& p,
       kiln_mbarrier_expect_bytes(&full[s], A_BYTES + B_BYTES);
       int pos[3], off[3];
       kiln_wg_position(p, cur, pos);
-      if (PASS != 2) {
+      if (!WGRAD) {
         // A: the tile's pixels at this tap; B: the weight at this tap.
         const int wtap = kiln_wg_tap_at(p, tap, off), c = cb * BK;
         kiln_im2col_load(a, amap, c, cur.n, pos, off, &full[s]);
@@ -363,13 +383,18 @@ __device__ __forceinline__ void kiln_wg_produce(const kiln_wg_problem& p,
           kiln_wg_next_tap(p, tap);
         }
       } else {
-        // A: the cotangent's (pixel, cout) boxes; B: the input's im2col box of each chunk.
+        // The cotangent's (pixel, cout) boxes and the input's im2col box of each chunk: A and B
+        // of PASS 2, B and A of PASS 3.
+        unsigned char* dy = SWAP ? b : a;
+        unsigned char* x = SWAP ? a : b;
+        constexpr int DY_CHUNKS = (SWAP ? BN : BM) / 64, X_CHUNKS = (SWAP ? BM : BN) / 64;
+        const int cout0 = SWAP ? tl.col0 : tl.row0;
 #pragma unroll
-        for (int j = 0; j < BM / 64; ++j)
-          kiln_tma_load_2d(a + j * CHUNK, amap, tl.row0 + 64 * j, k * BK, &full[s]);
+        for (int j = 0; j < DY_CHUNKS; ++j)
+          kiln_tma_load_2d(dy + j * CHUNK, amap, cout0 + 64 * j, k * BK, &full[s]);
         int t[3] = {tap[0], tap[1], tap[2]}, c = cb;
 #pragma unroll
-        for (int j = 0; j < BN / 64; ++j) {
+        for (int j = 0; j < X_CHUNKS; ++j) {
           if (j > 0 && ++c == p.col_blocks) {
             c = 0;
             kiln_wg_next_tap(p, t);
@@ -378,7 +403,7 @@ __device__ __forceinline__ void kiln_wg_produce(const kiln_wg_problem& p,
           const bool real = t[0] < p.taps_per_dim[0];
           kiln_wg_tap_at(p, t, off);
           if (!real) off[0] = off[1] = off[2] = 0;
-          kiln_im2col_load(b + j * CHUNK, bmap, c * 64, cur.n, pos, off, &full[s]);
+          kiln_im2col_load(x + j * CHUNK, bmap, c * 64, cur.n, pos, off, &full[s]);
         }
         kiln_wg_cursor_add(p, cur, BK);
       }
@@ -441,10 +466,21 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {{kernel}}(
         // K-major: 16 k elements are 32 bytes along a row; MN-major: 16 rows of 128 bytes.
         const unsigned da = A_MN ? a + kk * 2048 : a + kk * 32;
         const unsigned db = B_MN ? b + kk * 2048 : b + kk * 32;
+        const int accumulate = k > tl.k0 || kk > 0;
 #pragma unroll
-        for (int sl = 0; sl < SLICES; ++sl)
-          kiln_wgmma(acc[sl], kiln_wg_desc(da + sl * CHUNK, CHUNK), kiln_wg_desc(db, CHUNK),
-                     k > tl.k0 || kk > 0);
+        for (int sl = 0; sl < SLICES; ++sl) {
+          const unsigned long long desc_a = kiln_wg_desc(da + sl * CHUNK, CHUNK);
+          if constexpr (BN <= 256) {
+            kiln_wgmma<BN>(acc[sl], desc_a, kiln_wg_desc(db, CHUNK), accumulate);
+          } else {
+            // Columns 256 on: B's chunks 4 on, accumulators 128 on. (The index is written so
+            // that the branch the other tiles discard still indexes within their arrays.)
+            constexpr int HI = BN > 256 ? 128 : 0;
+            kiln_wgmma<256>(acc[sl], desc_a, kiln_wg_desc(db, CHUNK), accumulate);
+            kiln_wgmma<BN - 256>(&acc[sl][HI], desc_a, kiln_wg_desc(db + 4 * CHUNK, CHUNK),
+                                 accumulate);
+          }
+        }
       }
       kiln_wg_commit();
       // The products of the previous iteration are done: its buffers may be refilled.
@@ -456,6 +492,28 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {{kernel}}(
 
     // Thread (warp, lane) holds rows warp * 16 + lane / 4 (+ 8) of each slice and column pairs
     // 8 j + 2 (lane % 4).
+    if constexpr (SWAP) {
+      // f32 partials in the weight gradient's layout [split][cout][tap][cin]: a row of C is a
+      // (tap, channel) of the weight, a column an output channel. One store of the warp writes
+      // 8 consecutive channels of each of 4 columns.
+      const int c0 = tl.col0 + 2 * (lane % 4);
+#pragma unroll
+      for (int sh = 0; sh < 2 * SLICES; ++sh) {
+        const int sl = sh / 2, half = sh % 2;
+        const int r = tl.row0 + (cw * SLICES + sl) * 64 + warp * 16 + lane / 4 + 8 * half;
+        long long at;
+        if (r % 64 >= kiln_wg_weight_chunk(p, r / 64, at)) continue;
+        float* row = partial + tl.split * p.split_elems + at + r % 64;
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int c = c0 + 8 * j + e;
+            if (c < p.rows) row[(long long)c * p.ldc] = acc[sl][4 * j + 2 * half + e];
+          }
+      }
+      continue;
+    }
     if (PASS == 2 && p.splits > 1) {
       // f32 partials, straight from the registers (pairs of columns).
       const int c0 = 2 * (lane % 4);

@@ -10,6 +10,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::geometry::Pass;
 use super::hopper::{self, Tile};
 use super::plan::{self, Plan, PlanKey};
 use crate::env::{Config, ConvPath};
@@ -72,20 +73,28 @@ fn note_name(enc: &CommandEncoder, key: &PlanKey) -> String {
     )
 }
 
+/// A note: "bm bn splits", with " swapped" after a swapped tile.
 fn encode(tile: Tile, splits: usize) -> String {
-    format!("{} {} {splits}\n", tile.bm, tile.bn)
+    let swapped = if tile.swapped { " swapped" } else { "" };
+    format!("{} {} {splits}{swapped}\n", tile.bm, tile.bn)
 }
 
-fn decode(value: &str) -> Option<(Tile, usize)> {
-    let v: Vec<usize> = value
-        .split_whitespace()
+/// A note's tile and split, if `pass` can take that tile.
+fn decode(pass: Pass, value: &str) -> Option<(Tile, usize)> {
+    let mut words: Vec<&str> = value.split_whitespace().collect();
+    let swapped = words.last() == Some(&"swapped");
+    if swapped {
+        words.pop();
+    }
+    let v: Vec<usize> = words
+        .iter()
         .map(|x| x.parse().ok())
         .collect::<Option<_>>()?;
     let [bm, bn, splits] = v[..] else {
         return None;
     };
-    let tile = Tile { bm, bn };
-    (hopper::TILES.contains(&tile) && splits >= 1).then_some((tile, splits))
+    let tile = Tile { bm, bn, swapped };
+    (hopper::tiles(pass).contains(&tile) && splits >= 1).then_some((tile, splits))
 }
 
 /// The tile for `key`: from the disk cache's note, or measured now (and then noted).
@@ -98,7 +107,11 @@ pub fn choose(
 ) -> Result<Choice> {
     let disk = enc.device().jit().disk_cache();
     let name = note_name(enc, key);
-    if let Some((tile, splits)) = disk.load_note(&name).as_deref().and_then(decode) {
+    if let Some((tile, splits)) = disk
+        .load_note(&name)
+        .as_deref()
+        .and_then(|note| decode(key.pass, note))
+    {
         return Ok(Choice {
             tile,
             splits,
@@ -136,13 +149,28 @@ mod tests {
 
     #[test]
     fn notes_round_trip_and_reject_what_kiln_cannot_run() {
-        for t in hopper::TILES {
-            assert_eq!(decode(&encode(t, 3)), Some((t, 3)));
+        for pass in Pass::ALL {
+            for t in hopper::tiles(pass) {
+                assert_eq!(decode(pass, &encode(t, 3)), Some((t, 3)));
+            }
         }
-        assert_eq!(decode("128 96 1"), None, "not a Hopper tile");
-        assert_eq!(decode("128 128 0"), None);
-        assert_eq!(decode("128 128"), None);
-        assert_eq!(decode("128 128 1 9"), None);
-        assert_eq!(decode("x 128 1"), None);
+        let wgrad = Pass::BackwardWeight;
+        assert_eq!(decode(wgrad, "128 96 1"), None, "not a Hopper tile");
+        assert_eq!(decode(wgrad, "128 128 0"), None);
+        assert_eq!(decode(wgrad, "128 128"), None);
+        assert_eq!(decode(wgrad, "128 128 1 9"), None);
+        assert_eq!(decode(wgrad, "x 128 1"), None);
+        assert_eq!(decode(wgrad, "128 320 2"), None, "320 columns only swapped");
+        assert_eq!(
+            decode(wgrad, "128 128 2 swapped"),
+            None,
+            "not a swapped tile"
+        );
+        let swapped = encode(hopper::SWAPPED, 2);
+        assert_eq!(
+            decode(Pass::Forward, &swapped),
+            None,
+            "backward-weight only"
+        );
     }
 }

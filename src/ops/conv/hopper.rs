@@ -36,39 +36,90 @@ pub const THREADS: u16 = 384;
 const BK: usize = 64;
 
 /// A tile of C: `bm` rows (each consumer warpgroup takes half, in slices of 64) by `bn`
-/// columns (one `wgmma` of n = bn per slice and k step of 16).
+/// columns (one `wgmma` of n = bn per slice and k step of 16; two above 256).
+///
+/// A `swapped` tile is backward-weight's GEMM turned round: rows are the weight's (tap, input
+/// channel) pairs and columns its output channels, so that an output channel count such as 320
+/// fills the n side exactly where it would leave part of a 128-row tile empty.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Tile {
     pub bm: usize,
     pub bn: usize,
+    pub swapped: bool,
 }
 
-/// The tiles kiln compiles. 256-row tiles stop at 128 columns: their accumulators (bn
-/// registers a thread) must fit the consumers' 232 registers.
+const fn tile(bm: usize, bn: usize) -> Tile {
+    Tile {
+        bm,
+        bn,
+        swapped: false,
+    }
+}
+
+/// The tiles kiln compiles for every pass. 256-row tiles stop at 128 columns: their
+/// accumulators (bn registers a thread) must fit the consumers' 232 registers.
 pub const TILES: [Tile; 5] = [
-    Tile { bm: 128, bn: 64 },
-    Tile { bm: 128, bn: 128 },
-    Tile { bm: 128, bn: 256 },
-    Tile { bm: 256, bn: 64 },
-    Tile { bm: 256, bn: 128 },
+    tile(128, 64),
+    tile(128, 128),
+    tile(128, 256),
+    tile(256, 64),
+    tile(256, 128),
 ];
-/// Shared memory the operand stages may fill (of the 227 KiB a block may have).
-const STAGE_BUDGET: usize = 192 * 1024;
+/// Backward-weight's swapped tile: 320 output channels a tile (160 accumulators a thread).
+pub const SWAPPED: Tile = Tile {
+    bm: 128,
+    bn: 320,
+    swapped: true,
+};
+
+/// The tiles `pass` may take: [`TILES`], and for backward-weight also [`SWAPPED`].
+pub fn tiles(pass: Pass) -> Vec<Tile> {
+    let mut out = TILES.to_vec();
+    if pass == Pass::BackwardWeight {
+        out.push(SWAPPED);
+    }
+    out
+}
+
+/// Shared memory the operand stages may fill (of the 227 KiB a block may have): a swapped
+/// tile stages no stores, so its stages may take that room too.
+fn stage_budget(t: Tile) -> usize {
+    if t.swapped {
+        224 * 1024
+    } else {
+        192 * 1024
+    }
+}
 
 /// Stages of tile `t`: as many as fit the budget.
 pub fn stages(t: Tile) -> usize {
-    STAGE_BUDGET / ((t.bm + t.bn) * BK * 2)
+    stage_budget(t) / ((t.bm + t.bn) * BK * 2)
 }
 
 /// Shared memory each of the eight consumer warps stores its tile through (16 rows of 64
-/// 16-bit columns).
-const EPILOGUE_WARP_BYTES: usize = 16 * 64 * 2;
+/// 16-bit columns); a swapped tile writes f32 partials straight from its registers.
+fn epilogue_warp_bytes(t: Tile) -> usize {
+    if t.swapped {
+        0
+    } else {
+        16 * 64 * 2
+    }
+}
 
 /// Dynamic shared memory of a block: the stages, the consumers' store staging, two barriers per
 /// stage and 1 KiB to align the swizzled tiles.
 pub fn shared_bytes(t: Tile) -> usize {
     let s = stages(t);
-    s * (t.bm + t.bn) * BK * 2 + 8 * EPILOGUE_WARP_BYTES + 2 * 8 * s + 1024
+    s * (t.bm + t.bn) * BK * 2 + 8 * epilogue_warp_bytes(t) + 2 * 8 * s + 1024
+}
+
+/// The template's PASS: the pass, or 3 for backward-weight on a swapped tile.
+fn template_pass(pass: Pass, t: Tile) -> i32 {
+    if t.swapped {
+        3
+    } else {
+        pass as i32
+    }
 }
 
 pub fn spec(dtype: DType, pass: Pass, t: Tile, spatial: usize) -> KernelSpec {
@@ -78,7 +129,7 @@ pub fn spec(dtype: DType, pass: Pass, t: Tile, spatial: usize) -> KernelSpec {
         THREADS,
         1,
         &[
-            pass as i32,
+            template_pass(pass, t),
             t.bm as i32,
             t.bn as i32,
             stages(t) as i32,
@@ -92,7 +143,7 @@ pub fn specs() -> Vec<KernelSpec> {
     let mut out = Vec::new();
     for dtype in [DType::F16, DType::BF16] {
         for pass in Pass::ALL {
-            for t in TILES {
+            for t in tiles(pass) {
                 for spatial in 1..=3 {
                     out.push(spec(dtype, pass, t, spatial));
                 }
@@ -420,12 +471,14 @@ impl Gemm {
     }
 
     /// Tiles of C before any split: row tiles times column tiles. The groups' chunks lie end to
-    /// end (backward-weight's tiles may span taps).
+    /// end (backward-weight's tiles may span taps); a swapped tile takes them as its rows.
     fn tiles(&self, t: Tile) -> (usize, usize) {
-        (
-            self.rows.div_ceil(t.bm),
-            (self.groups * self.chunks() * 64).div_ceil(t.bn),
-        )
+        let chunked = self.groups * self.chunks() * 64;
+        if t.swapped {
+            (chunked.div_ceil(t.bm), self.rows.div_ceil(t.bn))
+        } else {
+            (self.rows.div_ceil(t.bm), chunked.div_ceil(t.bn))
+        }
     }
 }
 
@@ -457,7 +510,7 @@ pub fn candidates(sms: usize, pass: Pass, g: &Geometry, n: usize) -> Vec<(Tile, 
         _ => 1,
     };
     let mut per_tile: Vec<(f64, Tile, usize)> = Vec::new();
-    for t in TILES {
+    for t in tiles(pass) {
         let mut best: Option<(f64, Tile, usize)> = None;
         for splits in 1..=most {
             let mut cost = 0.0;
@@ -467,7 +520,7 @@ pub fn candidates(sms: usize, pass: Pass, g: &Geometry, n: usize) -> Vec<(Tile, 
                 let rounds = (m_tiles * n_tiles * splits).div_ceil(sms) as f64;
                 cost += rounds * (per + 2) as f64 * step_seconds(t);
             }
-            if splits > 1 {
+            if splits > 1 || t.swapped {
                 cost +=
                     (2 * splits * g.cout * g.kernel_size() * g.cin * 4) as f64 / MEMORY_BYTES_PER_S;
             }
@@ -477,7 +530,7 @@ pub fn candidates(sms: usize, pass: Pass, g: &Geometry, n: usize) -> Vec<(Tile, 
         }
         per_tile.extend(best);
     }
-    // A stable sort: ties keep the order of TILES.
+    // A stable sort: ties keep the order of `tiles`.
     per_tile.sort_by(|a, b| a.0.total_cmp(&b.0));
     per_tile
         .into_iter()
@@ -579,12 +632,18 @@ impl Launch {
         phase.tiles().clamp(1, self.max_blocks) as u32
     }
 
+    /// Whether the kernel writes f32 partial sums (one set a split) for `conv_split_sum` to add
+    /// up, instead of the output: a split backward-weight, and every swapped tile.
+    pub fn writes_partials(&self) -> bool {
+        self.splits > 1 || self.tile.swapped
+    }
+
     /// The tensor maps of each phase, in order, over GEMM operands `a` and `b` (see
     /// `ops::conv::run`): forward (input, weight), backward-data (cotangent, weight),
     /// backward-weight (cotangent, input). Only the im2col map of the activations depends on the
     /// phase; the other map is built once and shared.
     pub fn maps(&self, a: &Array, b: &Array) -> Result<Vec<(TensorMap, TensorMap)>> {
-        let Tile { bm, bn } = self.tile;
+        let Tile { bm, bn, .. } = self.tile;
         let w = Swizzle::B128;
         let weight_3d = |wt: &Array| {
             let s = wt.shape();
@@ -637,7 +696,7 @@ mod tests {
 
     #[test]
     fn stages_fill_the_budget_and_fit_a_block() {
-        for t in TILES {
+        for t in tiles(Pass::BackwardWeight) {
             assert!(stages(t) >= 4, "{t:?}");
             assert!(shared_bytes(t) <= 227 * 1024, "{t:?}");
         }
@@ -744,6 +803,30 @@ mod tests {
         assert!(l.tiles() >= 66, "{} tiles", l.tiles());
         assert_eq!(l.phases.len(), 1);
         assert!(l.phases[0].problem.k_per_split as usize >= MIN_K_PER_SPLIT);
+    }
+
+    /// Output channels that leave part of a 128-row tile empty (320: 83% of three) take the
+    /// swapped tile, whose 320 columns they fill; 256 and 512 keep the usual orientation. A
+    /// swapped tile counts the (tap, channel) chunks as rows and cout as columns.
+    #[test]
+    fn backward_weight_of_320_channels_takes_the_swapped_tile() {
+        let p = ConvParams::default().padding(&[1]);
+        for (cin, cout, swapped) in [
+            (640, 320, true),
+            (320, 320, true),
+            (256, 256, false),
+            (512, 512, false),
+        ] {
+            let g = Geometry::new(&[8, 64, 64, cin], &[cout, 3, 3, cin], &p).unwrap();
+            let (tile, _) = choose(132, Pass::BackwardWeight, &g);
+            assert_eq!(tile.swapped, swapped, "{cin} -> {cout}: {tile:?}");
+        }
+        let g = Geometry::new(&[8, 64, 64, 640], &[320, 3, 3, 640], &p).unwrap();
+        let (gm, _) = &gemms(Pass::BackwardWeight, &g)[0];
+        assert_eq!(gm.tiles(SWAPPED), (9 * 640 / 128, 1));
+        assert_eq!(gm.tiles(tile(128, 256)), (3, (9 * 640usize).div_ceil(256)));
+        assert!(!tiles(Pass::Forward).contains(&SWAPPED));
+        assert!(!tiles(Pass::BackwardData).contains(&SWAPPED));
     }
 
     /// Backward-data's phases along one dim, against every (input position, tap, output)

@@ -217,8 +217,8 @@ pub mod tuning {
         run(enc, pass, g, dtype, a, b, Some(Chosen::Igemm(tile, splits)))
     }
 
-    /// [`run_with`] on the Hopper family with `tile` (one of [`hopper::TILES`]) and `splits` of
-    /// backward-weight's pixels; an error where that family cannot run the pass.
+    /// [`run_with`] on the Hopper family with `tile` (one of [`hopper::tiles`] of the pass) and
+    /// `splits` of backward-weight's pixels; an error where that family cannot run the pass.
     pub fn run_hopper_with(
         enc: &mut CommandEncoder,
         pass: Pass,
@@ -229,12 +229,13 @@ pub mod tuning {
         splits: usize,
     ) -> Result<Array> {
         let (dtype, a, b) = gemm_operands(pass, first, second)?;
-        if !hopper::TILES.contains(&tile) {
+        let tiles = hopper::tiles(pass);
+        if !tiles.contains(&tile) {
             return Err(bad(
                 "tile",
                 format!(
-                    "{tile:?} is not one of the Hopper tiles {:?}",
-                    hopper::TILES
+                    "{tile:?} is not one of the Hopper tiles of {}: {tiles:?}",
+                    pass.name()
                 ),
             ));
         }
@@ -444,8 +445,9 @@ fn launch_gather<P: Copy + 'static>(
 }
 
 fn launch(enc: &mut CommandEncoder, plan: &Plan, a: &Array, b: &Array, out: &Array) -> Result<()> {
-    // A split reduction writes one f32 partial weight gradient per split.
-    let partial = if plan.splits > 1 {
+    // A split reduction writes one f32 partial weight gradient per split (a swapped Hopper tile
+    // even one unsplit).
+    let partial = if plan.split_sum.is_some() {
         Some(Array::empty_on(
             enc,
             DType::F32,

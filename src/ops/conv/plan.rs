@@ -279,9 +279,11 @@ pub struct Plan {
     pub grid: (u32, u32, u32),
     pub threads: u32,
     pub shared: u32,
-    /// Blocks along the reduction (backward-weight); >1 means f32 partials and a split sum.
+    /// Blocks along the reduction (backward-weight), each writing one set of f32 partials when
+    /// the plan has a `split_sum`.
     pub splits: usize,
-    /// The kernel that adds the partials up, when `splits` > 1.
+    /// The kernel that adds the partials up into the output, when the plan's kernel writes f32
+    /// partials (a split reduction, or a swapped Hopper tile even unsplit).
     pub split_sum: Option<Arc<LoadedKernel>>,
     pub kind: Kind,
 }
@@ -678,7 +680,7 @@ fn build(device: &Device, key: &PlanKey, t: Tile, splits: usize) -> Result<Plan>
     let launch = igemm_launch(key, t, splits, device.shared_limit())?;
     let kernel = device.kernel(&launch.spec)?;
     kernel.allow_shared(launch.shared)?;
-    let split_sum = split_sum_for(device, key.dtype, launch.splits)?;
+    let split_sum = split_sum_for(device, key.dtype, launch.splits > 1)?;
     Ok(Plan {
         kernel,
         spec: launch.spec,
@@ -691,13 +693,13 @@ fn build(device: &Device, key: &PlanKey, t: Tile, splits: usize) -> Result<Plan>
     })
 }
 
-/// The kernel that adds `splits` partials up, when there is more than one.
+/// The kernel that adds the f32 partials up, when the plan's kernel writes them.
 fn split_sum_for(
     device: &Device,
     dtype: DType,
-    splits: usize,
+    partials: bool,
 ) -> Result<Option<Arc<LoadedKernel>>> {
-    if splits > 1 {
+    if partials {
         Ok(Some(device.kernel(&split_sum_spec(dtype))?))
     } else {
         Ok(None)
@@ -714,7 +716,7 @@ fn build_wgmma(
     let shared = hopper::shared_bytes(launch.tile);
     kernel.allow_shared(shared)?;
     let splits = launch.splits;
-    let split_sum = split_sum_for(device, key.dtype, splits)?;
+    let split_sum = split_sum_for(device, key.dtype, launch.writes_partials())?;
     Ok(Plan {
         kernel,
         spec,
@@ -780,7 +782,7 @@ fn build_gather(
 ) -> Result<Plan> {
     let kernel = device.kernel(&spec)?;
     kernel.allow_shared(shared)?;
-    let split_sum = split_sum_for(device, key.dtype, splits)?;
+    let split_sum = split_sum_for(device, key.dtype, splits > 1)?;
     Ok(Plan {
         kernel,
         spec,
