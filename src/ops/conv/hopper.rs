@@ -58,9 +58,10 @@ const fn tile(bm: usize, bn: usize) -> Tile {
 
 /// The tiles kiln compiles for every pass. 256-row tiles stop at 128 columns: their
 /// accumulators (bn registers a thread) must fit the consumers' 232 registers.
-pub const TILES: [Tile; 5] = [
+pub const TILES: [Tile; 6] = [
     tile(128, 64),
     tile(128, 128),
+    tile(128, 192),
     tile(128, 256),
     tile(256, 64),
     tile(256, 128),
