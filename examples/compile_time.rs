@@ -1,0 +1,70 @@
+//! Times NVRTC on registered specs, with extra options.
+//! Usage: compile_time TARGET TEXT EVERY [OPTION ...]: every EVERY-th spec whose description
+//! contains TEXT, compiled for TARGET with the OPTIONs added; prints each spec's time, registers
+//! and cubin size, then the median and total.
+use kiln::jit::{Jit, Target};
+use std::time::Instant;
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.len() < 3 {
+        eprintln!("usage: compile_time TARGET TEXT EVERY [OPTION ...]");
+        std::process::exit(2);
+    }
+    let target: Target = args[0].parse().unwrap();
+    let only = &args[1];
+    let every: usize = args[2].parse().unwrap();
+    let extra = &args[3..];
+    let jit = Jit::new(kiln::env::Config::from_env().unwrap());
+    let nvrtc = jit.nvrtc().unwrap();
+    let specs: Vec<_> = kiln::ops::registered_specs()
+        .into_iter()
+        .filter(|s| s.to_string().contains(only.as_str()) && s.builds_for(target.arch))
+        .step_by(every)
+        .collect();
+    let mut times = Vec::new();
+    for spec in specs {
+        let target = jit.resolve_target(&spec, target).unwrap();
+        let parts = jit.key_parts(&spec, target).unwrap();
+        let mut options = parts.options.clone();
+        options.push(target.nvrtc_option());
+        options.push("--ptxas-options=-v".into());
+        options.extend(extra.iter().cloned());
+        let start = Instant::now();
+        let out = nvrtc
+            .compile("r", &parts.source, &parts.name_expressions, &options, false)
+            .unwrap();
+        let ms = start.elapsed().as_secs_f64() * 1e3;
+        let (log, size) = match out {
+            Ok(o) => (o.log, o.image.len()),
+            Err(f) => (f.log, 0),
+        };
+        let regs: Vec<String> = log
+            .lines()
+            .filter_map(|l| l.split("Used ").nth(1))
+            .map(|r| r.split(' ').next().unwrap_or("").to_string())
+            .collect();
+        for l in log
+            .lines()
+            .filter(|l| l.contains("arn") || l.contains("erial"))
+        {
+            println!("    {l}");
+        }
+        let spills = log.lines().filter(|l| l.contains(" 0 bytes spill")).count();
+        let lines = log.lines().filter(|l| l.contains("spill")).count();
+        println!(
+            "{ms:8.1} ms  regs {:<12} spill-free {spills}/{lines}  cubin {size:>7}  {spec}",
+            regs.join(",")
+        );
+        times.push(ms);
+    }
+    times.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let total: f64 = times.iter().sum();
+    println!(
+        "specs {}  median {:.1} ms  max {:.1} ms  total {:.1} s",
+        times.len(),
+        times[times.len() / 2],
+        times[times.len() - 1],
+        total / 1e3
+    );
+}
