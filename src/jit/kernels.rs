@@ -80,9 +80,13 @@ impl LoadedKernel {
     /// opting in costs a driver call, so it is made only when `bytes` passes what was allowed.
     pub fn allow_shared(&self, bytes: usize) -> Result<()> {
         if bytes > self.shared_allowed.load(Ordering::Relaxed) {
+            let value = i32::try_from(bytes).map_err(|_| Error::InvalidArgument {
+                arg: "bytes",
+                reason: format!("{bytes} bytes of shared memory is past what a kernel may ask"),
+            })?;
             self.function.set_attribute(
                 sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                bytes as i32,
+                value,
             )?;
             self.shared_allowed.fetch_max(bytes, Ordering::Relaxed);
         }

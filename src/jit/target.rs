@@ -87,9 +87,10 @@ impl Target {
         }
     }
 
-    /// The target for a device of compute capability `major.minor`.
+    /// The target for a device of compute capability `major.minor`. (Numbers past any real
+    /// GPU's saturate, into a target NVRTC refuses, rather than overflow.)
     pub fn for_compute_capability(major: u32, minor: u32) -> Target {
-        Target::sass(major * 10 + minor)
+        Target::sass(major.saturating_mul(10).saturating_add(minor))
     }
 
     /// The same architecture with its arch-specific features (`sm_90` -> `sm_90a`).
@@ -157,6 +158,19 @@ impl FromStr for Target {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn compute_capabilities_past_any_gpu_saturate() {
+        assert_eq!(Target::for_compute_capability(9, 0), Target::sass(90));
+        assert_eq!(
+            Target::for_compute_capability(u32::MAX, 9),
+            Target::sass(u32::MAX)
+        );
+        assert_eq!(
+            Target::for_compute_capability(9, u32::MAX),
+            Target::sass(u32::MAX)
+        );
+    }
 
     #[test]
     fn round_trips() {
