@@ -105,6 +105,19 @@ template <int X, bool TRANS> inline void kiln_host_ldmatrix(unsigned* r, const v
   w->meet.arrive_and_wait();
 }
 
+// Publishes this lane's A and B fragments to its warp and waits for every lane's; returns the
+// warp, whose fragments the caller reads before its closing arrive_and_wait.
+inline kiln_host_warp* kiln_host_share_fragments(const unsigned (&a)[4], unsigned b0,
+                                                 unsigned b1) {
+  kiln_host_warp* w = kiln_host_this_warp;
+  const unsigned lane = kiln_host_lane;
+  for (int i = 0; i < 4; ++i) w->a[lane][i] = a[i];
+  w->b[lane][0] = b0;
+  w->b[lane][1] = b1;
+  w->meet.arrive_and_wait();
+  return w;
+}
+
 // mma.sync m16n8k16 with f32 accumulators: C[16x8] += A[16x16] B[16x8] on the PTX ISA's
 // fragments (A's register 0 holds row l / 4, k 2 (l % 4) and the next; 1 the row 8 further; 2
 // and 3 the same rows 8 k further; B's 0 and 1 k 2 (l % 4) (+8), column l / 4; C's 0 and 1 row
@@ -112,12 +125,8 @@ template <int X, bool TRANS> inline void kiln_host_ldmatrix(unsigned* r, const v
 // f64, then added to C in f32.
 inline void kiln_host_mma(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1,
                           float (*widen)(unsigned short)) {
-  kiln_host_warp* w = kiln_host_this_warp;
+  kiln_host_warp* w = kiln_host_share_fragments(a, b0, b1);
   const unsigned lane = kiln_host_lane;
-  for (int i = 0; i < 4; ++i) w->a[lane][i] = a[i];
-  w->b[lane][0] = b0;
-  w->b[lane][1] = b1;
-  w->meet.arrive_and_wait();
   auto half = [&](unsigned word, int k) { return widen((unsigned short)(word >> (16 * (k % 2)))); };
   for (int e = 0; e < 4; ++e) {
     const int row = lane / 4 + (e >= 2 ? 8 : 0), col = 2 * (lane % 4) + e % 2;
@@ -136,12 +145,8 @@ inline void kiln_host_mma(float (&c)[4], const unsigned (&a)[4], unsigned b0, un
 // 1 the row 8 further; 2 and 3 the same rows 4 k further; B's 0 and 1 k l % 4 (+4), column
 // l / 4; C as above). Each word is read as TF32, its low 13 bits dropped, as the hardware does.
 inline void kiln_host_mma_tf32(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-  kiln_host_warp* w = kiln_host_this_warp;
+  kiln_host_warp* w = kiln_host_share_fragments(a, b0, b1);
   const unsigned lane = kiln_host_lane;
-  for (int i = 0; i < 4; ++i) w->a[lane][i] = a[i];
-  w->b[lane][0] = b0;
-  w->b[lane][1] = b1;
-  w->meet.arrive_and_wait();
   auto tf32 = [](unsigned word) { return __uint_as_float(word & 0xffffe000u); };
   for (int e = 0; e < 4; ++e) {
     const int row = lane / 4 + (e >= 2 ? 8 : 0), col = 2 * (lane % 4) + e % 2;
