@@ -8,6 +8,11 @@
 //! another; a spec nobody has started yet is simply compiled by whoever gets to it first.
 //! Failures are logged and dropped: the call that needs the spec compiles it again and gets the
 //! error itself.
+//!
+//! Urgent specs (the stand-ins the next calls of a cold start run, see `KILN_STAND_INS`) skip
+//! the queue: each gets a thread of its own at once. On Linux the queue's workers run at a lower
+//! scheduling priority (nice +10), so that while they fill every core, the calling thread's and
+//! the urgent compiles still get theirs.
 
 use std::collections::{HashSet, VecDeque};
 use std::sync::{Condvar, Mutex, OnceLock};
@@ -69,6 +74,45 @@ impl Jit {
         bg.wake.notify_all();
     }
 
+    /// Compiles `specs` on `target` in the background now, each on a thread of its own rather
+    /// than behind the queue: for what the very next calls need. A spec still waiting in the
+    /// queue is taken out of it; one already started or done is left alone. With
+    /// `KILN_COMPILE_THREADS=0` nothing is compiled in the background.
+    pub fn prefetch_urgent(
+        &'static self,
+        specs: impl IntoIterator<Item = KernelSpec>,
+        target: Target,
+    ) {
+        if self.config().compile_threads == 0 {
+            return;
+        }
+        let bg = self.background();
+        let mut urgent = Vec::new();
+        {
+            let mut state = bg.state.lock().unwrap_or_else(|e| e.into_inner());
+            for spec in specs {
+                let item = (spec, target);
+                if state.seen.insert(item) {
+                    state.pending += 1;
+                    urgent.push(item);
+                } else if let Some(i) = state.queue.iter().position(|q| *q == item) {
+                    state.queue.remove(i);
+                    urgent.push(item);
+                }
+            }
+        }
+        for (spec, target) in urgent {
+            let spawned = std::thread::Builder::new()
+                .name("kiln-compile-urgent".into())
+                .spawn(move || self.compile_one(spec, target));
+            if let Err(e) = spawned {
+                // The call that needs the spec compiles it itself.
+                tracing::warn!(error = %e, "could not start an urgent compile thread");
+                bg.state.lock().unwrap_or_else(|e| e.into_inner()).pending -= 1;
+            }
+        }
+    }
+
     /// Whether every queued background compile has finished (for tests and benchmarks).
     pub fn background_idle(&self) -> bool {
         self.background()
@@ -80,6 +124,7 @@ impl Jit {
     }
 
     fn background_worker(&'static self) {
+        lower_priority();
         let bg = self.background();
         loop {
             let (spec, target) = {
@@ -91,11 +136,31 @@ impl Jit {
                     state = bg.wake.wait(state).unwrap_or_else(|e| e.into_inner());
                 }
             };
-            if let Err(e) = self.compile(&spec, target) {
-                tracing::warn!(%spec, %target, error = %e, "background compile failed");
-            }
-            bg.state.lock().unwrap_or_else(|e| e.into_inner()).pending -= 1;
+            self.compile_one(spec, target);
         }
+    }
+
+    /// Compiles one background spec and counts it done.
+    fn compile_one(&self, spec: KernelSpec, target: Target) {
+        if let Err(e) = self.compile(&spec, target) {
+            tracing::warn!(%spec, %target, error = %e, "background compile failed");
+        }
+        self.background()
+            .state
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .pending -= 1;
+    }
+}
+
+/// Lowers the calling thread's scheduling priority to nice +10 (Linux, where a thread has a
+/// nice value of its own; elsewhere nothing).
+fn lower_priority() {
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: setpriority reads and writes no memory of ours; on Linux, PRIO_PROCESS with
+        // who = 0 names the calling thread. A failure leaves the priority as it was.
+        let _ = unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, 10) };
     }
 }
 

@@ -205,6 +205,44 @@ impl Jit {
         self.compile_with(spec, requested, false)
     }
 
+    /// The module for `spec` when it can be had without compiling: this process already holds
+    /// it, or the disk cache does (this NVRTC's entry or another's for the same exact target).
+    /// None when it must still be compiled, and while another thread compiles it (this call
+    /// never waits for a compile). Without NVRTC, [`Jit::compile`] already never compiles.
+    pub fn cached(&self, spec: &KernelSpec, requested: Target) -> Result<Option<Compiled>> {
+        let nvrtc = match self.nvrtc() {
+            Ok(n) => n,
+            Err(missing) => return Ok(self.find_without_nvrtc(spec, requested, missing).ok()),
+        };
+        let target = self.resolve_target(spec, requested)?;
+        let parts = self.key_parts(spec, target)?;
+        debug_assert_eq!(parts.nvrtc_version, nvrtc.version_string());
+        let key = parts.key();
+        let slot = self.modules.entry(key).or_default().clone();
+        // A held lock is a compile in flight (the slot's lock is the single flight).
+        let Ok(mut slot) = slot.try_lock() else {
+            return Ok(None);
+        };
+        if let Some(entry) = slot.as_ref() {
+            return Ok(Some(Compiled {
+                entry: entry.clone(),
+                origin: Origin::Memory,
+            }));
+        }
+        let found = match self.cache.load(&key) {
+            Lookup::Hit(entry) => Some(*entry),
+            _ => self.cache.find_any(&parts.lookup_key()),
+        };
+        Ok(found.map(|entry| {
+            let entry = Arc::new(entry);
+            *slot = Some(entry.clone());
+            Compiled {
+                entry,
+                origin: Origin::Disk,
+            }
+        }))
+    }
+
     fn compile_with(
         &self,
         spec: &KernelSpec,

@@ -183,12 +183,44 @@ impl Device {
         self.kernels.get(self.info.ordinal, spec)
     }
 
+    /// The kernel for `spec` when it can be had without compiling: loaded here, compiled in
+    /// this process, or in the disk cache (then loaded now). None while it must still be
+    /// compiled, or is being compiled by another thread (see [`Jit::cached`]).
+    pub fn ready(&self, spec: &KernelSpec) -> Result<Option<Arc<LoadedKernel>>> {
+        if let Some(k) = self.loaded(spec) {
+            return Ok(Some(k));
+        }
+        match self.jit.cached(spec, self.target())? {
+            // The module is now in the JIT's memory: this load does not compile.
+            Some(_) => self.kernel(spec).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// Of `specs`, those whose kernels are not [`ready`](Device::ready) here.
+    pub fn missing(&self, specs: &[KernelSpec]) -> Result<Vec<KernelSpec>> {
+        let mut out = Vec::new();
+        for spec in specs {
+            if self.ready(spec)?.is_none() {
+                out.push(*spec);
+            }
+        }
+        Ok(out)
+    }
+
     /// Queues `specs` for compiling in the background for this device, where they are not
     /// loaded yet: for the kernels a call's next calls will likely need (see
     /// [`Jit::prefetch`]). Loading still happens on first use.
     pub fn prefetch(&self, specs: impl IntoIterator<Item = KernelSpec>) {
         let missing = specs.into_iter().filter(|s| self.loaded(s).is_none());
         self.jit.prefetch(missing, self.target());
+    }
+
+    /// [`Device::prefetch`] for what the very next calls need: each spec not loaded yet is
+    /// compiled on a thread of its own at once (see [`Jit::prefetch_urgent`]).
+    pub fn prefetch_urgent(&self, specs: impl IntoIterator<Item = KernelSpec>) {
+        let missing = specs.into_iter().filter(|s| self.loaded(s).is_none());
+        self.jit.prefetch_urgent(missing, self.target());
     }
 
     /// Makes this device's context current on the calling thread.
