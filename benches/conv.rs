@@ -435,7 +435,54 @@ fn sweep_hopper(enc: &mut CommandEncoder) {
     );
 }
 
+/// `--stand-ins [--only TEXT]`: the cold-start stand-in (see `KILN_STAND_INS`) against the
+/// chosen kernel on the model layers, every dtype and pass: TFLOP/s of each and their ratio.
+fn stand_ins(enc: &mut CommandEncoder) {
+    let (only, _) = common::variant_flags();
+    println!("stand-in against the chosen kernel, TFLOP/s, direct mode");
+    let mut ratios = Vec::new();
+    for l in model_layers() {
+        for dtype in DType::ALL {
+            let label = format!("{} {}", name(&l), dtype.name());
+            if !label.contains(only.as_str()) {
+                continue;
+            }
+            let o = operands(enc, &l, dtype);
+            let flops = 2.0 * o.g.macs() as f64;
+            for pass in Pass::ALL {
+                let chosen = seconds_per_call(enc, |e| run(e, &o, pass));
+                let (first, second) = match pass {
+                    Pass::Forward => (&o.x, &o.w),
+                    Pass::BackwardData => (&o.dy, &o.w),
+                    Pass::BackwardWeight => (&o.x, &o.dy),
+                };
+                let stand_in = seconds_per_call(enc, |e| {
+                    tuning::run_stand_in(e, pass, &o.g, first, second).unwrap();
+                });
+                ratios.push(chosen / stand_in);
+                println!(
+                    "{label:<34} {:<15} chosen {:7.1}  stand-in {:7.1}  ({:.3}x)",
+                    pass.name(),
+                    flops / chosen / 1e12,
+                    flops / stand_in / 1e12,
+                    chosen / stand_in
+                );
+            }
+        }
+    }
+    let geo = (ratios.iter().map(|r| r.ln()).sum::<f64>() / ratios.len().max(1) as f64).exp();
+    println!(
+        "stand-in / chosen speed: geometric mean {geo:.3}x over {} passes",
+        ratios.len()
+    );
+}
+
 fn main() {
+    // Timings are of the kernels the ops choose: no cold-start stand-ins (see KILN_STAND_INS),
+    // set before anything reads the environment.
+    if std::env::var_os("KILN_STAND_INS").is_none() {
+        std::env::set_var("KILN_STAND_INS", "0");
+    }
     let dev = match kiln::runtime::gpus() {
         Ok(g) if !g.is_empty() => Device::get(0).unwrap(),
         _ => {
@@ -455,6 +502,10 @@ fn main() {
     }
     if std::env::args().any(|a| a == "--sweep-hopper") {
         sweep_hopper(&mut enc);
+        return;
+    }
+    if std::env::args().any(|a| a == "--stand-ins") {
+        stand_ins(&mut enc);
         return;
     }
     let (only, no_anchor) = common::variant_flags();

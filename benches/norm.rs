@@ -130,12 +130,25 @@ fn sweep(enc: &mut CommandEncoder, only: &str) {
     for &(rows, d) in &shapes {
         for pass in [Pass::Forward, Pass::Vjp] {
             if format!("{rows}x{d} {pass:?}").contains(only) {
-                cases.push((
-                    rows,
-                    d,
-                    pass,
-                    tuning::candidates(pass, Kind::LayerNorm, dtype, d),
-                ));
+                // `--stand-ins`: the cold-start stand-in (see KILN_STAND_INS) and the looped
+                // kernel it is compiled from, fully optimised, beside the chosen kernel.
+                let candidates = if std::env::args().any(|a| a == "--stand-ins") {
+                    let gpu = norm::Gpu::of(enc.device());
+                    let chosen = norm::choose_spec(pass, Kind::LayerNorm, dtype, d, true, gpu);
+                    let quick = norm::stand_in::spec(pass, Kind::LayerNorm, dtype, 8);
+                    let family = match pass {
+                        Pass::Forward => &norm::FORWARD,
+                        Pass::Vjp => &norm::VJP,
+                    };
+                    let looped = kiln::jit::KernelSpec {
+                        template: family,
+                        ..quick
+                    };
+                    vec![chosen, quick, looped]
+                } else {
+                    tuning::candidates(pass, Kind::LayerNorm, dtype, d)
+                };
+                cases.push((rows, d, pass, candidates));
             }
         }
     }
@@ -204,7 +217,8 @@ fn sweep(enc: &mut CommandEncoder, only: &str) {
             let passes = if pass == Pass::Vjp { 3.0 } else { 2.0 };
             let c = &spec.consts;
             println!(
-                "sweep {rows}x{d} {dtype} {pass:?} GROUP={} ITEMS={} STAGES={}{}: {:.0} GB/s{}",
+                "sweep {rows}x{d} {dtype} {pass:?} {} GROUP={} ITEMS={} STAGES={}{}: {:.0} GB/s{}",
+                spec.template.name,
                 c[1],
                 c[2],
                 c[3],
@@ -221,6 +235,11 @@ fn sweep(enc: &mut CommandEncoder, only: &str) {
 }
 
 fn main() {
+    // Timings are of the kernels the ops choose: no cold-start stand-ins (see KILN_STAND_INS),
+    // set before anything reads the environment.
+    if std::env::var_os("KILN_STAND_INS").is_none() {
+        std::env::set_var("KILN_STAND_INS", "0");
+    }
     let dev = match kiln::runtime::gpus() {
         Ok(g) if !g.is_empty() => Device::get(0).unwrap(),
         _ => {

@@ -110,6 +110,11 @@ pub struct Config {
     /// next calls will likely need (default: one per CPU; 0: none, every compile is made by
     /// the call that needs it).
     pub compile_threads: usize,
+    /// `KILN_STAND_INS` (default true): while a call's kernel compiles in the background, run
+    /// the call on a stand-in, a generic kernel of the same op that compiles in a fraction of
+    /// the time and serves every shape (see `jit::stand_in`). Needs background compiles
+    /// (`KILN_COMPILE_THREADS` > 0); false: the call waits for its own kernel.
+    pub stand_ins: bool,
 }
 
 /// Every variable kiln reads, for `kiln info`.
@@ -135,6 +140,7 @@ pub const VARIABLES: &[&str] = &[
     "KILN_NCCL_TIMEOUT",
     "KILN_NCCL_CHECK",
     "KILN_COMPILE_THREADS",
+    "KILN_STAND_INS",
     "KILN_RANK",
     "KILN_WORLD_SIZE",
     "KILN_NCCL_ID",
@@ -240,6 +246,10 @@ impl Config {
                     value: v.clone(),
                     expected: "a number of threads (0 turns background compiles off)",
                 })?,
+            },
+            stand_ins: match set("KILN_STAND_INS") {
+                None => true,
+                Some(v) => parse_bool("KILN_STAND_INS", &v)?,
             },
         })
     }

@@ -261,6 +261,7 @@ fn cases() -> Vec<Case> {
 enum Explicit {
     Igemm(plan::Tile, usize),
     Wgmma(hopper::Tile, usize),
+    StandIn,
 }
 
 /// Runs one pass on the GPU and returns (got, reference, geometry, the spec the plan picks;
@@ -319,6 +320,7 @@ fn run_pass(
         Some(Explicit::Wgmma(t, splits)) => {
             tuning::run_hopper_with(enc, pass, &g, &first, &second, t, splits).unwrap()
         }
+        Some(Explicit::StandIn) => tuning::run_stand_in(enc, pass, &g, &first, &second).unwrap(),
         None => match pass {
             Pass::Forward => conv::conv_forward(enc, &first, &second, &c.p).unwrap(),
             Pass::BackwardData => {
@@ -925,4 +927,103 @@ fn an_invalid_conv_path_is_an_error() {
     }
     // With the variable gone the same call plans and runs.
     conv::conv_forward(&mut enc, &x, &w, &ConvParams::default()).unwrap();
+}
+
+/// The cold-start stand-ins (`KILN_STAND_INS`) on every case of the matrix, every dtype and
+/// pass, graph mode and direct mode alternating by case: one generic kernel per dtype and pass
+/// takes every geometry the families take.
+#[test]
+fn stand_ins_match_the_reference() {
+    if common::gpus_or_skip("stand_ins_match_the_reference").is_none() {
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = Device::get(0).unwrap();
+    let mut encoders = [encoder(&dev, true), encoder(&dev, false)];
+    let mut failures = Vec::new();
+    let mut checked = 0;
+    for (ci, c) in cases().iter().enumerate() {
+        let enc = &mut encoders[ci % 2];
+        for dtype in DType::ALL {
+            for pass in Pass::ALL {
+                let seed = ci as u64 * 5 + 3;
+                let (got, want, _, _) =
+                    run_pass(enc, dtype, c, pass, Some(Explicit::StandIn), seed);
+                let (ratio, at) = worst(dtype, &got, &want);
+                checked += 1;
+                if ratio > 1.0 {
+                    failures.push(format!(
+                        "{} {dtype} {}: error {ratio:.2}x tolerance at {at}: got {} want {}",
+                        c.name,
+                        pass.name(),
+                        got[at],
+                        want.values[at]
+                    ));
+                }
+            }
+        }
+    }
+    eprintln!("stand-ins: {checked} checks, {} failed", failures.len());
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// A cold start end to end, on a device of its own over an empty cache with stand-ins on: the
+/// first call's plan is the stand-in and its result is right; once the background compiles are
+/// done, the same call gets the chosen kernel's plan, cached.
+#[test]
+fn a_cold_start_runs_the_stand_in_until_the_chosen_kernel_is_compiled() {
+    if common::gpus_or_skip("a_cold_start_runs_the_stand_in").is_none() {
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = Config::from_env().unwrap();
+    config.cache_dir = Some(dir.path().to_path_buf());
+    config.stand_ins = true;
+    config.compile_threads = 2;
+    let jit: &'static kiln::jit::Jit = Box::leak(Box::new(kiln::jit::Jit::new(config)));
+    let dev = Device::with_jit(0, jit).unwrap();
+    let mut enc = encoder(&dev, false);
+    let c = case(
+        "2d 3x3 pad 1, 64 -> 64",
+        &[2, 9, 7, 64],
+        &[64, 3, 3, 64],
+        ConvParams::default().padding(&[1]),
+    );
+    let mut rng = TestRng::new(5);
+    let g = Geometry::new(&c.x, &c.w, &c.p).unwrap();
+    let x = random(&mut rng, DType::BF16, c.x.iter().product());
+    let w = random(&mut rng, DType::BF16, c.w.iter().product());
+    let want = reference::forward(&g, &x, &w);
+    let xa = Array::from_f64(&mut enc, DType::BF16, &x, &c.x).unwrap();
+    let wa = Array::from_f64(&mut enc, DType::BF16, &w, &c.w).unwrap();
+    let dy = Array::zeros(&mut enc, DType::BF16, &g.output_shape()).unwrap();
+    let spec = |enc: &CommandEncoder| {
+        conv::plan_for(enc, Pass::Forward, &c.p, &xa, &wa, &dy)
+            .unwrap()
+            .spec
+    };
+    let stand_in = conv::stand_in::specs(&aligned_key(&dev, DType::BF16, Pass::Forward, g))[0];
+    assert_eq!(spec(&enc), stand_in);
+    let y = conv::conv_forward(&mut enc, &xa, &wa, &c.p).unwrap();
+    let (ratio, at) = worst(DType::BF16, &y.to_f64(&mut enc).unwrap(), &want);
+    assert!(ratio <= 1.0, "stand-in: {ratio:.2}x tolerance at {at}");
+    let started = std::time::Instant::now();
+    while !jit.background_idle() {
+        assert!(
+            started.elapsed().as_secs() < 300,
+            "background compiles never finished"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let chosen = spec(&enc);
+    assert_ne!(
+        chosen, stand_in,
+        "the model chose the stand-in's tile: pick another layer"
+    );
+    let (h0, _, _) = plan::cache_stats();
+    let y = conv::conv_forward(&mut enc, &xa, &wa, &c.p).unwrap();
+    assert_eq!(plan::cache_stats().0, h0 + 1, "the chosen plan is cached");
+    let (ratio, at) = worst(DType::BF16, &y.to_f64(&mut enc).unwrap(), &want);
+    assert!(ratio <= 1.0, "{chosen}: {ratio:.2}x tolerance at {at}");
 }

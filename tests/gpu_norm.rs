@@ -600,3 +600,63 @@ fn the_parameter_gradients_are_the_same_on_every_run() {
         }
     }
 }
+
+/// The cold-start stand-ins (`KILN_STAND_INS`, the looped kernel of each pass compiled quickly)
+/// against the reference: every dtype, both norms, vectorised and scalar rows from 1 element
+/// to past what one block holds, graph and direct mode alternating.
+#[test]
+fn stand_ins_match_the_reference() {
+    let Some(dev) = device("norm_stand_ins") else {
+        return;
+    };
+    let mut encoders = [encoder(&dev, true), encoder(&dev, false)];
+    let mut failures = Vec::new();
+    let mut seed = 9000;
+    for dtype in DType::ALL {
+        for d in [1, 7, 320, 1000, 4104, 30000] {
+            let rows = if d < 4096 { 33 } else { 5 };
+            for kind in [Kind::LayerNorm, Kind::RmsNorm] {
+                seed += 1;
+                let enc = &mut encoders[seed as usize % 2];
+                let mut rng = TestRng::new(seed);
+                let x = q(dtype, rng.values(rows * d, 2.0, 0.5));
+                let w = q(dtype, rng.values(d, 1.0, 1.0));
+                let b = q(dtype, rng.values(d, 0.5, 0.0));
+                let g = q(dtype, rng.values(rows * d, 1.0, 0.0));
+                let up = |enc: &mut CommandEncoder, v: &[f64], s: &[usize]| {
+                    Array::from_f64(enc, dtype, v, s).unwrap()
+                };
+                let (xa, ga) = (up(enc, &x, &[rows, d]), up(enc, &g, &[rows, d]));
+                let (wa, ba) = (up(enc, &w, &[d]), up(enc, &b, &[d]));
+                let rms = kind == Kind::RmsNorm;
+                let bias = (!rms).then_some(&ba);
+                let n_reads = if d % dtype.vec_width() == 0 {
+                    dtype.vec_width()
+                } else {
+                    1
+                };
+                let fwd = norm::stand_in::spec(Pass::Forward, kind, dtype, n_reads);
+                let vjp = norm::stand_in::spec(Pass::Vjp, kind, dtype, n_reads);
+                let y =
+                    norm::tuning::forward_with(enc, kind, &xa, Some(&wa), bias, EPS as f32, fwd)
+                        .unwrap();
+                let (dx, dw, db) =
+                    norm::tuning::vjp_with(enc, kind, &xa, Some(&wa), !rms, &ga, EPS as f32, vjp)
+                        .unwrap();
+                let br = (!rms).then_some(b.as_slice());
+                let want_y = reference_forward(kind, &x, Some(&w), br, d, EPS);
+                let (rdx, rdw, rdb) = reference_vjp(kind, &x, Some(&w), &g, d, EPS);
+                let mut err = max_error(&y.to_f64(enc).unwrap(), &want_y);
+                err = err.max(max_error(&dx.to_f64(enc).unwrap(), &rdx));
+                err = err.max(max_error(&dw.unwrap().to_f64(enc).unwrap(), &rdw));
+                if let Some(db) = db {
+                    err = err.max(max_error(&db.to_f64(enc).unwrap(), &rdb));
+                }
+                if err > tolerance(dtype) {
+                    failures.push(format!("{kind:?} {dtype} {rows}x{d}: {err:.3e}"));
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}

@@ -354,3 +354,50 @@ fn a_misspelt_template_variable_is_an_error() {
     let err = template::render(&spec).unwrap_err();
     assert!(matches!(err, Error::Template { .. }), "{err}");
 }
+
+/// Every stand-in (`KILN_STAND_INS`: the norms' looped kernels, the 64x64 `conv_igemm` tile
+/// of every vector width) compiles for sm_90 with the fast option in its key, the norms' for
+/// sm_80 too; and `Jit::cached` finds a module without compiling it: nowhere before the
+/// compile, in memory after it, on disk for a new JIT.
+#[test]
+fn stand_ins_compile_and_are_found_without_compiling() {
+    let dir = tempfile::tempdir().unwrap();
+    let jit = common::jit_in(dir.path());
+    let mut work: Vec<(KernelSpec, Target)> = Vec::new();
+    for arch in [80, 90] {
+        let t = Target::sass(arch);
+        work.extend(norm::stand_in::specs().into_iter().map(|s| (s, t)));
+    }
+    let conv = kiln::ops::registered_specs_for(90)
+        .into_iter()
+        .filter(|s| *s.template == kiln::ops::conv::plan::IGEMM)
+        .filter(|s| s.constant("BM") == Some(64) && s.constant("BN") == Some(64))
+        .map(|s| KernelSpec {
+            template: &kiln::ops::conv::stand_in::IGEMM_QUICK,
+            ..s
+        });
+    work.extend(conv.map(|s| (s, Target::sass(90))));
+    for (spec, target) in &work {
+        assert!(jit.cached(spec, *target).unwrap().is_none(), "{spec}");
+    }
+    let started = std::time::Instant::now();
+    assert_eq!(compile_all(&jit, &work), [0, 0, work.len()]);
+    let per_spec = started.elapsed().as_secs_f64() * 2.0 / work.len() as f64;
+    println!("{} stand-ins, {per_spec:.3} s each", work.len());
+    for (spec, target) in &work {
+        let c = jit.cached(spec, *target).unwrap().expect("compiled");
+        assert_eq!(c.origin, Origin::Memory, "{spec}");
+        assert!(c
+            .entry
+            .parts
+            .options
+            .iter()
+            .any(|o| o == "--Ofast-compile=mid"));
+        assert!(spec.template.name.ends_with("_quick"), "{spec}");
+    }
+    let fresh = common::jit_in(dir.path());
+    for (spec, target) in &work {
+        let c = fresh.cached(spec, *target).unwrap().expect("on disk");
+        assert_eq!(c.origin, Origin::Disk, "{spec}");
+    }
+}

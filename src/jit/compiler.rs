@@ -243,6 +243,12 @@ impl Jit {
         }))
     }
 
+    /// Whether calls may run on stand-ins while their kernels compile (`KILN_STAND_INS`):
+    /// only with background compiles to finish those kernels, and an NVRTC to compile them.
+    pub fn stand_ins(&self) -> bool {
+        self.config.stand_ins && self.config.compile_threads > 0 && self.nvrtc().is_ok()
+    }
+
     fn compile_with(
         &self,
         spec: &KernelSpec,

@@ -15,7 +15,8 @@ use super::template::PARTIALS;
 use crate::error::{Error, Result};
 
 /// What an application family may add to its template: its own partials, more entry points and
-/// NVRTC options. kiln's families use none of these.
+/// NVRTC options. kiln's families use none of these, but for its stand-ins' options
+/// (`ops::STAND_IN_EXTRAS`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct FamilyExtras {
     /// Partials only this family's template sees, as (name, text), used as `{{> name}}` beside
@@ -49,13 +50,15 @@ fn registry() -> &'static RwLock<HashMap<&'static str, Registered>> {
     REGISTRY.get_or_init(|| {
         let mut map = HashMap::new();
         for def in crate::ops::kiln_families() {
-            map.insert(
-                def.name,
-                Registered {
-                    def,
-                    extras: FamilyExtras::NONE,
-                },
-            );
+            let stand_in = crate::ops::STAND_IN_FAMILIES
+                .iter()
+                .any(|s| std::ptr::eq(*s, *def));
+            let extras = if stand_in {
+                crate::ops::STAND_IN_EXTRAS
+            } else {
+                FamilyExtras::NONE
+            };
+            map.insert(def.name, Registered { def, extras });
         }
         RwLock::new(map)
     })

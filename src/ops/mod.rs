@@ -11,7 +11,7 @@ pub use crate::runtime::{grid_stride_blocks, grid_stride_blocks_for};
 
 use std::sync::OnceLock;
 
-use crate::jit::{KernelSpec, TemplateDef};
+use crate::jit::{FamilyExtras, KernelSpec, TemplateDef};
 
 /// Architectures whose choices differ (tensor cores, shared memory, the Hopper family), oldest
 /// first; every other architecture chooses as one of these does.
@@ -54,9 +54,27 @@ pub fn kiln_families() -> &'static [&'static TemplateDef] {
                 out.push(spec.template);
             }
         }
+        out.extend(STAND_IN_FAMILIES);
         out
     })
 }
+
+/// kiln's stand-in families (`KILN_STAND_INS`): a family's template under another name,
+/// compiled with [`STAND_IN_EXTRAS`]. Their specs are not registered: `kiln warm` compiles the
+/// kernels they stand in for, after which no stand-in is needed.
+pub const STAND_IN_FAMILIES: [&TemplateDef; 3] = [
+    &conv::stand_in::IGEMM_QUICK,
+    &norm::stand_in::FORWARD_QUICK,
+    &norm::stand_in::VJP_QUICK,
+];
+
+/// What makes a stand-in quick to compile: NVRTC's fast-compile level `mid` (NVRTC 12.8 and
+/// later), which cuts the time 3-5x by optimising less; accumulators then live in local memory.
+pub const STAND_IN_EXTRAS: FamilyExtras = FamilyExtras {
+    partials: &[],
+    entry_points: &[],
+    options: &["--Ofast-compile=mid"],
+};
 
 #[cfg(test)]
 mod tests {

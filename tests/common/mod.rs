@@ -41,6 +41,14 @@ pub fn kiln_bin() -> std::path::PathBuf {
 /// The GPUs, or `None` after printing that the test is skipped. With `KILN_REQUIRE_GPU=1` a
 /// missing GPU fails the test instead.
 pub fn gpus_or_skip(test: &str) -> Option<Vec<kiln::runtime::GpuInfo>> {
+    // The GPU tests check the kernel each op chooses: stand-ins off unless KILN_STAND_INS says
+    // (the stand-in tests make JITs of their own). Set once, before any test touches the driver.
+    static STAND_INS: std::sync::Once = std::sync::Once::new();
+    STAND_INS.call_once(|| {
+        if std::env::var_os("KILN_STAND_INS").is_none() {
+            std::env::set_var("KILN_STAND_INS", "0");
+        }
+    });
     match kiln::runtime::gpus() {
         Ok(g) if !g.is_empty() => Some(g),
         other => {

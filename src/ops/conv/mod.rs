@@ -37,6 +37,9 @@ pub mod plan;
 pub mod reference;
 // Internal: public for kiln's own tests, benches and CLI; not part of the stable API.
 #[doc(hidden)]
+pub mod stand_in;
+// Internal: public for kiln's own tests, benches and CLI; not part of the stable API.
+#[doc(hidden)]
 pub mod stem;
 
 pub use geometry::{ConvParams, Geometry, Pass};
@@ -217,6 +220,19 @@ pub mod tuning {
         run(enc, pass, g, dtype, a, b, Some(Chosen::Igemm(tile, splits)))
     }
 
+    /// [`run_with`] on the stand-in a cold start runs while the chosen kernel compiles (see
+    /// `KILN_STAND_INS`), whatever the kernel cache holds.
+    pub fn run_stand_in(
+        enc: &mut CommandEncoder,
+        pass: Pass,
+        g: &Geometry,
+        first: &Array,
+        second: &Array,
+    ) -> Result<Array> {
+        let (dtype, a, b) = gemm_operands(pass, first, second)?;
+        run(enc, pass, g, dtype, a, b, Some(Chosen::StandIn))
+    }
+
     /// [`run_with`] on the Hopper family with `tile` (one of [`hopper::tiles`] of the pass) and
     /// `splits` of backward-weight's pixels; an error where that family cannot run the pass.
     pub fn run_hopper_with(
@@ -280,6 +296,8 @@ fn gemm_operands<'a>(
 enum Chosen {
     Igemm(Tile, usize),
     Wgmma(hopper::Tile, usize),
+    /// The cold-start stand-in (`stand_in`), whatever the kernel cache holds.
+    StandIn,
 }
 
 /// Whether `a` may be read with 16-byte vectors: its base is 16-byte aligned, or it is not
@@ -385,6 +403,7 @@ fn run(
     };
     let plan = match chosen {
         Some(Chosen::Igemm(t, splits)) => Arc::new(plan::plan_with(enc.device(), key, t, splits)?),
+        Some(Chosen::StandIn) => Arc::new(stand_in::plan(enc.device(), &key)?),
         Some(Chosen::Wgmma(tile, splits)) => {
             hopper_can_run(&key)?;
             Arc::new(plan::plan_wgmma(enc.device(), key, tile, splits)?)

@@ -12,6 +12,7 @@ use super::direct;
 use super::geometry::{Geometry, Pass, Problem};
 use super::grouped;
 use super::hopper;
+use super::stand_in;
 use super::stem;
 use crate::dtype::DType;
 use crate::env::{Config, ConvPath, DEFAULT_CONV_CACHE_SIZE};
@@ -21,6 +22,12 @@ use crate::runtime::Device;
 
 pub static IGEMM: TemplateDef = TemplateDef {
     name: "conv_igemm",
+    ..IGEMM_FIELDS
+};
+
+/// `IGEMM` but for its name (its stand-in family shares the rest).
+pub(super) const IGEMM_FIELDS: TemplateDef = TemplateDef {
+    name: "",
     source: include_str!("../../../templates/conv_igemm.cu"),
     kernel: "kiln_conv_igemm",
     const_names: &[
@@ -159,7 +166,7 @@ pub fn tiles(tensor: bool) -> &'static [Tile] {
 /// backward-weight takes 16: with vector loads both of its operands go straight to shared
 /// memory, so the longer step costs no registers and halves the per-step overhead (table,
 /// gathers, barrier) against the FMAs.
-fn block_k(dtype: DType, tensor: bool, pass: Pass) -> usize {
+pub(super) fn block_k(dtype: DType, tensor: bool, pass: Pass) -> usize {
     match (tensor, pass) {
         (true, _) => 64 / dtype.size(),
         (false, Pass::BackwardWeight) => 16,
@@ -385,38 +392,98 @@ pub fn cached(key: &PlanKey) -> Option<Arc<Plan>> {
 
 /// A new plan for `key` from the model, kept in the plan cache. The kernels the same
 /// convolution's other passes would use are queued for compiling in the background first (a
-/// training step runs all three), so that their compiles overlap this one's.
+/// training step runs all three), so that their compiles overlap this one's. On a cold start
+/// (`KILN_STAND_INS`, the chosen kernels not compiled yet) the chosen kernels are queued too and
+/// the call gets a stand-in plan, which is not cached: a later call looks again.
 pub fn create(device: &Device, key: PlanKey) -> Result<Arc<Plan>> {
     let path = Config::from_env()?.conv_path;
+    let choice = Choice::of(device, path, &key);
+    if device.jit().stand_ins() {
+        let missing = device.missing(&choice.kernels(&key))?;
+        if !missing.is_empty() {
+            // The other passes' stand-ins at once: the next calls need them soonest.
+            device.prefetch_urgent(stand_in::companions(&key));
+            device.prefetch(missing);
+            device.prefetch(companion_specs(device, path, &key));
+            match stand_in::plan(device, &key) {
+                Ok(plan) => return Ok(Arc::new(plan)),
+                Err(e) => {
+                    tracing::warn!(error = %e, "conv stand-in failed; compiling the chosen kernel")
+                }
+            }
+        }
+    }
     device.prefetch(companion_specs(device, path, &key));
-    let plan = if let Some((spec, launch)) = depthwise::plan(device, path, &key) {
-        Arc::new(build_depthwise(device, &key, spec, launch)?)
-    } else if let Some((spec, launch)) = grouped::plan(device, path, &key) {
-        let geometry = (
-            launch.grid,
-            grouped::THREADS as u32,
-            launch.shared,
-            launch.splits,
-        );
-        Arc::new(build_gather(
-            device,
-            &key,
-            spec,
-            geometry,
-            Kind::Grouped(launch),
-        )?)
-    } else if let Some((spec, launch)) = direct::plan(device, path, &key) {
-        Arc::new(build_direct(device, &key, spec, launch)?)
-    } else if let Some((spec, launch)) = stem::plan(device, path, &key) {
-        Arc::new(build_stem(device, &key, spec, launch)?)
-    } else if let Some((spec, launch)) = hopper::plan(device, path, &key) {
-        Arc::new(build_wgmma(device, &key, spec, launch)?)
-    } else {
-        let (t, splits) = choose(device, &key);
-        Arc::new(build(device, &key, t, splits)?)
-    };
+    let plan = Arc::new(choice.build(device, &key)?);
     remember(key, plan.clone());
     Ok(plan)
+}
+
+/// The family and launch the model picks for a key, before any kernel is loaded.
+enum Choice {
+    Depthwise(KernelSpec, depthwise::Launch),
+    Grouped(KernelSpec, grouped::Launch),
+    Direct(KernelSpec, direct::Launch),
+    Stem(KernelSpec, stem::Launch),
+    Wgmma(KernelSpec, hopper::Launch),
+    /// The `mma.sync` / FMA family: its tile and splits.
+    Igemm(Tile, usize),
+}
+
+impl Choice {
+    /// The first family, in order of preference, that takes `key`; `conv_igemm` takes any.
+    fn of(device: &Device, path: ConvPath, key: &PlanKey) -> Choice {
+        if let Some((spec, launch)) = depthwise::plan(device, path, key) {
+            Choice::Depthwise(spec, launch)
+        } else if let Some((spec, launch)) = grouped::plan(device, path, key) {
+            Choice::Grouped(spec, launch)
+        } else if let Some((spec, launch)) = direct::plan(device, path, key) {
+            Choice::Direct(spec, launch)
+        } else if let Some((spec, launch)) = stem::plan(device, path, key) {
+            Choice::Stem(spec, launch)
+        } else if let Some((spec, launch)) = hopper::plan(device, path, key) {
+            Choice::Wgmma(spec, launch)
+        } else {
+            let (t, splits) = choose(device, key);
+            Choice::Igemm(t, splits)
+        }
+    }
+
+    /// The kernels the plan loads: the family's, and the split sum where it writes partials.
+    fn kernels(&self, key: &PlanKey) -> Vec<KernelSpec> {
+        let (spec, partials) = match self {
+            Choice::Depthwise(spec, l) => (*spec, l.splits > 1),
+            Choice::Grouped(spec, l) => (*spec, l.splits > 1),
+            Choice::Direct(spec, l) => (*spec, l.splits > 1),
+            Choice::Stem(spec, l) => (*spec, l.splits > 1),
+            Choice::Wgmma(spec, l) => (*spec, l.writes_partials()),
+            Choice::Igemm(t, splits) => (igemm_spec_for(key, *t), *splits > 1),
+        };
+        let mut out = vec![spec];
+        if partials {
+            out.push(split_sum_spec(key.dtype));
+        }
+        out
+    }
+
+    fn build(self, device: &Device, key: &PlanKey) -> Result<Plan> {
+        match self {
+            Choice::Depthwise(spec, launch) => build_depthwise(device, key, spec, launch),
+            Choice::Grouped(spec, launch) => {
+                let geometry = (
+                    launch.grid,
+                    grouped::THREADS as u32,
+                    launch.shared,
+                    launch.splits,
+                );
+                build_gather(device, key, spec, geometry, Kind::Grouped(launch))
+            }
+            Choice::Direct(spec, launch) => build_direct(device, key, spec, launch),
+            Choice::Stem(spec, launch) => build_stem(device, key, spec, launch),
+            Choice::Wgmma(spec, launch) => build_wgmma(device, key, spec, launch),
+            Choice::Igemm(t, splits) => build(device, key, t, splits),
+        }
+    }
 }
 
 /// What the tiled stencil families (depthwise, grouped) share in what they take: 1-D and 2-D
@@ -507,43 +574,29 @@ pub fn channel_vectors(dtype: DType, pass: Pass, g: &Geometry) -> (bool, bool) {
 /// when they are not cached yet (the split sum included where a pass splits its reduction).
 fn companion_specs(device: &Device, path: ConvPath, key: &PlanKey) -> Vec<KernelSpec> {
     let mut out = Vec::new();
-    for pass in Pass::ALL.into_iter().filter(|&p| p != key.pass) {
-        let (vec_a, vec_b) = channel_vectors(key.dtype, pass, &key.geometry);
-        let other = PlanKey {
-            pass,
-            vec_a,
-            vec_b,
-            aligned: true,
-            ..*key
-        };
-        if cached_quietly(&other) {
-            continue;
-        }
-        let splits = if let Some((spec, launch)) = depthwise::plan(device, path, &other) {
-            out.push(spec);
-            launch.splits
-        } else if let Some((spec, launch)) = grouped::plan(device, path, &other) {
-            out.push(spec);
-            launch.splits
-        } else if let Some((spec, launch)) = direct::plan(device, path, &other) {
-            out.push(spec);
-            launch.splits
-        } else if let Some((spec, launch)) = stem::plan(device, path, &other) {
-            out.push(spec);
-            launch.splits
-        } else if let Some((spec, launch)) = hopper::plan(device, path, &other) {
-            out.push(spec);
-            launch.splits
-        } else {
-            let (t, splits) = choose(device, &other);
-            out.push(igemm_spec_for(&other, t));
-            splits
-        };
-        if splits > 1 {
-            out.push(split_sum_spec(key.dtype));
+    for other in other_passes(key) {
+        if !cached_quietly(&other) {
+            out.extend(Choice::of(device, path, &other).kernels(&other));
         }
     }
     out
+}
+
+/// The keys of the other two passes of `key`'s convolution, with aligned operands.
+pub(super) fn other_passes(key: &PlanKey) -> impl Iterator<Item = PlanKey> + '_ {
+    Pass::ALL
+        .into_iter()
+        .filter(|&p| p != key.pass)
+        .map(|pass| {
+            let (vec_a, vec_b) = channel_vectors(key.dtype, pass, &key.geometry);
+            PlanKey {
+                pass,
+                vec_a,
+                vec_b,
+                aligned: true,
+                ..*key
+            }
+        })
 }
 
 /// Whether the plan cache holds `key`, without counting a hit or a miss.
@@ -604,7 +657,7 @@ pub fn tap_tiles(key: &PlanKey) -> bool {
 }
 
 /// The `conv_igemm` spec that runs `key` with tile `t`.
-fn igemm_spec_for(key: &PlanKey, t: Tile) -> KernelSpec {
+pub(super) fn igemm_spec_for(key: &PlanKey, t: Tile) -> KernelSpec {
     let (math, tensor) = (key.math(), key.tensor());
     igemm_spec(
         key.dtype,
@@ -677,7 +730,16 @@ pub fn igemm_launch(
 }
 
 fn build(device: &Device, key: &PlanKey, t: Tile, splits: usize) -> Result<Plan> {
-    let launch = igemm_launch(key, t, splits, device.shared_limit())?;
+    build_igemm(
+        device,
+        key,
+        igemm_launch(key, t, splits, device.shared_limit())?,
+    )
+}
+
+/// The plan of an `mma.sync` family launch (`launch.spec` may be of another family with the
+/// same template, such as a stand-in's).
+pub(super) fn build_igemm(device: &Device, key: &PlanKey, launch: IgemmLaunch) -> Result<Plan> {
     let kernel = device.kernel(&launch.spec)?;
     kernel.allow_shared(launch.shared)?;
     let split_sum = split_sum_for(device, key.dtype, launch.splits > 1)?;
@@ -796,7 +858,7 @@ fn build_gather(
 }
 
 /// Largest grid dims the driver takes along y and z.
-const MAX_GRID_YZ: usize = 65535;
+pub(super) const MAX_GRID_YZ: usize = 65535;
 
 /// Registers a thread of the kernel uses, roughly as ptxas reports them for sm_90: the
 /// 256-thread FMA tile is capped at 128, the tap-tile kernels need fewer than the table ones.

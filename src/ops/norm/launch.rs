@@ -186,18 +186,23 @@ pub(super) fn forward(
             }
         }
     };
-    let kernel = match enc.device().loaded(&spec) {
-        Some(kernel) => kernel,
+    let (spec, kernel) = match enc.device().loaded(&spec) {
+        Some(kernel) => (spec, kernel),
         None => {
             // A first forward of this shape: training calls the VJP next (with a cotangent laid
             // out like x), whose kernel and column sums compile in the background meanwhile.
             let gpu = Gpu::of(enc.device());
             let columns_per_thread = if d % 4 == 0 { 4 } else { 1 };
-            enc.device().prefetch([
+            let next = [
                 choose_spec(Pass::Vjp, kind, x.dtype(), d, vectorized, gpu),
                 reduce_cols_spec(x.dtype(), columns_per_thread),
-            ]);
-            enc.device().kernel(&spec)?
+            ];
+            if chosen.is_some() {
+                enc.device().prefetch(next);
+                (spec, enc.device().kernel(&spec)?)
+            } else {
+                stand_in::kernel_for(enc.device(), spec, &next)?
+            }
         }
     };
     let (wp, ws, wv) = param_args(w, vectorized);
@@ -316,11 +321,16 @@ pub(super) fn vjp(
     let (xr, xs) = as_rows(enc, x)?;
     let (gr, gs) = as_rows(enc, g)?;
     let vectorized = can_vectorize(dtype, d, &[(&xr, xs), (&gr, gs)]);
-    let spec = match chosen {
-        Some(spec) => check_chosen(spec, Pass::Vjp, kind, dtype, d, vectorized)?,
-        None => choose_spec(Pass::Vjp, kind, dtype, d, vectorized, Gpu::of(enc.device())),
+    let (spec, kernel) = match chosen {
+        Some(spec) => {
+            let spec = check_chosen(spec, Pass::Vjp, kind, dtype, d, vectorized)?;
+            (spec, enc.device().kernel(&spec)?)
+        }
+        None => {
+            let spec = choose_spec(Pass::Vjp, kind, dtype, d, vectorized, Gpu::of(enc.device()));
+            stand_in::kernel_for(enc.device(), spec, &[])?
+        }
     };
-    let kernel = enc.device().kernel(&spec)?;
     let (block, groups) = geometry(&spec);
     // The looped path keeps its partial sums in shared memory when two rows of d floats fit.
     let looped = constant(&spec, "ITEMS") == 0;

@@ -17,6 +17,11 @@ use crate::runtime::{Array, CommandEncoder, KernelArgs};
 /// The forward pass, LayerNorm or RMSNorm, one row per GROUP threads (`templates/norm_fwd.cu`).
 pub static FORWARD: TemplateDef = TemplateDef {
     name: "norm_fwd",
+    ..FORWARD_FIELDS
+};
+/// `FORWARD` but for its name (its stand-in family shares the rest).
+const FORWARD_FIELDS: TemplateDef = TemplateDef {
+    name: "",
     source: include_str!("../../../templates/norm_fwd.cu"),
     kernel: "kiln_norm_fwd",
     const_names: &["RMS", "GROUP", "ITEMS", "STAGES"],
@@ -27,6 +32,11 @@ pub static FORWARD: TemplateDef = TemplateDef {
 /// The VJP: dx, and per-block f32 partial sums of dweight and dbias (`templates/norm_vjp.cu`).
 pub static VJP: TemplateDef = TemplateDef {
     name: "norm_vjp",
+    ..VJP_FIELDS
+};
+/// `VJP` but for its name (its stand-in family shares the rest).
+const VJP_FIELDS: TemplateDef = TemplateDef {
+    name: "",
     source: include_str!("../../../templates/norm_vjp.cu"),
     kernel: "kiln_norm_vjp",
     const_names: &["RMS", "GROUP", "ITEMS", "STAGES", "RESIDENT"],
@@ -136,6 +146,9 @@ fn bad(arg: &'static str, reason: String) -> Error {
 mod choose;
 mod launch;
 mod reference;
+// Internal: public for kiln's own tests, benches and CLI; not part of the stable API.
+#[doc(hidden)]
+pub mod stand_in;
 #[cfg(test)]
 mod tests;
 #[doc(hidden)]
