@@ -229,10 +229,7 @@ impl Jit {
                 origin: Origin::Memory,
             }));
         }
-        let found = match self.cache.load(&key) {
-            Lookup::Hit(entry) => Some(*entry),
-            _ => self.cache.find_any(&parts.lookup_key()),
-        };
+        let found = self.disk_entry(&spec.to_string(), target, key, &parts, true);
         Ok(found.map(|entry| {
             let entry = Arc::new(entry);
             *slot = Some(entry.clone());
@@ -355,6 +352,32 @@ impl Jit {
         })
     }
 
+    /// The entry for `key` on disk, else (with `any_nvrtc`) another NVRTC's for the same lookup
+    /// key. `what` names the module in logs; a corrupt entry is logged and counts as missing.
+    fn disk_entry(
+        &self,
+        what: &str,
+        target: Target,
+        key: CacheKey,
+        parts: &KeyParts,
+        any_nvrtc: bool,
+    ) -> Option<Entry> {
+        match self.cache.load(&key) {
+            Lookup::Hit(entry) => return Some(*entry),
+            Lookup::Corrupt(why) => {
+                tracing::warn!(spec = what, %target, reason = %why, "recompiling a corrupt cache entry");
+            }
+            Lookup::Miss => {}
+        }
+        if !any_nvrtc {
+            return None;
+        }
+        let entry = self.cache.find_any(&parts.lookup_key())?;
+        tracing::info!(spec = what, %target, nvrtc = %entry.parts.nvrtc_version,
+            "using a cache entry another NVRTC version made");
+        Some(entry)
+    }
+
     /// The entry for `key` from disk (with `any_nvrtc`, also another NVRTC's for the same
     /// lookup key), or compiled now and stored. `what` names the module in logs and errors.
     fn load_or_compile(
@@ -365,27 +388,11 @@ impl Jit {
         parts: KeyParts,
         any_nvrtc: bool,
     ) -> Result<Compiled> {
-        match self.cache.load(&key) {
-            Lookup::Hit(entry) => {
-                return Ok(Compiled {
-                    entry: Arc::new(*entry),
-                    origin: Origin::Disk,
-                })
-            }
-            Lookup::Corrupt(why) => {
-                tracing::warn!(spec = what, %target, reason = %why, "recompiling a corrupt cache entry");
-            }
-            Lookup::Miss => {}
-        }
-        if any_nvrtc {
-            if let Some(entry) = self.cache.find_any(&parts.lookup_key()) {
-                tracing::info!(spec = what, %target, nvrtc = %entry.parts.nvrtc_version,
-                    "using a cache entry another NVRTC version made");
-                return Ok(Compiled {
-                    entry: Arc::new(entry),
-                    origin: Origin::Disk,
-                });
-            }
+        if let Some(entry) = self.disk_entry(what, target, key, &parts, any_nvrtc) {
+            return Ok(Compiled {
+                entry: Arc::new(entry),
+                origin: Origin::Disk,
+            });
         }
         let nvrtc = self.nvrtc()?;
         // Compiling what this machine's driver could not load helps no one; another machine's

@@ -398,22 +398,26 @@ pub fn cached(key: &PlanKey) -> Option<Arc<Plan>> {
 pub fn create(device: &Device, key: PlanKey) -> Result<Arc<Plan>> {
     let path = Config::from_env()?.conv_path;
     let choice = Choice::of(device, path, &key);
-    if device.jit().stand_ins() {
-        let missing = device.missing(&choice.kernels(&key))?;
-        if !missing.is_empty() {
-            // The other passes' stand-ins at once: the next calls need them soonest.
-            device.prefetch_urgent(stand_in::companions(&key));
-            device.prefetch(missing);
-            device.prefetch(companion_specs(device, path, &key));
-            match stand_in::plan(device, &key) {
-                Ok(plan) => return Ok(Arc::new(plan)),
-                Err(e) => {
-                    tracing::warn!(error = %e, "conv stand-in failed; compiling the chosen kernel")
-                }
+    let missing = if device.jit().stand_ins() {
+        device.missing(&choice.kernels(&key))?
+    } else {
+        Vec::new()
+    };
+    let cold = !missing.is_empty();
+    if cold {
+        // The other passes' stand-ins at once: the next calls need them soonest.
+        device.prefetch_urgent(stand_in::companions(&key));
+        device.prefetch(missing);
+    }
+    device.prefetch(companion_specs(device, path, &key));
+    if cold {
+        match stand_in::plan(device, &key) {
+            Ok(plan) => return Ok(Arc::new(plan)),
+            Err(e) => {
+                tracing::warn!(error = %e, "conv stand-in failed; compiling the chosen kernel")
             }
         }
     }
-    device.prefetch(companion_specs(device, path, &key));
     let plan = Arc::new(choice.build(device, &key)?);
     remember(key, plan.clone());
     Ok(plan)
