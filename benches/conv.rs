@@ -17,7 +17,8 @@
 //! class). `--sweep-hopper` times every
 //! Hopper tile on the model layers it takes (bf16; those whose name contains `--only TEXT`),
 //! checks each tile's result against the `mma.sync` path's, and counts how often the plan's tile
-//! is within 5% of the best.
+//! is within 5% of the best. `--paired` times the plan's Hopper tile against it and the large
+//! tiles in clusters of two.
 //!
 //! kiln is timed on the host around many calls in direct mode (stream order, one synchronise at
 //! the end); PyTorch with CUDA events. `--sweep` times every tile (and split) kiln has on each shape and
@@ -377,7 +378,8 @@ fn sweep_hopper(enc: &mut CommandEncoder) {
                 .fold(0.0f64, |m, v| m.max(v.abs()))
                 .max(1e-30);
             let (mut best, mut planned) = (0.0f64, 0.0f64);
-            for t in hopper::tiles(pass) {
+            // Paired tiles have their own comparison (`--paired`).
+            for t in hopper::tiles(pass).into_iter().filter(|t| t.cluster == 1) {
                 for &sp in &splits {
                     let got = tuning::run_hopper_with(enc, pass, &o.g, first, second, t, sp)
                         .unwrap()
@@ -433,6 +435,100 @@ fn sweep_hopper(enc: &mut CommandEncoder) {
         "sweep: the plan's tile within 5% of the best on {within} of {passes} layer passes \
          (lowest {worst:.2} of the best)"
     );
+}
+
+/// `--paired [--only TEXT]`: on each model layer pass the Hopper family takes (bf16), the plan's
+/// tile against the same tile and split paired in clusters of two (B multicast), and the large
+/// tiles paired; each paired result checked against the plan's.
+fn paired(enc: &mut CommandEncoder) {
+    use kiln::ops::conv::{hopper, plan::Kind};
+    let dtype = DType::BF16;
+    let (only, _) = common::variant_flags();
+    let mut per_pass: Vec<(Pass, f64, f64)> = Vec::new();
+    println!("plan's tile alone / paired, TFLOP/s, direct mode");
+    for l in model_layers().iter().filter(|l| name(l).contains(&only)) {
+        let o = operands(enc, l, dtype);
+        let flops = 2.0 * o.g.macs() as f64;
+        for pass in Pass::ALL {
+            let Ok(plan) = conv::plan_for(enc, pass, &o.params, &o.x, &o.w, &o.dy) else {
+                continue;
+            };
+            let Kind::Wgmma(chosen) = &plan.kind else {
+                continue;
+            };
+            let (first, second) = match pass {
+                Pass::Forward => (&o.x, &o.w),
+                Pass::BackwardData => (&o.dy, &o.w),
+                Pass::BackwardWeight => (&o.x, &o.dy),
+            };
+            let (t, sp) = (chosen.tile, chosen.splits);
+            let run = |e: &mut CommandEncoder, t: hopper::Tile| {
+                tuning::run_hopper_with(e, pass, &o.g, first, second, t, sp).unwrap()
+            };
+            let want = run(enc, t).to_f64(enc).unwrap();
+            let scale = want.iter().fold(0.0f64, |m, v| m.max(v.abs())).max(1e-30);
+            let mut tiles = vec![t, t.paired()];
+            for big in [(128, 192), (128, 256), (256, 128)] {
+                let p = hopper::Tile {
+                    bm: big.0,
+                    bn: big.1,
+                    swapped: false,
+                    cluster: 2,
+                };
+                if !tiles.contains(&p) {
+                    tiles.push(p);
+                }
+            }
+            let mut line = format!("paired {} {}", name(l), pass.name());
+            let mut alone = 0.0;
+            let mut best_paired = 0.0f64;
+            for (i, &tile) in tiles.iter().enumerate() {
+                let got = run(enc, tile).to_f64(enc).unwrap();
+                let off = got
+                    .iter()
+                    .zip(&want)
+                    .fold(0.0f64, |m, (a, b)| m.max((a - b).abs()))
+                    / scale;
+                let secs = seconds_per_call(enc, |e| {
+                    run(e, tile);
+                });
+                let tflops = flops / secs / 1e12;
+                if i == 0 {
+                    alone = tflops;
+                } else {
+                    best_paired = best_paired.max(tflops);
+                }
+                let wrong = if off > 2e-2 { " WRONG" } else { "" };
+                let p = if tile.cluster > 1 { "p" } else { "" };
+                let s = if tile.swapped { "s" } else { "" };
+                line += &format!("  {}x{}{s}{p} {tflops:.1}{wrong}", tile.bm, tile.bn);
+            }
+            println!(
+                "{line}  (splits {sp}; best paired / plan {:.2})",
+                best_paired / alone
+            );
+            per_pass.push((pass, alone, best_paired));
+        }
+    }
+    for pass in Pass::ALL {
+        let r: Vec<f64> = per_pass
+            .iter()
+            .filter(|x| x.0 == pass)
+            .map(|x| x.2 / x.1)
+            .collect();
+        if r.is_empty() {
+            continue;
+        }
+        let geo = (r.iter().map(|x| x.ln()).sum::<f64>() / r.len() as f64).exp();
+        let (lo, hi) = r
+            .iter()
+            .fold((f64::MAX, 0.0f64), |(a, b), &x| (a.min(x), b.max(x)));
+        println!(
+            "paired {}: best paired / plan geomean {geo:.3}, range {lo:.2}-{hi:.2} over {}",
+            pass.name(),
+            r.len()
+        );
+    }
 }
 
 /// `--stand-ins [--only TEXT]`: the cold-start stand-in (see `KILN_STAND_INS`) against the
@@ -502,6 +598,10 @@ fn main() {
     }
     if std::env::args().any(|a| a == "--sweep-hopper") {
         sweep_hopper(&mut enc);
+        return;
+    }
+    if std::env::args().any(|a| a == "--paired") {
+        paired(&mut enc);
         return;
     }
     if std::env::args().any(|a| a == "--stand-ins") {

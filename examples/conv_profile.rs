@@ -1,8 +1,9 @@
 //! A small program for profilers (ncu, compute-sanitizer): one convolution pass, run twice.
 //! Usage: conv_profile N,C,H,W,K,R,S,stride,pad[,groups] f16|bf16|f32
-//! forward|backward_data|backward_weight [BMxBN[s]/SPLITS]
+//! forward|backward_data|backward_weight [BMxBN[s][p]/SPLITS]
 //! (default: 32,128,28,28,128,3,3,1,1 f16 forward). The last argument runs the Hopper family
-//! with that tile (`s`: swapped) and split instead of the plan's choice.
+//! with that tile (`s`: swapped, `p`: paired in clusters of two) and split instead of the plan's
+//! choice.
 use kiln::ops::conv::{self, hopper, tuning, ConvParams, Geometry, Pass};
 use kiln::runtime::{Array, CommandEncoder, Device};
 use kiln::selfcheck::TestRng;
@@ -77,15 +78,19 @@ fn main() -> kiln::Result<()> {
     Ok(())
 }
 
-/// "128x320s/3": a Hopper tile (`s`: swapped) and a split.
+/// "128x320s/3": a Hopper tile (`s`: swapped, `p`: paired in clusters of two, as in "128x320sp")
+/// and a split.
 fn parse_tile(text: &str) -> Option<(hopper::Tile, usize)> {
     let (tile, splits) = text.split_once('/')?;
+    let paired = tile.ends_with('p');
+    let tile = tile.trim_end_matches('p');
     let swapped = tile.ends_with('s');
     let (bm, bn) = tile.trim_end_matches('s').split_once('x')?;
     let tile = hopper::Tile {
         bm: bm.parse().ok()?,
         bn: bn.parse().ok()?,
         swapped,
+        cluster: if paired { 2 } else { 1 },
     };
     Some((tile, splits.parse().ok()?))
 }

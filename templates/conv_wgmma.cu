@@ -27,10 +27,13 @@
 // BN above 256 (PASS 3's 320) is one wgmma of n = 256 and one of n = BN - 256 per k step.
 {{> prelude}}
 {{> tma}}
+{{> cluster}}
 
 typedef {{dtype}} T;
 constexpr int PASS = {{PASS}};
 constexpr int BM = {{BM}}, BN = {{BN}}, STAGES = {{STAGES}}, SPATIAL = {{SPATIAL}};
+constexpr int CLUSTER = {{CLUSTER}};
+static_assert(CLUSTER == 1 || CLUSTER == 2, "blocks alone or in pairs");
 constexpr int BK = 64;
 // Backward-weight, either way round: k runs over pixels; one operand is the cotangent's
 // (pixel, cout) boxes, the other the input's im2col chunks (64 channels of one tap each).
@@ -187,46 +190,120 @@ __device__ __forceinline__ void kiln_wgmma(float* d, unsigned long long desc_a,
 
 // --- copies ----------------------------------------------------------------------------------
 
+// Each copy below lands in this block's shared memory, or with a nonzero `mask` (CLUSTER > 1)
+// at the same offset in every block of the cluster the mask names, completing on each one's
+// barrier at `bar`'s offset.
+
 // An im2col box: the pixels from (n, d, h, w) on (stride, wrapping as the map's window says), each
 // at its tap offset, 64 channels from c.
 __device__ __forceinline__ void kiln_im2col_load(void* smem, const kiln_tensor_map* map, int c,
                                                  int n, const int (&pos)[3], const int (&off)[3],
-                                                 unsigned long long* bar) {
+                                                 unsigned long long* bar, unsigned short mask) {
   unsigned dst = kiln_smem_addr(smem), b = kiln_smem_addr(bar);
   unsigned short ow = off[2], oh = off[1], od = off[0];
   if constexpr (SPATIAL == 1) {
-    asm volatile(
-        "cp.async.bulk.tensor.3d.shared::cluster.global.im2col.mbarrier::complete_tx::bytes"
-        " [%0], [%1, {%2, %3, %4}], [%5], {%6};"
-        ::"r"(dst), "l"(map), "r"(c), "r"(pos[2]), "r"(n), "r"(b), "h"(ow)
-        : "memory");
+    if (CLUSTER > 1 && mask)
+      asm volatile(
+          "cp.async.bulk.tensor.3d.shared::cluster.global.im2col.mbarrier::complete_tx::bytes"
+          ".multicast::cluster [%0], [%1, {%2, %3, %4}], [%5], {%6}, %7;"
+          ::"r"(dst), "l"(map), "r"(c), "r"(pos[2]), "r"(n), "r"(b), "h"(ow), "h"(mask)
+          : "memory");
+    else
+      asm volatile(
+          "cp.async.bulk.tensor.3d.shared::cluster.global.im2col.mbarrier::complete_tx::bytes"
+          " [%0], [%1, {%2, %3, %4}], [%5], {%6};"
+          ::"r"(dst), "l"(map), "r"(c), "r"(pos[2]), "r"(n), "r"(b), "h"(ow)
+          : "memory");
   } else if constexpr (SPATIAL == 2) {
-    asm volatile(
-        "cp.async.bulk.tensor.4d.shared::cluster.global.im2col.mbarrier::complete_tx::bytes"
-        " [%0], [%1, {%2, %3, %4, %5}], [%6], {%7, %8};"
-        ::"r"(dst), "l"(map), "r"(c), "r"(pos[2]), "r"(pos[1]), "r"(n), "r"(b), "h"(ow), "h"(oh)
-        : "memory");
+    if (CLUSTER > 1 && mask)
+      asm volatile(
+          "cp.async.bulk.tensor.4d.shared::cluster.global.im2col.mbarrier::complete_tx::bytes"
+          ".multicast::cluster [%0], [%1, {%2, %3, %4, %5}], [%6], {%7, %8}, %9;"
+          ::"r"(dst), "l"(map), "r"(c), "r"(pos[2]), "r"(pos[1]), "r"(n), "r"(b), "h"(ow),
+            "h"(oh), "h"(mask)
+          : "memory");
+    else
+      asm volatile(
+          "cp.async.bulk.tensor.4d.shared::cluster.global.im2col.mbarrier::complete_tx::bytes"
+          " [%0], [%1, {%2, %3, %4, %5}], [%6], {%7, %8};"
+          ::"r"(dst), "l"(map), "r"(c), "r"(pos[2]), "r"(pos[1]), "r"(n), "r"(b), "h"(ow), "h"(oh)
+          : "memory");
   } else {
-    asm volatile(
-        "cp.async.bulk.tensor.5d.shared::cluster.global.im2col.mbarrier::complete_tx::bytes"
-        " [%0], [%1, {%2, %3, %4, %5, %6}], [%7], {%8, %9, %10};"
-        ::"r"(dst), "l"(map), "r"(c), "r"(pos[2]), "r"(pos[1]), "r"(pos[0]), "r"(n), "r"(b),
-          "h"(ow), "h"(oh), "h"(od)
-        : "memory");
+    if (CLUSTER > 1 && mask)
+      asm volatile(
+          "cp.async.bulk.tensor.5d.shared::cluster.global.im2col.mbarrier::complete_tx::bytes"
+          ".multicast::cluster [%0], [%1, {%2, %3, %4, %5, %6}], [%7], {%8, %9, %10}, %11;"
+          ::"r"(dst), "l"(map), "r"(c), "r"(pos[2]), "r"(pos[1]), "r"(pos[0]), "r"(n), "r"(b),
+            "h"(ow), "h"(oh), "h"(od), "h"(mask)
+          : "memory");
+    else
+      asm volatile(
+          "cp.async.bulk.tensor.5d.shared::cluster.global.im2col.mbarrier::complete_tx::bytes"
+          " [%0], [%1, {%2, %3, %4, %5, %6}], [%7], {%8, %9, %10};"
+          ::"r"(dst), "l"(map), "r"(c), "r"(pos[2]), "r"(pos[1]), "r"(pos[0]), "r"(n), "r"(b),
+            "h"(ow), "h"(oh), "h"(od)
+          : "memory");
   }
 }
 
-__device__ __forceinline__ void kiln_tma_load_3d(void* smem, const kiln_tensor_map* map, int x,
-                                                 int y, int z, unsigned long long* bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%2, %3, %4}], [%5];"
-      ::"r"(kiln_smem_addr(smem)), "l"(map), "r"(x), "r"(y), "r"(z), "r"(kiln_smem_addr(bar))
-      : "memory");
+// A tiled box of a 2-D map at (x innermost, y).
+__device__ __forceinline__ void kiln_wg_load_2d(void* smem, const kiln_tensor_map* map, int x,
+                                                int y, unsigned long long* bar,
+                                                unsigned short mask) {
+  if (CLUSTER > 1 && mask)
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        ".multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;"
+        ::"r"(kiln_smem_addr(smem)), "l"(map), "r"(x), "r"(y), "r"(kiln_smem_addr(bar)), "h"(mask)
+        : "memory");
+  else
+    kiln_tma_load_2d(smem, map, x, y, bar);
 }
 
-__device__ __forceinline__ void kiln_mbarrier_arrive(unsigned long long* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(kiln_smem_addr(bar)) : "memory");
+// A tiled box of a 3-D map at (x innermost, y, z).
+__device__ __forceinline__ void kiln_wg_load_3d(void* smem, const kiln_tensor_map* map, int x,
+                                                int y, int z, unsigned long long* bar,
+                                                unsigned short mask) {
+  if (CLUSTER > 1 && mask)
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        ".multicast::cluster [%0], [%1, {%2, %3, %4}], [%5], %6;"
+        ::"r"(kiln_smem_addr(smem)), "l"(map), "r"(x), "r"(y), "r"(z), "r"(kiln_smem_addr(bar)),
+          "h"(mask)
+        : "memory");
+  else
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3, %4}], [%5];"
+        ::"r"(kiln_smem_addr(smem)), "l"(map), "r"(x), "r"(y), "r"(z), "r"(kiln_smem_addr(bar))
+        : "memory");
+}
+
+// --- the stage barriers ------------------------------------------------------------------------
+
+// A consumer warp is done with the stage of `bar`: it arrives on that "empty" barrier in every
+// block of the cluster, since every block's copies may write into this one's stage. The arrive
+// keeps its default semantics (release at CTA scope): the stage's readers are this warp's
+// wgmma, already waited for, and a cluster-scope release would wait for every memory access
+// the thread has in flight.
+__device__ __forceinline__ void kiln_wg_release(unsigned long long* bar) {
+  if constexpr (CLUSTER == 1) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(kiln_smem_addr(bar)) : "memory");
+  } else {
+#pragma unroll
+    for (int r = 0; r < CLUSTER; ++r)
+      asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(kiln_cluster_map(bar, r))
+                   : "memory");
+  }
+}
+
+// Every thread of every block of the cluster: barriers initialised before are visible to the
+// cluster after (at the start), and no block leaves while the other may still write into its
+// shared memory or arrive on its barriers (at the end). Not `.aligned`: the producer warp's
+// threads reach it from different branches.
+__device__ __forceinline__ void kiln_wg_cluster_barrier() {
+  if constexpr (CLUSTER > 1)
+    asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
 }
 
 // --- the tile schedule -------------------------------------------------------------------------
@@ -239,11 +316,20 @@ struct kiln_wg_tile {
   int k0, k1;             // its k iterations
 };
 
-__device__ __forceinline__ kiln_wg_tile kiln_wg_decode(const kiln_wg_problem& p, int t) {
+// The schedule's units: tiles, or with CLUSTER = 2 pairs of row tiles (an odd last row tile's
+// pair is past the rows: it copies zeros, or rows it never stores, and stores nothing).
+__device__ __forceinline__ int kiln_wg_units(const kiln_wg_problem& p) {
+  return (p.m_tiles + CLUSTER - 1) / CLUSTER * p.n_tiles * p.splits;
+}
+
+// This block's tile of unit u (`rank`: its place in the cluster).
+__device__ __forceinline__ kiln_wg_tile kiln_wg_decode(const kiln_wg_problem& p, int u,
+                                                       int rank) {
   kiln_wg_tile r;
-  const int nt = t % p.n_tiles, rest = t / p.n_tiles;
-  r.row0 = (rest % p.m_tiles) * BM;
-  r.split = rest / p.m_tiles;
+  const int m_units = (p.m_tiles + CLUSTER - 1) / CLUSTER;
+  const int nt = u % p.n_tiles, rest = u / p.n_tiles;
+  r.row0 = ((rest % m_units) * CLUSTER + rank) * BM;
+  r.split = rest / m_units;
   r.col0 = nt * BN;
   r.k0 = r.split * p.k_per_split;
   r.k1 = min(r.k0 + p.k_per_split, p.k_iters);
@@ -364,18 +450,29 @@ __device__ __forceinline__ int kiln_wg_chunk(const kiln_wg_problem& p, const kil
   return kiln_wg_weight_chunk(p, tl.col0 / 64 + ch, col);
 }
 
+// Of `chunks` 64-wide chunks from `first`, how many start below `limit`: the real ones. Chunks
+// wholly past C's last row or column are not copied at all (the copy engine's zero fill of a
+// box outside the tensor costs about as much as a real copy): the products they would feed lie
+// in C's rows or columns past the end, which are never stored, as a wgmma row of C depends only
+// on its own row of A and a column only on its own column of B.
+__device__ __forceinline__ int kiln_wg_real_chunks(int first, int limit, int chunks) {
+  return max(0, min(chunks, (limit - first + 63) / 64));
+}
+
 // The producer: one thread walks the tile schedule and issues each k step's copies into the
-// next stage, once both consumers are done with it.
+// next stage, once the consumers (of every block of the cluster) are done with it. In a cluster
+// block `rank` copies every CLUSTER-th of B's 64-column chunks into every block; A is its own.
 __device__ __forceinline__ void kiln_wg_produce(const kiln_wg_problem& p,
                                                 const kiln_tensor_map* amap,
                                                 const kiln_tensor_map* bmap,
                                                 unsigned char* a_stage, unsigned char* b_stage,
                                                 unsigned long long* full,
-                                                unsigned long long* empty) {
-  const int tiles = p.m_tiles * p.n_tiles * p.splits;
+                                                unsigned long long* empty, int rank) {
+  const unsigned short all = CLUSTER > 1 ? (1u << CLUSTER) - 1 : 0;
+  const int units = kiln_wg_units(p);
   int it = 0;
-  for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-    const kiln_wg_tile tl = kiln_wg_decode(p, t);
+  for (int u = blockIdx.x / CLUSTER; u < units; u += gridDim.x / CLUSTER) {
+    const kiln_wg_tile tl = kiln_wg_decode(p, u, rank);
     // PASS 0, 1: k runs over (tap, channel block) from the first; the tile's pixels are fixed.
     // PASS 2, 3: k runs over blocks of 64 pixels; the tile's chunks (taps, channels) are fixed.
     kiln_wg_cursor cur = kiln_wg_cursor_at(p, WGRAD ? tl.k0 * BK : tl.row0);
@@ -385,26 +482,43 @@ __device__ __forceinline__ void kiln_wg_produce(const kiln_wg_problem& p,
       kiln_wg_tap_digits(p, g / p.col_blocks, tap);
       cb = g % p.col_blocks;
     }
+    // The real chunks of each operand (PASS 0, 1: A is one im2col box, always copied whole).
+    // Backward-weight's im2col chunks end with the last tap; its cotangent chunks with cout.
+    const int weight_chunks = p.taps * p.col_blocks;
+    int a_chunks, b_chunks;
+    if (!WGRAD) {
+      a_chunks = BM / 64;
+      b_chunks = kiln_wg_real_chunks(tl.col0, p.cols, BN / 64);
+    } else if (!SWAP) {
+      a_chunks = kiln_wg_real_chunks(tl.row0, p.rows, BM / 64);
+      b_chunks = kiln_wg_real_chunks(tl.col0 / 64 * 64, weight_chunks * 64, BN / 64);
+    } else {
+      a_chunks = kiln_wg_real_chunks(tl.row0 / 64 * 64, weight_chunks * 64, BM / 64);
+      b_chunks = kiln_wg_real_chunks(tl.col0, p.rows, BN / 64);
+    }
+    const unsigned stage_bytes = (a_chunks + b_chunks) * CHUNK;
     for (int k = tl.k0; k < tl.k1; ++k, ++it) {
       const int s = it % STAGES;
       unsigned char* a = a_stage + s * A_BYTES;
       unsigned char* b = b_stage + s * B_BYTES;
       kiln_mbarrier_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
-      kiln_mbarrier_expect_bytes(&full[s], A_BYTES + B_BYTES);
+      kiln_mbarrier_expect_bytes(&full[s], stage_bytes);
       int pos[3], off[3];
       kiln_wg_position(p, cur, pos);
       if (!WGRAD) {
         // A: the tile's pixels at this tap; B: the weight at this tap.
         const int wtap = kiln_wg_tap_at(p, tap, off), c = cb * BK;
-        kiln_im2col_load(a, amap, c, cur.n, pos, off, &full[s]);
-        if (PASS == 0) {
-          // weight viewed as (cout, taps, cin): BN rows of cout, 64 cin each.
-          kiln_tma_load_3d(b, bmap, c, wtap, tl.col0, &full[s]);
-        } else {
-          // (cout, taps, cin) again, now 64 cout rows (k) by 64 cin (n) per chunk.
+        kiln_im2col_load(a, amap, c, cur.n, pos, off, &full[s], 0);
 #pragma unroll
-          for (int j = 0; j < BN / 64; ++j)
-            kiln_tma_load_3d(b + j * CHUNK, bmap, tl.col0 + 64 * j, wtap, c, &full[s]);
+        for (int j = 0; j < BN / 64; ++j) {
+          if (j >= b_chunks || j % CLUSTER != rank) continue;
+          if (PASS == 0) {
+            // weight viewed as (cout, taps, cin): 64 rows of cout, 64 cin each per chunk.
+            kiln_wg_load_3d(b + j * CHUNK, bmap, c, wtap, tl.col0 + 64 * j, &full[s], all);
+          } else {
+            // (cout, taps, cin) again, now 64 cout rows (k) by 64 cin (n) per chunk.
+            kiln_wg_load_3d(b + j * CHUNK, bmap, tl.col0 + 64 * j, wtap, c, &full[s], all);
+          }
         }
         if (++cb == p.cblocks) {
           cb = 0;
@@ -417,9 +531,13 @@ __device__ __forceinline__ void kiln_wg_produce(const kiln_wg_problem& p,
         unsigned char* x = SWAP ? a : b;
         constexpr int DY_CHUNKS = (SWAP ? BN : BM) / 64, X_CHUNKS = (SWAP ? BM : BN) / 64;
         const int cout0 = SWAP ? tl.col0 : tl.row0;
+        const int dy_chunks = SWAP ? b_chunks : a_chunks;
+        const int x_chunks = SWAP ? a_chunks : b_chunks;
 #pragma unroll
         for (int j = 0; j < DY_CHUNKS; ++j)
-          kiln_tma_load_2d(dy + j * CHUNK, amap, cout0 + 64 * j, k * BK, &full[s]);
+          if (j < dy_chunks && (!SWAP || j % CLUSTER == rank))
+            kiln_wg_load_2d(dy + j * CHUNK, amap, cout0 + 64 * j, k * BK, &full[s],
+                            SWAP ? all : 0);
         int t[3] = {tap[0], tap[1], tap[2]}, c = cb;
 #pragma unroll
         for (int j = 0; j < X_CHUNKS; ++j) {
@@ -427,11 +545,11 @@ __device__ __forceinline__ void kiln_wg_produce(const kiln_wg_problem& p,
             c = 0;
             kiln_wg_next_tap(p, t);
           }
-          // Chunks past the last tap (the last tile's) copy tap 0: read, never stored.
-          const bool real = t[0] < p.taps_per_dim[0];
-          kiln_wg_tap_at(p, t, off);
-          if (!real) off[0] = off[1] = off[2] = 0;
-          kiln_im2col_load(x + j * CHUNK, bmap, c * 64, cur.n, pos, off, &full[s]);
+          if (j < x_chunks && (SWAP || j % CLUSTER == rank)) {
+            kiln_wg_tap_at(p, t, off);
+            kiln_im2col_load(x + j * CHUNK, bmap, c * 64, cur.n, pos, off, &full[s],
+                             SWAP ? 0 : all);
+          }
         }
         kiln_wg_cursor_add(p, cur, BK);
       }
@@ -441,7 +559,14 @@ __device__ __forceinline__ void kiln_wg_produce(const kiln_wg_problem& p,
 
 // --- the kernel --------------------------------------------------------------------------------
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1) {{kernel}}(
+// Blocks in pairs declare their cluster shape, which the launch then takes.
+#if {{CLUSTER}} > 1
+#define KILN_WG_CLUSTER_DIMS __cluster_dims__({{CLUSTER}}, 1, 1)
+#else
+#define KILN_WG_CLUSTER_DIMS
+#endif
+
+extern "C" __global__ void KILN_WG_CLUSTER_DIMS __launch_bounds__(THREADS, 1) {{kernel}}(
     const __grid_constant__ kiln_tensor_map amap, const __grid_constant__ kiln_tensor_map bmap,
     T* __restrict__ out, float* __restrict__ partial, const kiln_wg_problem p) {
   extern __shared__ unsigned char smem_raw[];
@@ -457,15 +582,19 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {{kernel}}(
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
       kiln_mbarrier_init(&full[s], 1);
-      kiln_mbarrier_init(&empty[s], 8);  // each consumer warp arrives once
+      // Each consumer warp of each block of the cluster arrives once.
+      kiln_mbarrier_init(&empty[s], 8 * CLUSTER);
     }
   }
   __syncthreads();
-  const int tiles = p.m_tiles * p.n_tiles * p.splits;
+  kiln_wg_cluster_barrier();
+  const int rank = CLUSTER > 1 ? (int)kiln_cluster_rank() : 0;
+  const int units = kiln_wg_units(p);
 
   if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-    if (threadIdx.x == 0) kiln_wg_produce(p, &amap, &bmap, a_stage, b_stage, full, empty);
+    if (threadIdx.x == 0) kiln_wg_produce(p, &amap, &bmap, a_stage, b_stage, full, empty, rank);
+    kiln_wg_cluster_barrier();
     return;
   }
 
@@ -474,8 +603,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {{kernel}}(
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   float acc[SLICES][BN / 2];
   int it = 0;
-  for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-    const kiln_wg_tile tl = kiln_wg_decode(p, t);
+  for (int u = blockIdx.x / CLUSTER; u < units; u += gridDim.x / CLUSTER) {
+    const kiln_wg_tile tl = kiln_wg_decode(p, u, rank);
     if (tl.k1 == tl.k0) {
       // Nothing to multiply (a stride phase no tap reaches): the tile is zeros.
 #pragma unroll
@@ -513,10 +642,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {{kernel}}(
       kiln_wg_commit();
       // The products of the previous iteration are done: its buffers may be refilled.
       kiln_wg_wait<1>();
-      if (k > tl.k0 && lane == 0) kiln_mbarrier_arrive(&empty[(it + STAGES - 1) % STAGES]);
+      if (k > tl.k0 && lane == 0) kiln_wg_release(&empty[(it + STAGES - 1) % STAGES]);
     }
     kiln_wg_wait<0>();
-    if (tl.k1 > tl.k0 && lane == 0) kiln_mbarrier_arrive(&empty[(it + STAGES - 1) % STAGES]);
+    if (tl.k1 > tl.k0 && lane == 0) kiln_wg_release(&empty[(it + STAGES - 1) % STAGES]);
 
     // Thread (warp, lane) holds rows warp * 16 + lane / 4 (+ 8) of each slice and column pairs
     // 8 j + 2 (lane % 4).
@@ -611,4 +740,5 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {{kernel}}(
       }
     }
   }
+  kiln_wg_cluster_barrier();
 }

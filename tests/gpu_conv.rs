@@ -575,9 +575,9 @@ fn every_tile_and_vector_width() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
-/// Non-contiguous operands are copied once and give the same result.
-/// Every Hopper tile, split and unsplit, on layers off its tile and channel-block sizes in 1, 2
-/// and 3 spatial dims, strided backward-data among them, both 16-bit types, graph mode. Skipped on GPUs other than sm_90.
+/// Every Hopper tile, alone and paired, split and unsplit, on layers off its tile and
+/// channel-block sizes in 1, 2 and 3 spatial dims, strided backward-data among them, both 16-bit
+/// types, graph and direct mode. Skipped on GPUs other than sm_90.
 #[test]
 fn every_hopper_tile() {
     let Some(gpus) = common::gpus_or_skip("every_hopper_tile") else {
@@ -589,9 +589,16 @@ fn every_hopper_tile() {
     }
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let dev = Device::get(0).unwrap();
-    let mut enc = encoder(&dev, true);
     let d = ConvParams::default;
     let shapes = [
+        // 1,600 pixels: an odd number of row tiles of 128 and of 256 (a paired tile's last
+        // cluster has a row tile past the rows), several rounds of the persistent grid.
+        case(
+            "2d 3x3 64 -> 64 on 4x20x20",
+            &[4, 20, 20, 64],
+            &[64, 3, 3, 64],
+            d().padding(&[1]),
+        ),
         case(
             "2d 3x3 72 -> 136, stride 2, flip",
             &[3, 13, 11, 72],
@@ -627,7 +634,11 @@ fn every_hopper_tile() {
     ];
     let mut failures = Vec::new();
     let mut checked = 0;
-    for c in &shapes {
+    for (graph, c) in [true, false]
+        .into_iter()
+        .flat_map(|g| shapes.iter().map(move |c| (g, c)))
+    {
+        let mut enc = encoder(&dev, graph);
         for dtype in [DType::F16, DType::BF16] {
             for pass in Pass::ALL {
                 for t in hopper::tiles(pass) {
@@ -643,9 +654,11 @@ fn every_hopper_tile() {
                         checked += 1;
                         if ratio > 1.0 {
                             failures.push(format!(
-                                "{} {dtype} {} {t:?} splits {s}: {ratio:.2}x tolerance at {at}",
+                                "{} {dtype} {} {t:?} splits {s} ({}): {ratio:.2}x tolerance at \
+                                 {at}",
                                 c.name,
-                                pass.name()
+                                pass.name(),
+                                if graph { "graph" } else { "direct" }
                             ));
                         }
                     }
@@ -660,6 +673,7 @@ fn every_hopper_tile() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
+/// Non-contiguous operands are copied once and give the same result.
 #[test]
 fn strided_input_is_copied() {
     if common::gpus_or_skip("strided_input_is_copied").is_none() {

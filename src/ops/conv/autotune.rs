@@ -73,15 +73,21 @@ fn note_name(enc: &CommandEncoder, key: &PlanKey) -> String {
     )
 }
 
-/// A note: "bm bn splits", with " swapped" after a swapped tile.
+/// A note: "bm bn splits", then " swapped" after a swapped tile and " paired" after a tile in
+/// clusters of two.
 fn encode(tile: Tile, splits: usize) -> String {
     let swapped = if tile.swapped { " swapped" } else { "" };
-    format!("{} {} {splits}{swapped}\n", tile.bm, tile.bn)
+    let paired = if tile.cluster > 1 { " paired" } else { "" };
+    format!("{} {} {splits}{swapped}{paired}\n", tile.bm, tile.bn)
 }
 
 /// A note's tile and split, if `pass` can take that tile.
 fn decode(pass: Pass, value: &str) -> Option<(Tile, usize)> {
     let mut words: Vec<&str> = value.split_whitespace().collect();
+    let paired = words.last() == Some(&"paired");
+    if paired {
+        words.pop();
+    }
     let swapped = words.last() == Some(&"swapped");
     if swapped {
         words.pop();
@@ -93,7 +99,13 @@ fn decode(pass: Pass, value: &str) -> Option<(Tile, usize)> {
     let [bm, bn, splits] = v[..] else {
         return None;
     };
-    let tile = Tile { bm, bn, swapped };
+    let cluster = if paired { 2 } else { 1 };
+    let tile = Tile {
+        bm,
+        bn,
+        swapped,
+        cluster,
+    };
     (hopper::tiles(pass).contains(&tile) && splits >= 1).then_some((tile, splits))
 }
 
@@ -165,6 +177,11 @@ mod tests {
             decode(wgrad, "128 128 2 swapped"),
             None,
             "not a swapped tile"
+        );
+        assert_eq!(
+            decode(wgrad, "128 128 2 paired swapped"),
+            None,
+            "flags in their order"
         );
         let swapped = encode(hopper::SWAPPED, 2);
         assert_eq!(

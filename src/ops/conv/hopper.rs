@@ -25,7 +25,7 @@ pub static WGMMA: TemplateDef = TemplateDef {
     name: "conv_wgmma",
     source: include_str!("../../../templates/conv_wgmma.cu"),
     kernel: "kiln_conv_wgmma",
-    const_names: &["PASS", "BM", "BN", "STAGES", "SPATIAL"],
+    const_names: &["PASS", "BM", "BN", "STAGES", "SPATIAL", "CLUSTER"],
     arch_specific: true,
     only_arch: Some(ARCH),
 };
@@ -41,11 +41,16 @@ const BK: usize = 64;
 /// A `swapped` tile is backward-weight's GEMM turned round: rows are the weight's (tap, input
 /// channel) pairs and columns its output channels, so that an output channel count such as 320
 /// fills the n side exactly where it would leave part of a 128-row tile empty.
+///
+/// A tile with `cluster` 2 runs its blocks in thread-block clusters of two, which take
+/// neighbouring row tiles of the same column tile: each copies half of their common B operand
+/// and the copy engine multicasts it to both, halving B's reads from L2.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Tile {
     pub bm: usize,
     pub bn: usize,
     pub swapped: bool,
+    pub cluster: usize,
 }
 
 const fn tile(bm: usize, bn: usize) -> Tile {
@@ -53,6 +58,14 @@ const fn tile(bm: usize, bn: usize) -> Tile {
         bm,
         bn,
         swapped: false,
+        cluster: 1,
+    }
+}
+
+impl Tile {
+    /// The same tile in clusters of two blocks sharing B.
+    pub const fn paired(self) -> Tile {
+        Tile { cluster: 2, ..self }
     }
 }
 
@@ -71,14 +84,18 @@ pub const SWAPPED: Tile = Tile {
     bm: 128,
     bn: 320,
     swapped: true,
+    cluster: 1,
 };
 
-/// The tiles `pass` may take: [`TILES`], and for backward-weight also [`SWAPPED`].
+/// The tiles `pass` may take: [`TILES`] and each of them paired, and for backward-weight also
+/// [`SWAPPED`] alone and paired.
 pub fn tiles(pass: Pass) -> Vec<Tile> {
     let mut out = TILES.to_vec();
     if pass == Pass::BackwardWeight {
         out.push(SWAPPED);
     }
+    let paired: Vec<Tile> = out.iter().map(|t| t.paired()).collect();
+    out.extend(paired);
     out
 }
 
@@ -135,16 +152,20 @@ pub fn spec(dtype: DType, pass: Pass, t: Tile, spatial: usize) -> KernelSpec {
             t.bn as i32,
             stages(t) as i32,
             spatial as i32,
+            t.cluster as i32,
         ],
     )
 }
 
-/// Every spec the Hopper path can choose.
+/// Every spec the Hopper path can choose: the tiles alone. Paired tiles run only when asked for
+/// (`tuning::run_hopper_with`, the bench's `--paired`): on the H100 they were no faster than
+/// the same tile alone on any model layer measured (see the README), so neither the model nor
+/// the autotuner offers them and `kiln warm` does not compile them.
 pub fn specs() -> Vec<KernelSpec> {
     let mut out = Vec::new();
     for dtype in [DType::F16, DType::BF16] {
         for pass in Pass::ALL {
-            for t in tiles(pass) {
+            for t in tiles(pass).into_iter().filter(|t| t.cluster == 1) {
                 for spatial in 1..=3 {
                     out.push(spec(dtype, pass, t, spatial));
                 }
@@ -192,7 +213,8 @@ pub struct Launch {
     pub pass: Pass,
     pub tile: Tile,
     pub splits: usize,
-    /// Blocks of each phase's persistent grid: at most this many (one per SM).
+    /// Blocks of each phase's persistent grid: at most this many (one per SM; for a paired
+    /// tile twice the clusters the GPU holds at once, which `set_clusters` sets).
     pub max_blocks: usize,
     pub phases: Vec<Phase>,
 }
@@ -414,6 +436,11 @@ const MIN_K_PER_SPLIT: usize = 8;
 /// bytes a clock per SM through the L2).
 const SM_MACS_PER_S: f64 = 3.4e12;
 const SM_COPY_BYTES_PER_S: f64 = 5.6e10;
+/// What a tile costs beyond its k steps (filling the stages, storing the tile), in k steps. Fitted
+/// to the bench's `--sweep-hopper` on the H100: with 6, the model's tile and split is within 5%
+/// of the best measured one on 88 of 93 bf16 layer passes, lowest 0.89 (with 2: 85, lowest 0.84,
+/// split backward-weight of 1x1 layers taking too many splits).
+const TILE_OVERHEAD_STEPS: usize = 6;
 /// Device memory bytes per second, for backward-weight's split partials.
 const MEMORY_BYTES_PER_S: f64 = 3.0e12;
 
@@ -494,7 +521,7 @@ fn gemms(pass: Pass, g: &Geometry) -> Vec<(Gemm, [Axis; 3])> {
 
 /// The tile and the split of backward-weight's pixels with the least modelled time on `sms`
 /// multiprocessors (one block each), summed over the launches: rounds of tiles over the SMs
-/// times the time of one tile (its k steps plus about two for filling and storing), plus for a
+/// times the time of one tile (its k steps plus [`TILE_OVERHEAD_STEPS`]), plus for a
 /// split the f32 partials written and read back.
 fn choose(sms: usize, pass: Pass, g: &Geometry) -> (Tile, usize) {
     candidates(sms, pass, g, 1)
@@ -511,7 +538,8 @@ pub fn candidates(sms: usize, pass: Pass, g: &Geometry, n: usize) -> Vec<(Tile, 
         _ => 1,
     };
     let mut per_tile: Vec<(f64, Tile, usize)> = Vec::new();
-    for t in tiles(pass) {
+    // Paired tiles are left out: see `specs`.
+    for t in tiles(pass).into_iter().filter(|t| t.cluster == 1) {
         let mut best: Option<(f64, Tile, usize)> = None;
         for splits in 1..=most {
             let mut cost = 0.0;
@@ -519,7 +547,7 @@ pub fn candidates(sms: usize, pass: Pass, g: &Geometry, n: usize) -> Vec<(Tile, 
                 let (m_tiles, n_tiles) = gm.tiles(t);
                 let per = gm.k_iters.div_ceil(splits);
                 let rounds = (m_tiles * n_tiles * splits).div_ceil(sms) as f64;
-                cost += rounds * (per + 2) as f64 * step_seconds(t);
+                cost += rounds * (per + TILE_OVERHEAD_STEPS) as f64 * step_seconds(t);
             }
             if splits > 1 || t.swapped {
                 cost +=
@@ -620,6 +648,13 @@ impl Phase {
         let p = &self.problem;
         (p.m_tiles * p.n_tiles * p.splits) as usize
     }
+
+    /// Units of the schedule of a tile in clusters of `cluster`: tiles, or pairs of row tiles
+    /// (`kiln_wg_units`).
+    fn units(&self, cluster: usize) -> usize {
+        let p = &self.problem;
+        (p.m_tiles as usize).div_ceil(cluster) * (p.n_tiles * p.splits) as usize
+    }
 }
 
 impl Launch {
@@ -628,9 +663,19 @@ impl Launch {
         self.phases.iter().map(Phase::tiles).sum()
     }
 
-    /// Blocks of `phase`'s persistent grid.
+    /// Blocks of `phase`'s persistent grid: a whole number of clusters.
     pub fn blocks(&self, phase: &Phase) -> u32 {
-        phase.tiles().clamp(1, self.max_blocks) as u32
+        let c = self.tile.cluster;
+        let clusters = (self.max_blocks / c).max(1);
+        (phase.units(c).clamp(1, clusters) * c) as u32
+    }
+
+    /// Caps a paired tile's grid at `clusters`, the clusters of two the GPU holds at once (which
+    /// fit in its processing clusters, so fewer than half the SMs may be usable).
+    pub fn set_clusters(&mut self, clusters: usize) {
+        if self.tile.cluster > 1 {
+            self.max_blocks = clusters.max(1) * self.tile.cluster;
+        }
     }
 
     /// Whether the kernel writes f32 partial sums (one set a split) for `conv_split_sum` to add
@@ -644,7 +689,7 @@ impl Launch {
     /// backward-weight (cotangent, input). Only the im2col map of the activations depends on the
     /// phase; the other map is built once and shared.
     pub fn maps(&self, a: &Array, b: &Array) -> Result<Vec<(TensorMap, TensorMap)>> {
-        let Tile { bm, bn, .. } = self.tile;
+        let bm = self.tile.bm;
         let w = Swizzle::B128;
         let weight_3d = |wt: &Array| {
             let s = wt.shape();
@@ -652,7 +697,8 @@ impl Launch {
             wt.reshape(&[s[0], taps, s[s.len() - 1]])
         };
         let shared = match self.pass {
-            Pass::Forward => tiled(&weight_3d(b)?, &[bn, 1, BK], w)?,
+            // Boxes of 64 output channels: a tile copies only those below cout.
+            Pass::Forward => tiled(&weight_3d(b)?, &[64, 1, BK], w)?,
             Pass::BackwardData => tiled(&weight_3d(b)?, &[64, 1, BK], w)?,
             Pass::BackwardWeight => {
                 let s = a.shape();
@@ -693,6 +739,53 @@ mod tests {
 
     fn first_window(pass: Pass, g: &Geometry) -> Im2colWindow {
         window(g, &phases(pass, g)[0])
+    }
+
+    /// Paired tiles are tiles the family accepts but never chooses or registers.
+    #[test]
+    fn paired_tiles_run_on_request_only() {
+        let registered = specs();
+        for pass in Pass::ALL {
+            let all = tiles(pass);
+            assert_eq!(all.iter().filter(|t| t.cluster == 2).count(), all.len() / 2);
+            for t in all {
+                let registered_here = registered.contains(&spec(DType::BF16, pass, t, 2));
+                assert_eq!(registered_here, t.cluster == 1, "{pass:?} {t:?}");
+            }
+        }
+        let p = ConvParams::default().padding(&[1]);
+        let g = Geometry::new(&[8, 64, 64, 320], &[320, 3, 3, 320], &p).unwrap();
+        for pass in Pass::ALL {
+            for (t, _) in candidates(132, pass, &g, 20) {
+                assert_eq!(t.cluster, 1, "{pass:?}");
+            }
+        }
+    }
+
+    /// A paired tile's grid is a whole number of clusters, at most the clusters the GPU holds.
+    #[test]
+    fn paired_grids_are_whole_clusters() {
+        let p = ConvParams::default().padding(&[1]);
+        let g = Geometry::new(&[4, 20, 20, 64], &[64, 3, 3, 64], &p).unwrap();
+        let k = PlanKey {
+            device: 0,
+            arch: ARCH,
+            dtype: DType::BF16,
+            pass: Pass::Forward,
+            geometry: g,
+            vec_a: true,
+            vec_b: true,
+            aligned: true,
+            tf32: false,
+        };
+        let (_, mut l) = launch_for(&k, tile(128, 64).paired(), 1, 132);
+        // 1,600 pixels: 13 row tiles, 7 pairs.
+        assert_eq!(l.blocks(&l.phases[0]), 14);
+        l.set_clusters(5);
+        assert_eq!(l.blocks(&l.phases[0]), 10);
+        let (_, mut alone) = launch_for(&k, tile(128, 64), 1, 132);
+        alone.set_clusters(5);
+        assert_eq!(alone.blocks(&alone.phases[0]), 13, "not a cluster kernel");
     }
 
     #[test]

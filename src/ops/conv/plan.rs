@@ -776,11 +776,14 @@ fn build_wgmma(
     device: &Device,
     key: &PlanKey,
     spec: KernelSpec,
-    launch: hopper::Launch,
+    mut launch: hopper::Launch,
 ) -> Result<Plan> {
     let kernel = device.kernel(&spec)?;
     let shared = hopper::shared_bytes(launch.tile);
     kernel.allow_shared(shared)?;
+    if kernel.cluster {
+        launch.set_clusters(kernel.max_active_clusters(hopper::THREADS as u32, shared)?);
+    }
     let splits = launch.splits;
     let split_sum = split_sum_for(device, key.dtype, launch.writes_partials())?;
     Ok(Plan {
