@@ -247,6 +247,17 @@ struct Operands {
     dy: Array,
 }
 
+impl Operands {
+    /// The two operands `pass` takes, as the tuning entry points take them.
+    fn of(&self, pass: Pass) -> (&Array, &Array) {
+        match pass {
+            Pass::Forward => (&self.x, &self.w),
+            Pass::BackwardData => (&self.dy, &self.w),
+            Pass::BackwardWeight => (&self.x, &self.dy),
+        }
+    }
+}
+
 fn operands(enc: &mut CommandEncoder, l: &Layer, dtype: DType) -> Operands {
     let params = ConvParams::default()
         .strides(&[l.stride])
@@ -305,11 +316,7 @@ fn sweep(enc: &mut CommandEncoder) {
             let o = operands(enc, s, dtype);
             let flops = 2.0 * o.g.macs() as f64;
             for pass in Pass::ALL {
-                let (first, second) = match pass {
-                    Pass::Forward => (&o.x, &o.w),
-                    Pass::BackwardData => (&o.dy, &o.w),
-                    Pass::BackwardWeight => (&o.x, &o.dy),
-                };
+                let (first, second) = o.of(pass);
                 let splits: &[usize] = if pass == Pass::BackwardWeight {
                     &[1, 2, 4, 8, 16, 32]
                 } else {
@@ -336,101 +343,108 @@ fn sweep(enc: &mut CommandEncoder) {
     }
 }
 
-/// `--sweep-hopper`: bf16 TFLOP/s of every Hopper tile (and split, for backward-weight)
-/// on each model layer the family takes, with the plan's choice marked.
-fn sweep_hopper(enc: &mut CommandEncoder) {
-    use kiln::ops::conv::{hopper, plan::Kind};
-    let dtype = DType::BF16;
-    let (mut passes, mut within, mut worst) = (0, 0, 1.0f64);
+/// Calls `f` with each model layer whose name contains `--only TEXT`, its bf16 operands, and
+/// each pass whose plan runs on the Hopper family, with that plan's launch.
+fn for_hopper_plans(
+    enc: &mut CommandEncoder,
+    mut f: impl FnMut(&mut CommandEncoder, &Layer, &Operands, Pass, &kiln::ops::conv::hopper::Launch),
+) {
+    use kiln::ops::conv::plan::Kind;
     let (only, _) = common::variant_flags();
     for l in model_layers().iter().filter(|l| name(l).contains(&only)) {
-        let o = operands(enc, l, dtype);
-        let flops = 2.0 * o.g.macs() as f64;
+        let o = operands(enc, l, DType::BF16);
         for pass in Pass::ALL {
             let Ok(plan) = conv::plan_for(enc, pass, &o.params, &o.x, &o.w, &o.dy) else {
                 continue;
             };
             let Kind::Wgmma(chosen) = &plan.kind else {
-                println!("sweep {} {}: not on the Hopper path", name(l), pass.name());
+                println!("{} {}: not on the Hopper path", name(l), pass.name());
                 continue;
             };
-            let (first, second) = match pass {
-                Pass::Forward => (&o.x, &o.w),
-                Pass::BackwardData => (&o.dy, &o.w),
-                Pass::BackwardWeight => (&o.x, &o.dy),
-            };
-            let mut splits = if pass == Pass::BackwardWeight {
-                vec![1, 2, 3, 4, 6, 8, 12, 16]
-            } else {
-                vec![1]
-            };
-            if !splits.contains(&chosen.splits) {
-                splits.push(chosen.splits);
-            }
-            // Every tile's result against the mma.sync path's, so a fast wrong kernel shows.
-            let reference =
-                tuning::run_with(enc, pass, &o.g, first, second, tuning::TENSOR_TILES[0], 1)
+            f(enc, l, &o, pass, chosen);
+        }
+    }
+}
+
+/// `--sweep-hopper`: bf16 TFLOP/s of every Hopper tile (and split, for backward-weight)
+/// on each model layer the family takes, with the plan's choice marked.
+fn sweep_hopper(enc: &mut CommandEncoder) {
+    use kiln::ops::conv::hopper;
+    let (mut passes, mut within, mut worst) = (0, 0, 1.0f64);
+    for_hopper_plans(enc, |enc, l, o, pass, chosen| {
+        let flops = 2.0 * o.g.macs() as f64;
+        let (first, second) = o.of(pass);
+        let mut splits = if pass == Pass::BackwardWeight {
+            vec![1, 2, 3, 4, 6, 8, 12, 16]
+        } else {
+            vec![1]
+        };
+        if !splits.contains(&chosen.splits) {
+            splits.push(chosen.splits);
+        }
+        // Every tile's result against the mma.sync path's, so a fast wrong kernel shows.
+        let reference =
+            tuning::run_with(enc, pass, &o.g, first, second, tuning::TENSOR_TILES[0], 1)
+                .unwrap()
+                .to_f64(enc)
+                .unwrap();
+        let scale = reference
+            .iter()
+            .fold(0.0f64, |m, v| m.max(v.abs()))
+            .max(1e-30);
+        let (mut best, mut planned) = (0.0f64, 0.0f64);
+        // Paired tiles have their own comparison (`--paired`).
+        for t in hopper::tiles(pass).into_iter().filter(|t| t.cluster == 1) {
+            for &sp in &splits {
+                let got = tuning::run_hopper_with(enc, pass, &o.g, first, second, t, sp)
                     .unwrap()
                     .to_f64(enc)
                     .unwrap();
-            let scale = reference
-                .iter()
-                .fold(0.0f64, |m, v| m.max(v.abs()))
-                .max(1e-30);
-            let (mut best, mut planned) = (0.0f64, 0.0f64);
-            // Paired tiles have their own comparison (`--paired`).
-            for t in hopper::tiles(pass).into_iter().filter(|t| t.cluster == 1) {
-                for &sp in &splits {
-                    let got = tuning::run_hopper_with(enc, pass, &o.g, first, second, t, sp)
-                        .unwrap()
-                        .to_f64(enc)
-                        .unwrap();
-                    let off = got
-                        .iter()
-                        .zip(&reference)
-                        .fold(0.0f64, |m, (a, b)| m.max((a - b).abs()))
-                        / scale;
-                    if off > 2e-2 {
-                        println!(
-                            "sweep {} {} {}x{} splits {sp}: WRONG, off by {off:.3} of the largest \
-                             value",
-                            name(l),
-                            pass.name(),
-                            t.bm,
-                            t.bn
-                        );
-                    }
-                    let secs = seconds_per_call(enc, |e| {
-                        tuning::run_hopper_with(e, pass, &o.g, first, second, t, sp).unwrap();
-                    });
-                    let tflops = flops / secs / 1e12;
-                    best = best.max(tflops);
-                    let mark = if t == chosen.tile && sp == chosen.splits {
-                        planned = tflops;
-                        " <- plan"
-                    } else {
-                        ""
-                    };
+                let off = got
+                    .iter()
+                    .zip(&reference)
+                    .fold(0.0f64, |m, (a, b)| m.max((a - b).abs()))
+                    / scale;
+                if off > 2e-2 {
                     println!(
-                        "sweep {} {} {}x{} splits {sp}: {tflops:.1} TFLOP/s{mark}",
+                        "sweep {} {} {}x{} splits {sp}: WRONG, off by {off:.3} of the largest \
+                             value",
                         name(l),
                         pass.name(),
                         t.bm,
-                        t.bn,
+                        t.bn
                     );
                 }
+                let secs = seconds_per_call(enc, |e| {
+                    tuning::run_hopper_with(e, pass, &o.g, first, second, t, sp).unwrap();
+                });
+                let tflops = flops / secs / 1e12;
+                best = best.max(tflops);
+                let mark = if t == chosen.tile && sp == chosen.splits {
+                    planned = tflops;
+                    " <- plan"
+                } else {
+                    ""
+                };
+                println!(
+                    "sweep {} {} {}x{} splits {sp}: {tflops:.1} TFLOP/s{mark}",
+                    name(l),
+                    pass.name(),
+                    t.bm,
+                    t.bn,
+                );
             }
-            println!(
-                "sweep {} {}: plan {planned:.1}, best {best:.1} TFLOP/s ({:.2})",
-                name(l),
-                pass.name(),
-                planned / best
-            );
-            passes += 1;
-            within += (planned >= 0.95 * best) as usize;
-            worst = worst.min(planned / best);
         }
-    }
+        println!(
+            "sweep {} {}: plan {planned:.1}, best {best:.1} TFLOP/s ({:.2})",
+            name(l),
+            pass.name(),
+            planned / best
+        );
+        passes += 1;
+        within += (planned >= 0.95 * best) as usize;
+        worst = worst.min(planned / best);
+    });
     println!(
         "sweep: the plan's tile within 5% of the best on {within} of {passes} layer passes \
          (lowest {worst:.2} of the best)"
@@ -441,75 +455,60 @@ fn sweep_hopper(enc: &mut CommandEncoder) {
 /// tile against the same tile and split paired in clusters of two (B multicast), and the large
 /// tiles paired; each paired result checked against the plan's.
 fn paired(enc: &mut CommandEncoder) {
-    use kiln::ops::conv::{hopper, plan::Kind};
-    let dtype = DType::BF16;
-    let (only, _) = common::variant_flags();
+    use kiln::ops::conv::hopper;
     let mut per_pass: Vec<(Pass, f64, f64)> = Vec::new();
     println!("plan's tile alone / paired, TFLOP/s, direct mode");
-    for l in model_layers().iter().filter(|l| name(l).contains(&only)) {
-        let o = operands(enc, l, dtype);
+    for_hopper_plans(enc, |enc, l, o, pass, chosen| {
         let flops = 2.0 * o.g.macs() as f64;
-        for pass in Pass::ALL {
-            let Ok(plan) = conv::plan_for(enc, pass, &o.params, &o.x, &o.w, &o.dy) else {
-                continue;
+        let (first, second) = o.of(pass);
+        let (t, sp) = (chosen.tile, chosen.splits);
+        let run = |e: &mut CommandEncoder, t: hopper::Tile| {
+            tuning::run_hopper_with(e, pass, &o.g, first, second, t, sp).unwrap()
+        };
+        let want = run(enc, t).to_f64(enc).unwrap();
+        let scale = want.iter().fold(0.0f64, |m, v| m.max(v.abs())).max(1e-30);
+        let mut tiles = vec![t, t.paired()];
+        for big in [(128, 192), (128, 256), (256, 128)] {
+            let p = hopper::Tile {
+                bm: big.0,
+                bn: big.1,
+                swapped: false,
+                cluster: 2,
             };
-            let Kind::Wgmma(chosen) = &plan.kind else {
-                continue;
-            };
-            let (first, second) = match pass {
-                Pass::Forward => (&o.x, &o.w),
-                Pass::BackwardData => (&o.dy, &o.w),
-                Pass::BackwardWeight => (&o.x, &o.dy),
-            };
-            let (t, sp) = (chosen.tile, chosen.splits);
-            let run = |e: &mut CommandEncoder, t: hopper::Tile| {
-                tuning::run_hopper_with(e, pass, &o.g, first, second, t, sp).unwrap()
-            };
-            let want = run(enc, t).to_f64(enc).unwrap();
-            let scale = want.iter().fold(0.0f64, |m, v| m.max(v.abs())).max(1e-30);
-            let mut tiles = vec![t, t.paired()];
-            for big in [(128, 192), (128, 256), (256, 128)] {
-                let p = hopper::Tile {
-                    bm: big.0,
-                    bn: big.1,
-                    swapped: false,
-                    cluster: 2,
-                };
-                if !tiles.contains(&p) {
-                    tiles.push(p);
-                }
+            if !tiles.contains(&p) {
+                tiles.push(p);
             }
-            let mut line = format!("paired {} {}", name(l), pass.name());
-            let mut alone = 0.0;
-            let mut best_paired = 0.0f64;
-            for (i, &tile) in tiles.iter().enumerate() {
-                let got = run(enc, tile).to_f64(enc).unwrap();
-                let off = got
-                    .iter()
-                    .zip(&want)
-                    .fold(0.0f64, |m, (a, b)| m.max((a - b).abs()))
-                    / scale;
-                let secs = seconds_per_call(enc, |e| {
-                    run(e, tile);
-                });
-                let tflops = flops / secs / 1e12;
-                if i == 0 {
-                    alone = tflops;
-                } else {
-                    best_paired = best_paired.max(tflops);
-                }
-                let wrong = if off > 2e-2 { " WRONG" } else { "" };
-                let p = if tile.cluster > 1 { "p" } else { "" };
-                let s = if tile.swapped { "s" } else { "" };
-                line += &format!("  {}x{}{s}{p} {tflops:.1}{wrong}", tile.bm, tile.bn);
-            }
-            println!(
-                "{line}  (splits {sp}; best paired / plan {:.2})",
-                best_paired / alone
-            );
-            per_pass.push((pass, alone, best_paired));
         }
-    }
+        let mut line = format!("paired {} {}", name(l), pass.name());
+        let mut alone = 0.0;
+        let mut best_paired = 0.0f64;
+        for (i, &tile) in tiles.iter().enumerate() {
+            let got = run(enc, tile).to_f64(enc).unwrap();
+            let off = got
+                .iter()
+                .zip(&want)
+                .fold(0.0f64, |m, (a, b)| m.max((a - b).abs()))
+                / scale;
+            let secs = seconds_per_call(enc, |e| {
+                run(e, tile);
+            });
+            let tflops = flops / secs / 1e12;
+            if i == 0 {
+                alone = tflops;
+            } else {
+                best_paired = best_paired.max(tflops);
+            }
+            let wrong = if off > 2e-2 { " WRONG" } else { "" };
+            let p = if tile.cluster > 1 { "p" } else { "" };
+            let s = if tile.swapped { "s" } else { "" };
+            line += &format!("  {}x{}{s}{p} {tflops:.1}{wrong}", tile.bm, tile.bn);
+        }
+        println!(
+            "{line}  (splits {sp}; best paired / plan {:.2})",
+            best_paired / alone
+        );
+        per_pass.push((pass, alone, best_paired));
+    });
     for pass in Pass::ALL {
         let r: Vec<f64> = per_pass
             .iter()
@@ -547,11 +546,7 @@ fn stand_ins(enc: &mut CommandEncoder) {
             let flops = 2.0 * o.g.macs() as f64;
             for pass in Pass::ALL {
                 let chosen = seconds_per_call(enc, |e| run(e, &o, pass));
-                let (first, second) = match pass {
-                    Pass::Forward => (&o.x, &o.w),
-                    Pass::BackwardData => (&o.dy, &o.w),
-                    Pass::BackwardWeight => (&o.x, &o.dy),
-                };
+                let (first, second) = o.of(pass);
                 let stand_in = seconds_per_call(enc, |e| {
                     tuning::run_stand_in(e, pass, &o.g, first, second).unwrap();
                 });
