@@ -697,9 +697,9 @@ impl Launch {
             wt.reshape(&[s[0], taps, s[s.len() - 1]])
         };
         let shared = match self.pass {
-            // Boxes of 64 output channels: a tile copies only those below cout.
-            Pass::Forward => tiled(&weight_3d(b)?, &[64, 1, BK], w)?,
-            Pass::BackwardData => tiled(&weight_3d(b)?, &[64, 1, BK], w)?,
+            // The weight in boxes of 64 output channels by 64 input channels of one tap: a
+            // tile copies only the boxes that hold part of its output.
+            Pass::Forward | Pass::BackwardData => tiled(&weight_3d(b)?, &[64, 1, BK], w)?,
             Pass::BackwardWeight => {
                 let s = a.shape();
                 let cout = s[s.len() - 1];
