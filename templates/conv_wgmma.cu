@@ -25,6 +25,9 @@
 //   MN-major (64-wide chunks of rows or columns, 64 k rows each): A of backward-weight, B of
 //   backward-data and backward-weight.
 // BN above 256 (PASS 3's 320) is one wgmma of n = 256 and one of n = BN - 256 per k step.
+// f32 (KILN_ALLOW_TF32) runs forward and backward-data as TF32 products: a k step is still one
+// 128-byte row, now of 32 elements, and four wgmma of k = 8. TF32 operands must both be K-major,
+// so backward-data's B is the weight turned round, (cin, taps, cout), which the host copies.
 {{> prelude}}
 {{> tma}}
 {{> cluster}}
@@ -34,17 +37,22 @@ constexpr int PASS = {{PASS}};
 constexpr int BM = {{BM}}, BN = {{BN}}, STAGES = {{STAGES}}, SPATIAL = {{SPATIAL}};
 constexpr int CLUSTER = {{CLUSTER}};
 static_assert(CLUSTER == 1 || CLUSTER == 2, "blocks alone or in pairs");
-constexpr int BK = 64;
+// A k step is one 128-byte swizzled row of each operand: 64 16-bit elements or 32 f32.
+constexpr int BK = 128 / (int)sizeof(T);
+constexpr bool TF32 = sizeof(T) == 4;
+static_assert(!TF32 || PASS <= 1, "TF32 takes forward and backward-data: K-major operands");
 // Backward-weight, either way round: k runs over pixels; one operand is the cotangent's
 // (pixel, cout) boxes, the other the input's im2col chunks (64 channels of one tap each).
 constexpr bool WGRAD = PASS >= 2, SWAP = PASS == 3;
 // Each consumer warpgroup multiplies SLICES slices of 64 rows (BM = 128 or 256).
 constexpr int SLICES = BM / 128;
-constexpr int A_MN = WGRAD, B_MN = PASS != 0;
-constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, CHUNK = 64 * BK * 2;
+constexpr int A_MN = WGRAD, B_MN = PASS != 0 && !TF32;
+constexpr int A_BYTES = BM * 128, B_BYTES = BN * 128, CHUNK = 64 * 128;
 constexpr int THREADS = 384;
-// Shared memory each consumer warp stages its stores through: 16 rows of 64 columns (none for
-// PASS 3, whose partials go straight from the registers).
+// Shared memory each consumer warp stages its 16-bit stores through: 16 rows of 64 columns (none
+// for PASS 3, whose partials go straight from the registers). f32 rows leave from the registers
+// too (a quad's pairs of columns are whole 32-byte sectors); the room stays, to keep the layout
+// the host computes one for every dtype.
 constexpr int EPILOGUE_WARP_BYTES = SWAP ? 0 : 16 * 64 * 2;
 
 // Mirrors ops::conv::hopper::Problem (repr(C)).
@@ -82,8 +90,19 @@ template <int N> __device__ __forceinline__ void kiln_wg_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
 
-// d (64 x N per warpgroup, f32: N / 2 a thread) += A (64 x 16) * B (16 x N); d = A * B when
-// !accumulate.
+// The instruction's k and types, and its transpose operands (%a, %b): 16-bit operands may be
+// MN-major; TF32's are K-major, with no such operands.
+#define KILN_WG_IS_{{dtype_name}} 1
+#ifdef KILN_WG_IS_f32
+#define KILN_WG_KIND "k8.f32.tf32.tf32"
+#define KILN_WG_TRANS(a, b) ""
+#else
+#define KILN_WG_KIND "k16.f32.{{dtype_name}}.{{dtype_name}}"
+#define KILN_WG_TRANS(a, b) ", %" #a ", %" #b
+#endif
+
+// d (64 x N per warpgroup, f32: N / 2 a thread) += A (64 x 128 bytes / 4) * B (128 bytes / 4
+// x N); d = A * B when !accumulate.
 template <int N>
 __device__ __forceinline__ void kiln_wgmma(float* d, unsigned long long desc_a,
                                            unsigned long long desc_b, int accumulate) {
@@ -91,10 +110,10 @@ __device__ __forceinline__ void kiln_wgmma(float* d, unsigned long long desc_a,
   if constexpr (N == 64) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.{{dtype_name}}.{{dtype_name}} "
+        "wgmma.mma_async.sync.aligned.m64n64" KILN_WG_KIND " "
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
         "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "%32, %33, p, 1, 1, %35, %36;\n}\n"
+        "%32, %33, p, 1, 1" KILN_WG_TRANS(35, 36) ";\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
           "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
           "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
@@ -104,12 +123,12 @@ __device__ __forceinline__ void kiln_wgmma(float* d, unsigned long long desc_a,
   } else if constexpr (N == 128) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.{{dtype_name}}.{{dtype_name}} "
+        "wgmma.mma_async.sync.aligned.m64n128" KILN_WG_KIND " "
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
         "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "
         "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, "
         "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "%64, %65, p, 1, 1, %67, %68;\n}\n"
+        "%64, %65, p, 1, 1" KILN_WG_TRANS(67, 68) ";\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
           "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
           "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
@@ -125,14 +144,14 @@ __device__ __forceinline__ void kiln_wgmma(float* d, unsigned long long desc_a,
   } else if constexpr (N == 192) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n192k16.f32.{{dtype_name}}.{{dtype_name}} "
+        "wgmma.mma_async.sync.aligned.m64n192" KILN_WG_KIND " "
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "
         "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "
         "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "
         "%56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, "
         "%74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, "
         "%92, %93, %94, %95}, "
-        "%96, %97, p, 1, 1, %99, %100;\n}\n"
+        "%96, %97, p, 1, 1" KILN_WG_TRANS(99, 100) ";\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
           "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
           "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
@@ -153,7 +172,7 @@ __device__ __forceinline__ void kiln_wgmma(float* d, unsigned long long desc_a,
   } else {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32.{{dtype_name}}.{{dtype_name}} "
+        "wgmma.mma_async.sync.aligned.m64n256" KILN_WG_KIND " "
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
         "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "
         "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, "
@@ -162,7 +181,7 @@ __device__ __forceinline__ void kiln_wgmma(float* d, unsigned long long desc_a,
         "%87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, "
         "%104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, "
         "%118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
-        "%128, %129, p, 1, 1, %131, %132;\n}\n"
+        "%128, %129, p, 1, 1" KILN_WG_TRANS(131, 132) ";\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
           "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
           "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
@@ -195,7 +214,7 @@ __device__ __forceinline__ void kiln_wgmma(float* d, unsigned long long desc_a,
 // barrier at `bar`'s offset.
 
 // An im2col box: the pixels from (n, d, h, w) on (stride, wrapping as the map's window says), each
-// at its tap offset, 64 channels from c.
+// at its tap offset, the map's channels (one 128-byte row) from c.
 __device__ __forceinline__ void kiln_im2col_load(void* smem, const kiln_tensor_map* map, int c,
                                                  int n, const int (&pos)[3], const int (&off)[3],
                                                  unsigned long long* bar, unsigned short mask) {
@@ -512,8 +531,9 @@ __device__ __forceinline__ void kiln_wg_produce(const kiln_wg_problem& p,
 #pragma unroll
         for (int j = 0; j < BN / 64; ++j) {
           if (j >= b_chunks || j % CLUSTER != rank) continue;
-          if (PASS == 0) {
-            // weight viewed as (cout, taps, cin): 64 rows of cout, 64 cin each per chunk.
+          if (PASS == 0 || TF32) {
+            // weight viewed as (cout, taps, cin), or turned round for TF32's backward-data:
+            // 64 rows of n, BK channels of k each per chunk.
             kiln_wg_load_3d(b + j * CHUNK, bmap, c, wtap, tl.col0 + 64 * j, &full[s], all);
           } else {
             // (cout, taps, cin) again, now 64 cout rows (k) by 64 cin (n) per chunk.
@@ -619,8 +639,9 @@ extern "C" __global__ void KILN_WG_CLUSTER_DIMS __launch_bounds__(THREADS, 1) {{
       const unsigned b = kiln_smem_addr(b_stage + s * B_BYTES);
       kiln_wg_fence();
 #pragma unroll
-      for (int kk = 0; kk < BK / 16; ++kk) {
-        // K-major: 16 k elements are 32 bytes along a row; MN-major: 16 rows of 128 bytes.
+      for (int kk = 0; kk < 4; ++kk) {
+        // A wgmma's k (16 16-bit elements, 8 f32) is 32 bytes along a K-major row; MN-major,
+        // 16 rows of 128 bytes.
         const unsigned da = A_MN ? a + kk * 2048 : a + kk * 32;
         const unsigned db = B_MN ? b + kk * 2048 : b + kk * 32;
         const int accumulate = k > tl.k0 || kk > 0;
@@ -668,6 +689,30 @@ extern "C" __global__ void KILN_WG_CLUSTER_DIMS __launch_bounds__(THREADS, 1) {{
             const int c = c0 + 8 * j + e;
             if (c < p.rows) row[(long long)c * p.ldc] = acc[sl][4 * j + 2 * half + e];
           }
+      }
+      continue;
+    }
+    if constexpr (TF32) {
+      // f32 output, straight from the registers (pairs of columns).
+      const int c0 = 2 * (lane % 4);
+#pragma unroll
+      for (int ch = 0; ch < BN / 64; ++ch) {
+        long long col;
+        const int limit = kiln_wg_chunk(p, tl, ch, col);
+#pragma unroll
+        for (int sh = 0; sh < 2 * SLICES; ++sh) {
+          const int sl = sh / 2, half = sh % 2;
+          const int r = tl.row0 + (cw * SLICES + sl) * 64 + warp * 16 + lane / 4 + 8 * half;
+          if (r >= p.rows) continue;
+          T* row = out + (PASS == 1 ? kiln_wg_out_row(p, r) : r) * p.ldc + col;
+#pragma unroll
+          for (int jj = 0; jj < 8; ++jj) {
+            const int c = 8 * jj + c0, j = 8 * ch + jj;
+            if (c >= limit) continue;  // columns come in even counts (channels % 8 == 0)
+            *reinterpret_cast<float2*>(row + c) =
+                make_float2(acc[sl][4 * j + 2 * half], acc[sl][4 * j + 2 * half + 1]);
+          }
+        }
       }
       continue;
     }

@@ -420,9 +420,18 @@ fn matrix(graphs: bool) {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
+/// Device 0 with a JIT of its own that has `KILN_ALLOW_TF32` on.
+fn tf32_device() -> Arc<Device> {
+    let mut config = Config::from_env().unwrap();
+    config.allow_tf32 = true;
+    let jit: &'static kiln::jit::Jit = Box::leak(Box::new(kiln::jit::Jit::new(config)));
+    Device::with_jit(0, jit).unwrap()
+}
+
 /// f32 on the `mma.sync` family: three TF32 products (TENSOR 1) from sm_80 on, within f32's
-/// bound (the matrix checks that); with `KILN_ALLOW_TF32` on a device of its own, one TF32
-/// product (TENSOR 2), within TF32's bound and, on some case, past f32's: the opt-in ran.
+/// bound (the matrix checks that), and never the Hopper family; with `KILN_ALLOW_TF32` on a
+/// device of its own, one TF32 product (TENSOR 2, or the Hopper family's forward on sm_90),
+/// within TF32's bound and, on some case, past f32's: the opt-in ran.
 #[test]
 fn f32_tf32_only_when_allowed() {
     if common::gpus_or_skip("f32_tf32_only_when_allowed").is_none() {
@@ -437,10 +446,7 @@ fn f32_tf32_only_when_allowed() {
         );
         return;
     }
-    let mut config = Config::from_env().unwrap();
-    config.allow_tf32 = true;
-    let jit: &'static kiln::jit::Jit = Box::leak(Box::new(kiln::jit::Jit::new(config)));
-    let tf32 = Device::with_jit(0, jit).unwrap();
+    let tf32 = tf32_device();
     let (mut past_f32, mut failures, mut checked) = (0, Vec::new(), 0);
     for (ci, c) in cases().iter().enumerate() {
         for pass in Pass::ALL {
@@ -449,11 +455,18 @@ fn f32_tf32_only_when_allowed() {
                 let (got, want, _, spec) =
                     run_pass(&mut enc, DType::F32, c, pass, None, ci as u64 * 7 + 1);
                 let spec = spec.expect("the plan's spec");
-                if spec.template.name != plan::IGEMM.name {
+                let wgmma = spec.template.name == hopper::WGMMA.name;
+                if !wgmma && spec.template.name != plan::IGEMM.name {
                     continue;
                 }
                 checked += 1;
-                if spec.constant("TENSOR") != Some(products) {
+                // Only the TF32 opt-in may take the Hopper family.
+                let expected = if wgmma {
+                    products == 2
+                } else {
+                    spec.constant("TENSOR") == Some(products)
+                };
+                if !expected {
                     failures.push(format!("{} {}: {spec}", c.name, pass.name()));
                 }
                 if products == 2 {
@@ -589,6 +602,7 @@ fn every_hopper_tile() {
     }
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let dev = Device::get(0).unwrap();
+    let tf32 = tf32_device();
     let d = ConvParams::default;
     let shapes = [
         // 1,600 pixels: an odd number of row tiles of 128 and of 256 (a paired tile's last
@@ -662,6 +676,24 @@ fn every_hopper_tile() {
                             ));
                         }
                     }
+                }
+            }
+        }
+        // f32 as TF32 products (KILN_ALLOW_TF32), forward and backward-data: TF32's bound.
+        let mut enc = encoder(&tf32, graph);
+        for pass in [Pass::Forward, Pass::BackwardData] {
+            for t in hopper::tiles(pass) {
+                let explicit = Some(Explicit::Wgmma(t, 1));
+                let (got, want, _, _) = run_pass(&mut enc, DType::F32, c, pass, explicit, 9);
+                let ratio = worst_tf32(&got, &want);
+                checked += 1;
+                if ratio > 1.0 {
+                    failures.push(format!(
+                        "{} f32 (TF32) {} {t:?} ({}): {ratio:.2}x TF32's bound",
+                        c.name,
+                        pass.name(),
+                        if graph { "graph" } else { "direct" }
+                    ));
                 }
             }
         }

@@ -101,6 +101,39 @@ fn views_and_casts_match_the_cpu() {
     assert!(Array::empty(&dev, DType::F32, &[1; 9]).is_err());
 }
 
+/// `swap_outer_inner` gives `swapaxes(0, 2)` made contiguous, bit for bit: extents that fill
+/// whole 32 x 32 tiles and ones that leave partial tiles on both sides, every dtype, graph and
+/// direct mode; a view is copied first; a rank other than 3 is an error.
+#[test]
+fn swap_outer_inner_matches_the_strided_copy() {
+    let Some((_serial, dev)) = device("swap_outer_inner") else {
+        return;
+    };
+    let mut rng = TestRng::new(21);
+    for graphs in [true, false] {
+        let mut enc = encoder(&dev, graphs, 20, 16);
+        for dtype in DType::ALL {
+            for shape in [[64, 9, 96], [37, 3, 70], [1, 5, 33], [130, 1, 8]] {
+                let host: Vec<f64> = rng.values(shape.iter().product(), 4.0, 0.0);
+                let x = Array::from_f64(&mut enc, dtype, &host, &shape).unwrap();
+                let got = kiln::runtime::copy::swap_outer_inner(&mut enc, &x).unwrap();
+                assert_eq!(got.shape(), &[shape[2], shape[1], shape[0]]);
+                let want = x.swapaxes(0, 2).unwrap().to_f64(&mut enc).unwrap();
+                assert_eq!(got.to_f64(&mut enc).unwrap(), want, "{dtype} {shape:?}");
+            }
+            // A view (every other element of the last axis) is made contiguous first.
+            let host: Vec<f64> = rng.values(4 * 3 * 10, 4.0, 0.0);
+            let x = Array::from_f64(&mut enc, dtype, &host, &[4, 3, 10]).unwrap();
+            let view = x.slice(2, 0, 10, 2).unwrap();
+            let got = kiln::runtime::copy::swap_outer_inner(&mut enc, &view).unwrap();
+            let want = view.swapaxes(0, 2).unwrap().to_f64(&mut enc).unwrap();
+            assert_eq!(got.to_f64(&mut enc).unwrap(), want, "{dtype} view");
+            let flat = x.reshape(&[120]).unwrap();
+            assert!(kiln::runtime::copy::swap_outer_inner(&mut enc, &flat).is_err());
+        }
+    }
+}
+
 /// One op of a random program: out = a*x + b*y, a captured copy, or a concurrent pair.
 #[derive(Clone, Debug)]
 enum Op {

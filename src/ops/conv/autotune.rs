@@ -132,7 +132,7 @@ pub fn choose(
     }
     let sms = enc.device().info().multiprocessors as usize;
     let mut best: Option<(f64, Tile, usize)> = None;
-    for (tile, splits) in hopper::candidates(sms, key.pass, &key.geometry, CANDIDATES) {
+    for (tile, splits) in hopper::candidates(sms, key.dtype, key.pass, &key.geometry, CANDIDATES) {
         let candidate = plan::plan_wgmma(enc.device(), *key, tile, splits)?;
         super::launch(enc, &candidate, a, b, out)?;
         enc.synchronize()?;

@@ -5,7 +5,9 @@
 //!
 //! It takes 16-bit convolutions of one group, no input dilation, channel counts that are a
 //! multiple of 8 (the copy engine steps rows in 16-byte units), and backward-data of at most
-//! 16 stride phases (one launch each); everything else runs on the `mma.sync` path. `KILN_CONV_PATH` picks the path for tests and
+//! 16 stride phases (one launch each); with `KILN_ALLOW_TF32` also the f32 forward and
+//! backward-data, as TF32 products (`wgmma` takes TF32 operands K-major only: backward-data's
+//! weight is copied turned round first); everything else runs on the `mma.sync` path. `KILN_CONV_PATH` picks the path for tests and
 //! comparisons.
 
 use crate::dtype::DType;
@@ -13,7 +15,7 @@ use crate::env::ConvPath;
 use crate::error::Result;
 use crate::jit::{KernelSpec, TemplateDef};
 use crate::runtime::tensor_map::{im2col, tiled, Im2colWindow, Swizzle, TensorMap};
-use crate::runtime::{Array, Device};
+use crate::runtime::{Array, CommandEncoder, Device};
 
 use super::geometry::{Geometry, Pass};
 use super::plan::PlanKey;
@@ -32,8 +34,13 @@ pub static WGMMA: TemplateDef = TemplateDef {
 
 /// Three warpgroups: one issues the copies, two multiply.
 pub const THREADS: u16 = 384;
-/// The k step of one stage: 64 elements, one 128-byte swizzled row.
-const BK: usize = 64;
+/// The k step of one stage: one 128-byte swizzled row of each operand.
+const ROW_BYTES: usize = 128;
+
+/// Elements of `dtype` in a k step: 64 16-bit ones, 32 f32.
+fn bk(dtype: DType) -> usize {
+    ROW_BYTES / dtype.size()
+}
 
 /// A tile of C: `bm` rows (each consumer warpgroup takes half, in slices of 64) by `bn`
 /// columns (one `wgmma` of n = bn per slice and k step of 16; two above 256).
@@ -111,11 +118,12 @@ fn stage_budget(t: Tile) -> usize {
 
 /// Stages of tile `t`: as many as fit the budget.
 pub fn stages(t: Tile) -> usize {
-    stage_budget(t) / ((t.bm + t.bn) * BK * 2)
+    stage_budget(t) / ((t.bm + t.bn) * ROW_BYTES)
 }
 
 /// Shared memory each of the eight consumer warps stores its tile through (16 rows of 64
-/// 16-bit columns); a swapped tile writes f32 partials straight from its registers.
+/// 16-bit columns); a swapped tile writes f32 partials straight from its registers. (f32
+/// output leaves from the registers too, but keeps the room: one layout for every dtype.)
 fn epilogue_warp_bytes(t: Tile) -> usize {
     if t.swapped {
         0
@@ -128,7 +136,7 @@ fn epilogue_warp_bytes(t: Tile) -> usize {
 /// stage and 1 KiB to align the swizzled tiles.
 pub fn shared_bytes(t: Tile) -> usize {
     let s = stages(t);
-    s * (t.bm + t.bn) * BK * 2 + 8 * epilogue_warp_bytes(t) + 2 * 8 * s + 1024
+    s * (t.bm + t.bn) * ROW_BYTES + 8 * epilogue_warp_bytes(t) + 2 * 8 * s + 1024
 }
 
 /// The template's PASS: the pass, or 3 for backward-weight on a swapped tile.
@@ -160,7 +168,9 @@ pub fn spec(dtype: DType, pass: Pass, t: Tile, spatial: usize) -> KernelSpec {
 /// Every spec the Hopper path can choose: the tiles alone. Paired tiles run only when asked for
 /// (`tuning::run_hopper_with`, the bench's `--paired`): on the H100 they were no faster than
 /// the same tile alone on any model layer measured (see the README), so neither the model nor
-/// the autotuner offers them and `kiln warm` does not compile them.
+/// the autotuner offers them and `kiln warm` does not compile them. Nor does it compile the
+/// f32 (TF32) specs: like the `mma.sync` family's, the `KILN_ALLOW_TF32` opt-in's kernels compile
+/// on first use.
 pub fn specs() -> Vec<KernelSpec> {
     let mut out = Vec::new();
     for dtype in [DType::F16, DType::BF16] {
@@ -210,6 +220,7 @@ pub struct Problem {
 /// every other pass is one phase).
 #[derive(Clone, Debug)]
 pub struct Launch {
+    pub dtype: DType,
     pub pass: Pass,
     pub tile: Tile,
     pub splits: usize,
@@ -241,8 +252,13 @@ pub fn unsupported(key: &PlanKey) -> Option<&'static str> {
     if key.arch != ARCH {
         return Some("not an sm_90 GPU (or KILN_EMULATE_ARCH names an older one)");
     }
-    if key.dtype == DType::F32 {
-        return Some("f32 runs on the FMA path");
+    if key.dtype == DType::F32 && !key.tf32 {
+        return Some("exact f32 runs on the mma.sync path (three TF32 products)");
+    }
+    if key.dtype == DType::F32 && key.pass == Pass::BackwardWeight {
+        return Some(
+            "TF32 backward-weight runs on the mma.sync path (wgmma's TF32 operands are K-major)",
+        );
     }
     if g.groups != 1 {
         return Some("grouped");
@@ -446,8 +462,9 @@ const MEMORY_BYTES_PER_S: f64 = 3.0e12;
 
 /// Seconds of one k step of tile `t` on one SM.
 fn step_seconds(t: Tile) -> f64 {
-    let multiply = (t.bm * t.bn * BK) as f64 / SM_MACS_PER_S;
-    let copy = ((t.bm + t.bn) * BK * 2) as f64 / SM_COPY_BYTES_PER_S;
+    // 64 16-bit products deep; TF32's 32 at half the rate take as long.
+    let multiply = (t.bm * t.bn * 64) as f64 / SM_MACS_PER_S;
+    let copy = ((t.bm + t.bn) * ROW_BYTES) as f64 / SM_COPY_BYTES_PER_S;
     multiply.max(copy)
 }
 
@@ -464,7 +481,8 @@ struct Gemm {
     ldc: usize,
 }
 
-fn gemm(pass: Pass, g: &Geometry, axes: &[Axis; 3]) -> Gemm {
+fn gemm(dtype: DType, pass: Pass, g: &Geometry, axes: &[Axis; 3]) -> Gemm {
+    let bk = bk(dtype);
     let taps: usize = axes.iter().map(|a| a.taps).product();
     let pix = axes.map(|a| a.walked);
     let pixels = g.batch * pix.iter().product::<usize>();
@@ -473,8 +491,8 @@ fn gemm(pass: Pass, g: &Geometry, axes: &[Axis; 3]) -> Gemm {
         cols,
         groups: 1,
         pix,
-        cblocks: channels.div_ceil(BK),
-        k_iters: taps * channels.div_ceil(BK),
+        cblocks: channels.div_ceil(bk),
+        k_iters: taps * channels.div_ceil(bk),
         ldc: cols,
     };
     match pass {
@@ -486,7 +504,7 @@ fn gemm(pass: Pass, g: &Geometry, axes: &[Axis; 3]) -> Gemm {
             groups: taps,
             pix,
             cblocks: 0,
-            k_iters: pixels.div_ceil(BK),
+            k_iters: pixels.div_ceil(bk),
             ldc: taps * g.cin,
         },
     }
@@ -511,10 +529,10 @@ impl Gemm {
 }
 
 /// The GEMMs of the launches of `pass` that have pixels to write, with their axes.
-fn gemms(pass: Pass, g: &Geometry) -> Vec<(Gemm, [Axis; 3])> {
+fn gemms(dtype: DType, pass: Pass, g: &Geometry) -> Vec<(Gemm, [Axis; 3])> {
     phases(pass, g)
         .into_iter()
-        .map(|axes| (gemm(pass, g, &axes), axes))
+        .map(|axes| (gemm(dtype, pass, g, &axes), axes))
         .filter(|(gm, _)| gm.rows > 0)
         .collect()
 }
@@ -523,16 +541,22 @@ fn gemms(pass: Pass, g: &Geometry) -> Vec<(Gemm, [Axis; 3])> {
 /// multiprocessors (one block each), summed over the launches: rounds of tiles over the SMs
 /// times the time of one tile (its k steps plus [`TILE_OVERHEAD_STEPS`]), plus for a
 /// split the f32 partials written and read back.
-fn choose(sms: usize, pass: Pass, g: &Geometry) -> (Tile, usize) {
-    candidates(sms, pass, g, 1)
+fn choose(sms: usize, dtype: DType, pass: Pass, g: &Geometry) -> (Tile, usize) {
+    candidates(sms, dtype, pass, g, 1)
         .first()
         .copied()
         .unwrap_or((TILES[1], 1))
 }
 
 /// The `n` tiles of least modelled time, each with its best split, best first.
-pub fn candidates(sms: usize, pass: Pass, g: &Geometry, n: usize) -> Vec<(Tile, usize)> {
-    let gemms = gemms(pass, g);
+pub fn candidates(
+    sms: usize,
+    dtype: DType,
+    pass: Pass,
+    g: &Geometry,
+    n: usize,
+) -> Vec<(Tile, usize)> {
+    let gemms = gemms(dtype, pass, g);
     let most = match pass {
         Pass::BackwardWeight => (gemms[0].0.k_iters / MIN_K_PER_SPLIT).clamp(1, 64),
         _ => 1,
@@ -578,7 +602,7 @@ pub fn plan(device: &Device, path: ConvPath, key: &PlanKey) -> Option<(KernelSpe
         return None;
     }
     let sms = device.info().multiprocessors as usize;
-    let (tile, splits) = choose(sms, key.pass, &key.geometry);
+    let (tile, splits) = choose(sms, key.dtype, key.pass, &key.geometry);
     Some(launch_for(key, tile, splits, sms))
 }
 
@@ -587,7 +611,7 @@ pub fn plan(device: &Device, path: ConvPath, key: &PlanKey) -> Option<(KernelSpe
 pub fn launch_for(key: &PlanKey, tile: Tile, splits: usize, sms: usize) -> (KernelSpec, Launch) {
     let g = &key.geometry;
     let mut chosen_splits = 1;
-    let phases = gemms(key.pass, g)
+    let phases = gemms(key.dtype, key.pass, g)
         .into_iter()
         .map(|(gm, axes)| {
             let (m_tiles, n_tiles) = gm.tiles(tile);
@@ -633,6 +657,7 @@ pub fn launch_for(key: &PlanKey, tile: Tile, splits: usize, sms: usize) -> (Kern
     (
         spec(key.dtype, key.pass, tile, g.spatial),
         Launch {
+            dtype: key.dtype,
             pass: key.pass,
             tile,
             splits: chosen_splits,
@@ -684,12 +709,18 @@ impl Launch {
         self.splits > 1 || self.tile.swapped
     }
 
+    /// Whether B is the weight turned round, (cin, taps, cout) (see [`turned_weight`]): TF32's
+    /// backward-data, whose `wgmma` wants B along k (cout) where the weight runs along cin.
+    pub fn turns_weight(&self) -> bool {
+        self.dtype == DType::F32 && self.pass == Pass::BackwardData
+    }
+
     /// The tensor maps of each phase, in order, over GEMM operands `a` and `b` (see
     /// `ops::conv::run`): forward (input, weight), backward-data (cotangent, weight),
     /// backward-weight (cotangent, input). Only the im2col map of the activations depends on the
     /// phase; the other map is built once and shared.
     pub fn maps(&self, a: &Array, b: &Array) -> Result<Vec<(TensorMap, TensorMap)>> {
-        let bm = self.tile.bm;
+        let (bm, bk) = (self.tile.bm, bk(self.dtype));
         let w = Swizzle::B128;
         let weight_3d = |wt: &Array| {
             let s = wt.shape();
@@ -697,25 +728,33 @@ impl Launch {
             wt.reshape(&[s[0], taps, s[s.len() - 1]])
         };
         let shared = match self.pass {
-            // The weight in boxes of 64 output channels by 64 input channels of one tap: a
-            // tile copies only the boxes that hold part of its output.
-            Pass::Forward | Pass::BackwardData => tiled(&weight_3d(b)?, &[64, 1, BK], w)?,
+            // The weight (turned round when `turns_weight`) in boxes of 64 rows by a k step's
+            // channels of one tap (16-bit backward-data: 64 of each): a tile copies only the
+            // boxes that hold part of its output.
+            Pass::Forward | Pass::BackwardData => tiled(&weight_3d(b)?, &[64, 1, bk], w)?,
             Pass::BackwardWeight => {
                 let s = a.shape();
                 let cout = s[s.len() - 1];
-                tiled(&a.reshape(&[a.size() / cout, cout])?, &[BK, 64], w)?
+                tiled(&a.reshape(&[a.size() / cout, cout])?, &[bk, 64], w)?
             }
         };
         self.phases
             .iter()
             .map(|phase| {
                 Ok(match self.pass {
-                    Pass::BackwardWeight => (shared, im2col(b, &phase.window, 64, BK, w)?),
-                    _ => (im2col(a, &phase.window, BK, bm, w)?, shared),
+                    Pass::BackwardWeight => (shared, im2col(b, &phase.window, 64, bk, w)?),
+                    _ => (im2col(a, &phase.window, bk, bm, w)?, shared),
                 })
             })
             .collect()
     }
+}
+
+/// The weight (cout, taps..., cin) copied as (cin, taps, cout), for [`Launch::turns_weight`].
+pub fn turned_weight(enc: &mut CommandEncoder, weight: &Array) -> Result<Array> {
+    let s = weight.shape();
+    let taps: usize = s[1..s.len() - 1].iter().product();
+    crate::runtime::copy::swap_outer_inner(enc, &weight.reshape(&[s[0], taps, s[s.len() - 1]])?)
 }
 
 #[cfg(test)]
@@ -741,6 +780,35 @@ mod tests {
         window(g, &phases(pass, g)[0])
     }
 
+    /// f32 takes the family only as TF32 (`KILN_ALLOW_TF32`), and only for the passes whose
+    /// operands can both be K-major; a k step is then 32 channels. The opt-in's specs are not
+    /// registered (they compile on first use).
+    #[test]
+    fn f32_runs_as_tf32_forward_and_backward_data() {
+        let p = ConvParams::default().padding(&[1]);
+        let registered = specs();
+        for pass in Pass::ALL {
+            let mut k = key(pass, &[8, 20, 20, 96], &[64, 3, 3, 96], &p);
+            k.dtype = DType::F32;
+            assert!(unsupported(&k).is_some(), "exact f32 {pass:?}");
+            k.tf32 = true;
+            let takes = pass != Pass::BackwardWeight;
+            assert_eq!(unsupported(&k).is_none(), takes, "{pass:?}");
+            let tile = TILES[1];
+            assert!(!registered.contains(&spec(DType::F32, pass, tile, 2)));
+            if takes {
+                let (gm, _) = &gemms(DType::F32, pass, &k.geometry)[0];
+                let (gb, _) = &gemms(DType::BF16, pass, &k.geometry)[0];
+                let channels: usize = if pass == Pass::Forward { 96 } else { 64 };
+                assert_eq!(gm.cblocks, channels.div_ceil(32));
+                assert_eq!(gm.k_iters, 9 * gm.cblocks);
+                assert_eq!(gb.cblocks, channels.div_ceil(64));
+                let (_, launch) = launch_for(&k, tile, 1, 132);
+                assert_eq!(launch.turns_weight(), pass == Pass::BackwardData);
+            }
+        }
+    }
+
     /// Paired tiles are tiles the family accepts but never chooses or registers.
     #[test]
     fn paired_tiles_run_on_request_only() {
@@ -756,7 +824,7 @@ mod tests {
         let p = ConvParams::default().padding(&[1]);
         let g = Geometry::new(&[8, 64, 64, 320], &[320, 3, 3, 320], &p).unwrap();
         for pass in Pass::ALL {
-            for (t, _) in candidates(132, pass, &g, 20) {
+            for (t, _) in candidates(132, DType::BF16, pass, &g, 20) {
                 assert_eq!(t.cluster, 1, "{pass:?}");
             }
         }
@@ -876,7 +944,7 @@ mod tests {
     fn backward_weight_splits_a_long_reduction() {
         let p = ConvParams::default().padding(&[1]);
         let g = Geometry::new(&[64, 56, 56, 64], &[64, 3, 3, 64], &p).unwrap();
-        let (tile, splits) = choose(132, Pass::BackwardWeight, &g);
+        let (tile, splits) = choose(132, DType::BF16, Pass::BackwardWeight, &g);
         let (_, l) = launch_for(
             &PlanKey {
                 device: 0,
@@ -912,11 +980,11 @@ mod tests {
             (512, 512, false),
         ] {
             let g = Geometry::new(&[8, 64, 64, cin], &[cout, 3, 3, cin], &p).unwrap();
-            let (tile, _) = choose(132, Pass::BackwardWeight, &g);
+            let (tile, _) = choose(132, DType::BF16, Pass::BackwardWeight, &g);
             assert_eq!(tile.swapped, swapped, "{cin} -> {cout}: {tile:?}");
         }
         let g = Geometry::new(&[8, 64, 64, 640], &[320, 3, 3, 640], &p).unwrap();
-        let (gm, _) = &gemms(Pass::BackwardWeight, &g)[0];
+        let (gm, _) = &gemms(DType::BF16, Pass::BackwardWeight, &g)[0];
         assert_eq!(gm.tiles(SWAPPED), (9 * 640 / 128, 1));
         assert_eq!(gm.tiles(tile(128, 256)), (3, (9 * 640usize).div_ceil(256)));
         assert!(!tiles(Pass::Forward).contains(&SWAPPED));

@@ -502,6 +502,13 @@ fn launch(enc: &mut CommandEncoder, plan: &Plan, a: &Array, b: &Array, out: &Arr
             }?;
         }
         Kind::Wgmma(launch) => {
+            let turned;
+            let b = if launch.turns_weight() {
+                turned = hopper::turned_weight(enc, b)?;
+                &turned
+            } else {
+                b
+            };
             // Backward-data's stride phases write disjoint pixels of `out`, one launch each. The
             // maps hold the operands' addresses: built per call, checked by the driver.
             for (phase, (amap, bmap)) in launch.phases.iter().zip(launch.maps(a, b)?) {

@@ -453,7 +453,8 @@ impl Choice {
         }
     }
 
-    /// The kernels the plan loads: the family's, and the split sum where it writes partials.
+    /// The kernels the plan loads: the family's, the split sum where it writes partials, and the
+    /// transposing copy where it turns the weight round.
     fn kernels(&self, key: &PlanKey) -> Vec<KernelSpec> {
         let (spec, partials) = match self {
             Choice::Depthwise(spec, l) => (*spec, l.splits > 1),
@@ -466,6 +467,9 @@ impl Choice {
         let mut out = vec![spec];
         if partials {
             out.push(split_sum_spec(key.dtype));
+        }
+        if matches!(self, Choice::Wgmma(_, l) if l.turns_weight()) {
+            out.push(crate::runtime::copy::transpose_spec(key.dtype));
         }
         out
     }
