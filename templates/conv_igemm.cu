@@ -60,7 +60,16 @@ struct kiln_conv {
   int k_tiles_per_split;
   int pair_store;                       // outputs (n, n + 1) are adjacent and 2-aligned
   int phases;                           // backward-data stride phases (1: not phased)
+  // q / stride[d] and q / idil[d] as __umulhi(q, magic) >> shift (see kiln_div_by).
+  unsigned stride_magic[3], stride_shift[3], idil_magic[3], idil_shift[3];
 };
+
+// q / d for 0 <= q < 2^31, by the (magic, shift) the host computed for d > 1: a multiply-high
+// and a shift, where an integer division is a sequence of some twenty instructions (the gathers
+// below would unroll one per element).
+__device__ __forceinline__ int kiln_div_by(int q, unsigned magic, unsigned shift) {
+  return (int)(__umulhi((unsigned)q, magic) >> shift);
+}
 
 // One block's GEMM extents, and for a stride phase of backward-data the pixels and taps it has:
 // input positions first + j * stride (j < cnt), kernel taps tap0 + t * stride (t < taps).
@@ -298,8 +307,9 @@ __device__ __forceinline__ int gather(const kiln_conv& p, const kiln_mninfo& mn,
       int q = mn.t[d] + ki.t[d];
       if (q < 0) return -1;
       if (p.idil[d] != 1) {
-        if (q % p.idil[d] != 0) return -1;
-        q /= p.idil[d];
+        const int r = kiln_div_by(q, p.idil_magic[d], p.idil_shift[d]);
+        if (r * p.idil[d] != q) return -1;
+        q = r;
       }
       if (q >= p.in[d]) return -1;
       pos[d] = q;
@@ -317,8 +327,9 @@ __device__ __forceinline__ int gather(const kiln_conv& p, const kiln_mninfo& mn,
       int q = mn.t[d] + ki.t[d];
       if (q < 0) return -1;
       if (p.stride[d] != 1) {
-        if (q % p.stride[d] != 0) return -1;
-        q /= p.stride[d];
+        const int r = kiln_div_by(q, p.stride_magic[d], p.stride_shift[d]);
+        if (r * p.stride[d] != q) return -1;
+        q = r;
       }
       if (q >= p.out[d]) return -1;
       pos[d] = q;

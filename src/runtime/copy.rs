@@ -4,6 +4,7 @@
 //! destination, zero padding) for ops that rearrange their operands, and [`swap_outer_inner`],
 //! a transposing copy that keeps both its reads and its writes coalesced.
 
+use super::divider::divider;
 use super::{Array, CommandEncoder, KernelArgs, MAX_RANK};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -215,18 +216,6 @@ fn merge_axes(axes: &[Axis]) -> Vec<Axis> {
     out
 }
 
-/// (magic, shift) such that `n / d == umulhi(n, magic) >> shift` for every `n < 2^31`
-/// (`d` in 1..2^31; magic 0 stands for d = 1, which the kernel does not divide by).
-fn divider(d: usize) -> (u32, u32) {
-    if d <= 1 {
-        return (0, 0);
-    }
-    let log = usize::BITS - (d - 1).leading_zeros(); // ceil(log2 d)
-    let p = 31 + log;
-    let magic = (1u64 << p).div_ceil(d as u64);
-    (magic as u32, log - 1)
-}
-
 /// The furthest element (in elements from the first) an array of these axes' steps reaches.
 fn span(axes: &[Axis], step: impl Fn(&Axis) -> isize) -> usize {
     axes.iter()
@@ -367,41 +356,6 @@ mod tests {
             src,
             dst,
             bound,
-        }
-    }
-
-    #[test]
-    fn divider_matches_division_below_2_pow_31() {
-        let mut divisors: Vec<usize> = (1..=300).collect();
-        divisors.extend([
-            588,
-            592,
-            768,
-            1000,
-            (1 << 16) - 1,
-            1 << 16,
-            (1 << 16) + 1,
-            12345,
-            (1 << 30) + 1,
-            (1 << 31) - 1,
-        ]);
-        let mut dividends: Vec<u32> = (0..2000).collect();
-        for k in 1..31 {
-            for off in [-1i64, 0, 1] {
-                dividends.push(((1i64 << k) + off) as u32);
-            }
-        }
-        dividends.extend([i32::MAX as u32, i32::MAX as u32 - 1, 1_999_999_999]);
-        for &d in &divisors {
-            let (magic, shift) = divider(d);
-            for &n in &dividends {
-                let got = if magic == 0 {
-                    n
-                } else {
-                    (((n as u64 * magic as u64) >> 32) as u32) >> shift
-                };
-                assert_eq!(got as usize, n as usize / d, "{n} / {d}");
-            }
         }
     }
 

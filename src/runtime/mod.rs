@@ -4,6 +4,7 @@ pub mod allocator;
 pub mod args;
 pub mod array;
 pub mod copy;
+pub mod divider;
 // Internal: public for kiln's own tests, benches and CLI; not part of the stable API.
 #[doc(hidden)]
 pub mod deps;

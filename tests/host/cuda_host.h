@@ -47,6 +47,9 @@ struct alignas(16) uint4 {
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
 
 inline int min(int a, int b) { return a < b ? a : b; }
+inline unsigned __umulhi(unsigned a, unsigned b) {
+  return (unsigned)(((unsigned long long)a * b) >> 32);
+}
 inline int max(int a, int b) { return a > b ? a : b; }
 
 inline float __uint_as_float(unsigned u) {

@@ -2,6 +2,7 @@
 //! normal form the kernels take (always three spatial dims, leading ones of extent 1).
 
 use crate::error::{Error, Result};
+use crate::runtime::divider::divider;
 
 /// The most spatial dimensions a convolution has.
 pub const MAX_SPATIAL: usize = 3;
@@ -444,6 +445,14 @@ pub struct Problem {
     pub pair_store: i32,
     /// Stride phases ([`Pass::phases`]; 1: not phased).
     pub phases: i32,
+    /// The [`divider`] magic of each stride: the kernel's gathers divide by the strides.
+    pub stride_magic: [u32; 3],
+    /// The [`divider`] shift of each stride.
+    pub stride_shift: [u32; 3],
+    /// The [`divider`] magic of each input dilation, which the gathers divide by too.
+    pub input_dilation_magic: [u32; 3],
+    /// The [`divider`] shift of each input dilation.
+    pub input_dilation_shift: [u32; 3],
 }
 
 fn i3(v: [usize; 3]) -> [i32; 3] {
@@ -485,6 +494,10 @@ impl Problem {
             k_tiles_per_split: k_tiles_per_split.max(1) as i32,
             pair_store: pair_store as i32,
             phases: pass.phases(g) as i32,
+            stride_magic: g.stride.map(|d| divider(d).0),
+            stride_shift: g.stride.map(|d| divider(d).1),
+            input_dilation_magic: g.input_dilation.map(|d| divider(d).0),
+            input_dilation_shift: g.input_dilation.map(|d| divider(d).1),
         }
     }
 }
