@@ -692,8 +692,10 @@ extern "C" __global__ void KILN_WG_CLUSTER_DIMS __launch_bounds__(THREADS, 1) {{
       }
       continue;
     }
-    if constexpr (TF32) {
-      // f32 output, straight from the registers (pairs of columns).
+    if (TF32 || (PASS == 2 && p.splits > 1)) {
+      // f32 straight from the registers (pairs of columns): TF32's output, or a split
+      // backward-weight's partials.
+      float* dst = TF32 ? reinterpret_cast<float*>(out) : partial + tl.split * p.split_elems;
       const int c0 = 2 * (lane % 4);
 #pragma unroll
       for (int ch = 0; ch < BN / 64; ++ch) {
@@ -704,31 +706,7 @@ extern "C" __global__ void KILN_WG_CLUSTER_DIMS __launch_bounds__(THREADS, 1) {{
           const int sl = sh / 2, half = sh % 2;
           const int r = tl.row0 + (cw * SLICES + sl) * 64 + warp * 16 + lane / 4 + 8 * half;
           if (r >= p.rows) continue;
-          T* row = out + (PASS == 1 ? kiln_wg_out_row(p, r) : r) * p.ldc + col;
-#pragma unroll
-          for (int jj = 0; jj < 8; ++jj) {
-            const int c = 8 * jj + c0, j = 8 * ch + jj;
-            if (c >= limit) continue;  // columns come in even counts (channels % 8 == 0)
-            *reinterpret_cast<float2*>(row + c) =
-                make_float2(acc[sl][4 * j + 2 * half], acc[sl][4 * j + 2 * half + 1]);
-          }
-        }
-      }
-      continue;
-    }
-    if (PASS == 2 && p.splits > 1) {
-      // f32 partials, straight from the registers (pairs of columns).
-      const int c0 = 2 * (lane % 4);
-#pragma unroll
-      for (int ch = 0; ch < BN / 64; ++ch) {
-        long long col;
-        const int limit = kiln_wg_chunk(p, tl, ch, col);
-#pragma unroll
-        for (int sh = 0; sh < 2 * SLICES; ++sh) {
-          const int sl = sh / 2, half = sh % 2;
-          const int r = tl.row0 + (cw * SLICES + sl) * 64 + warp * 16 + lane / 4 + 8 * half;
-          if (r >= p.rows) continue;
-          float* row = partial + tl.split * p.split_elems + (long long)r * p.ldc + col;
+          float* row = dst + (PASS == 1 ? kiln_wg_out_row(p, r) : r) * p.ldc + col;
 #pragma unroll
           for (int jj = 0; jj < 8; ++jj) {
             const int c = 8 * jj + c0, j = 8 * ch + jj;
