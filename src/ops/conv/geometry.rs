@@ -473,6 +473,7 @@ impl Problem {
                 cin_g % 2 == 0 && (splits == 1 || (g.cout * g.kernel_size() * cin_g) % 2 == 0)
             }
         };
+        let (stride_div, dilation_div) = (g.stride.map(divider), g.input_dilation.map(divider));
         Problem {
             batch: g.batch as i32,
             input: i3(g.input),
@@ -494,10 +495,10 @@ impl Problem {
             k_tiles_per_split: k_tiles_per_split.max(1) as i32,
             pair_store: pair_store as i32,
             phases: pass.phases(g) as i32,
-            stride_magic: g.stride.map(|d| divider(d).0),
-            stride_shift: g.stride.map(|d| divider(d).1),
-            input_dilation_magic: g.input_dilation.map(|d| divider(d).0),
-            input_dilation_shift: g.input_dilation.map(|d| divider(d).1),
+            stride_magic: stride_div.map(|(magic, _)| magic),
+            stride_shift: stride_div.map(|(_, shift)| shift),
+            input_dilation_magic: dilation_div.map(|(magic, _)| magic),
+            input_dilation_shift: dilation_div.map(|(_, shift)| shift),
         }
     }
 }
