@@ -394,7 +394,10 @@ fn sweep_hopper(enc: &mut CommandEncoder) {
             .max(1e-30);
         let (mut best, mut planned) = (0.0f64, 0.0f64);
         // Paired tiles have their own comparison (`--paired`).
-        for t in hopper::tiles(pass).into_iter().filter(|t| t.cluster == 1) {
+        for t in hopper::tiles(DType::BF16, pass)
+            .into_iter()
+            .filter(|t| t.cluster == 1)
+        {
             for &sp in &splits {
                 let got = tuning::run_hopper_with(enc, pass, &o.g, first, second, t, sp)
                     .unwrap()

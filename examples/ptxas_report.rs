@@ -1,7 +1,8 @@
 //! Prints ptxas's resource report (registers, spills, shared memory) for registered specs.
 //! Usage: cargo run --example ptxas_report [sm_90] [TEXT]: specs whose description contains TEXT
 //! (default: the norm forward and VJP kernels). `--candidates`: the bf16 LayerNorm candidates of
-//! the norm bench's `--sweep` instead of the registered specs.
+//! the norm bench's `--sweep` instead of the registered specs; `--tf32`: the Hopper convolution
+//! family's f32 (`KILN_ALLOW_TF32`) specs, which `kiln warm` leaves to first use.
 use kiln::jit::{Jit, Target};
 
 fn main() {
@@ -24,6 +25,15 @@ fn main() {
             }
         }
         all.dedup();
+        all
+    } else if std::env::args().any(|a| a == "--tf32") {
+        use kiln::ops::conv::{hopper, Pass};
+        let mut all = Vec::new();
+        for pass in Pass::ALL {
+            for t in hopper::tiles(kiln::DType::F32, pass) {
+                all.push(hopper::spec(kiln::DType::F32, pass, t, 2));
+            }
+        }
         all
     } else {
         kiln::ops::registered_specs()

@@ -25,9 +25,12 @@
 //   MN-major (64-wide chunks of rows or columns, 64 k rows each): A of backward-weight, B of
 //   backward-data and backward-weight.
 // BN above 256 (PASS 3's 320) is one wgmma of n = 256 and one of n = BN - 256 per k step.
-// f32 (KILN_ALLOW_TF32) runs forward and backward-data as TF32 products: a k step is still one
-// 128-byte row, now of 32 elements, and four wgmma of k = 8. TF32 operands must both be K-major,
-// so backward-data's B is the weight turned round, (cin, taps, cout), which the host copies.
+// f32 (KILN_ALLOW_TF32) runs as TF32 products: a k step is still one 128-byte row, now of 32
+// elements, and four wgmma of k = 8. TF32's shared-memory operands must be K-major, so
+// backward-data's B is the weight turned round, (cin, taps, cout), and backward-weight (PASS 3
+// only) takes B from the cotangent turned round, (cout, pixels), both copied by the host, and A
+// from registers: each thread loads its fragments of the MN-major im2col chunks (two boxes of
+// 32 channels each) from shared memory.
 {{> prelude}}
 {{> tma}}
 {{> cluster}}
@@ -40,13 +43,15 @@ static_assert(CLUSTER == 1 || CLUSTER == 2, "blocks alone or in pairs");
 // A k step is one 128-byte swizzled row of each operand: 64 16-bit elements or 32 f32.
 constexpr int BK = 128 / (int)sizeof(T);
 constexpr bool TF32 = sizeof(T) == 4;
-static_assert(!TF32 || PASS <= 1, "TF32 takes forward and backward-data: K-major operands");
+static_assert(!TF32 || PASS != 2, "TF32 backward-weight runs turned round (PASS 3)");
 // Backward-weight, either way round: k runs over pixels; one operand is the cotangent's
 // (pixel, cout) boxes, the other the input's im2col chunks (64 channels of one tap each).
 constexpr bool WGRAD = PASS >= 2, SWAP = PASS == 3;
 // Each consumer warpgroup multiplies SLICES slices of 64 rows (BM = 128 or 256).
 constexpr int SLICES = BM / 128;
 constexpr int A_MN = WGRAD, B_MN = PASS != 0 && !TF32;
+// A from registers: TF32's backward-weight.
+constexpr bool A_REGS = TF32 && WGRAD;
 constexpr int A_BYTES = BM * 128, B_BYTES = BN * 128, CHUNK = 64 * 128;
 constexpr int THREADS = 384;
 // Shared memory each consumer warp stages its 16-bit stores through: 16 rows of 64 columns (none
@@ -100,12 +105,20 @@ template <int N> __device__ __forceinline__ void kiln_wg_wait() {
 #define KILN_WG_KIND "k16.f32.{{dtype_name}}.{{dtype_name}}"
 #define KILN_WG_TRANS(a, b) ", %" #a ", %" #b
 #endif
+// A from shared memory (a descriptor), or for TF32's backward-weight from registers (four .b32
+// a thread: `ra`), whose operands follow the others so that no index moves.
+#if defined(KILN_WG_IS_f32) && {{PASS}} >= 2
+#define KILN_WG_A(desc, r0, r1, r2, r3) "{%" #r0 ", %" #r1 ", %" #r2 ", %" #r3 "}"
+#else
+#define KILN_WG_A(desc, r0, r1, r2, r3) "%" #desc
+#endif
 
 // d (64 x N per warpgroup, f32: N / 2 a thread) += A (64 x 128 bytes / 4) * B (128 bytes / 4
-// x N); d = A * B when !accumulate.
+// x N); d = A * B when !accumulate. `ra` is A when it comes from registers (KILN_WG_A).
 template <int N>
 __device__ __forceinline__ void kiln_wgmma(float* d, unsigned long long desc_a,
-                                           unsigned long long desc_b, int accumulate) {
+                                           unsigned long long desc_b, int accumulate,
+                                           const unsigned (&ra)[4]) {
   static_assert(N == 64 || N == 128 || N == 192 || N == 256, "wgmma widths kiln issues");
   if constexpr (N == 64) {
     asm volatile(
@@ -113,13 +126,14 @@ __device__ __forceinline__ void kiln_wgmma(float* d, unsigned long long desc_a,
         "wgmma.mma_async.sync.aligned.m64n64" KILN_WG_KIND " "
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
         "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "%32, %33, p, 1, 1" KILN_WG_TRANS(35, 36) ";\n}\n"
+        KILN_WG_A(32, 37, 38, 39, 40) ", %33, p, 1, 1" KILN_WG_TRANS(35, 36) ";\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
           "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
           "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
           "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
           "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(A_MN), "n"(B_MN));
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(A_MN), "n"(B_MN), "r"(ra[0]),
+          "r"(ra[1]), "r"(ra[2]), "r"(ra[3]));
   } else if constexpr (N == 128) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
@@ -128,7 +142,7 @@ __device__ __forceinline__ void kiln_wgmma(float* d, unsigned long long desc_a,
         "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "
         "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, "
         "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "%64, %65, p, 1, 1" KILN_WG_TRANS(67, 68) ";\n}\n"
+        KILN_WG_A(64, 69, 70, 71, 72) ", %65, p, 1, 1" KILN_WG_TRANS(67, 68) ";\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
           "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
           "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
@@ -140,7 +154,8 @@ __device__ __forceinline__ void kiln_wgmma(float* d, unsigned long long desc_a,
           "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
           "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]),
           "+f"(d[62]), "+f"(d[63])
-        : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(A_MN), "n"(B_MN));
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(A_MN), "n"(B_MN), "r"(ra[0]),
+          "r"(ra[1]), "r"(ra[2]), "r"(ra[3]));
   } else if constexpr (N == 192) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n"
@@ -151,7 +166,7 @@ __device__ __forceinline__ void kiln_wgmma(float* d, unsigned long long desc_a,
         "%56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, "
         "%74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, "
         "%92, %93, %94, %95}, "
-        "%96, %97, p, 1, 1" KILN_WG_TRANS(99, 100) ";\n}\n"
+        KILN_WG_A(96, 101, 102, 103, 104) ", %97, p, 1, 1" KILN_WG_TRANS(99, 100) ";\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
           "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
           "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
@@ -168,7 +183,8 @@ __device__ __forceinline__ void kiln_wgmma(float* d, unsigned long long desc_a,
           "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]),
           "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]),
           "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
-        : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(A_MN), "n"(B_MN));
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(A_MN), "n"(B_MN), "r"(ra[0]),
+          "r"(ra[1]), "r"(ra[2]), "r"(ra[3]));
   } else {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
@@ -181,7 +197,7 @@ __device__ __forceinline__ void kiln_wgmma(float* d, unsigned long long desc_a,
         "%87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, "
         "%104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, "
         "%118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
-        "%128, %129, p, 1, 1" KILN_WG_TRANS(131, 132) ";\n}\n"
+        KILN_WG_A(128, 133, 134, 135, 136) ", %129, p, 1, 1" KILN_WG_TRANS(131, 132) ";\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
           "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
           "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
@@ -203,7 +219,8 @@ __device__ __forceinline__ void kiln_wgmma(float* d, unsigned long long desc_a,
           "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]),
           "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]),
           "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-        : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(A_MN), "n"(B_MN));
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(A_MN), "n"(B_MN), "r"(ra[0]),
+          "r"(ra[1]), "r"(ra[2]), "r"(ra[3]));
   }
 }
 
@@ -554,10 +571,16 @@ __device__ __forceinline__ void kiln_wg_produce(const kiln_wg_problem& p,
         const int dy_chunks = SWAP ? b_chunks : a_chunks;
         const int x_chunks = SWAP ? a_chunks : b_chunks;
 #pragma unroll
-        for (int j = 0; j < DY_CHUNKS; ++j)
-          if (j < dy_chunks && (!SWAP || j % CLUSTER == rank))
+        for (int j = 0; j < DY_CHUNKS; ++j) {
+          if (j >= dy_chunks || (SWAP && j % CLUSTER != rank)) continue;
+          if (TF32) {
+            // The cotangent turned round, (cout, pixel): 64 cout rows of BK pixels (K-major).
+            kiln_wg_load_2d(dy + j * CHUNK, amap, k * BK, cout0 + 64 * j, &full[s], all);
+          } else {
             kiln_wg_load_2d(dy + j * CHUNK, amap, cout0 + 64 * j, k * BK, &full[s],
                             SWAP ? all : 0);
+          }
+        }
         int t[3] = {tap[0], tap[1], tap[2]}, c = cb;
 #pragma unroll
         for (int j = 0; j < X_CHUNKS; ++j) {
@@ -567,8 +590,11 @@ __device__ __forceinline__ void kiln_wg_produce(const kiln_wg_problem& p,
           }
           if (j < x_chunks && (SWAP || j % CLUSTER == rank)) {
             kiln_wg_tap_at(p, t, off);
-            kiln_im2col_load(x + j * CHUNK, bmap, c * 64, cur.n, pos, off, &full[s],
-                             SWAP ? 0 : all);
+            // 64 channels: one box of 128-byte rows, or two of 32 f32 channels.
+#pragma unroll
+            for (int h = 0; h < (TF32 ? 2 : 1); ++h)
+              kiln_im2col_load(x + j * CHUNK + h * (CHUNK / 2), bmap, c * 64 + h * 32, cur.n,
+                               pos, off, &full[s], SWAP ? 0 : all);
           }
         }
         kiln_wg_cursor_add(p, cur, BK);
@@ -622,6 +648,17 @@ extern "C" __global__ void KILN_WG_CLUSTER_DIMS __launch_bounds__(THREADS, 1) {{
   const int cw = wg - 1;                       // this consumer's BM / 2 rows of the tile
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   float acc[SLICES][BN / 2];
+  // A from registers (TF32 backward-weight): the byte offsets, within a 64-row chunk of A, of
+  // this thread's fragment (rows warp * 16 + lane / 4, + 8; k lane % 4, + 4, in that order) at
+  // the first k of a step: the chunk is two boxes of 32 channels (rows of A), each BK pixel rows
+  // of 128 bytes whose 16-byte units the copy engine swizzled by the row.
+  unsigned a_frag[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const int ch = 16 * (warp % 2) + lane / 4 + 8 * (q & 1), kr = lane % 4 + 4 * (q >> 1);
+    a_frag[q] = (warp / 2) * (CHUNK / 2) + kr * 128 + (((ch >> 2) ^ kr) << 4) + (ch & 3) * 4;
+  }
+  const unsigned no_regs[4] = {0, 0, 0, 0};
   int it = 0;
   for (int u = blockIdx.x / CLUSTER; u < units; u += gridDim.x / CLUSTER) {
     const kiln_wg_tile tl = kiln_wg_decode(p, u, rank);
@@ -632,7 +669,52 @@ extern "C" __global__ void KILN_WG_CLUSTER_DIMS __launch_bounds__(THREADS, 1) {{
 #pragma unroll
         for (int j = 0; j < BN / 2; ++j) acc[sl][j] = 0.f;
     }
-    for (int k = tl.k0; k < tl.k1; ++k, ++it) {
+    for (int k = tl.k0; k < tl.k1 && A_REGS; ++k, ++it) {
+      // TF32 backward-weight: A's fragments from shared memory into registers, which the
+      // products read asynchronously: they stay untouched until the wait after them, and so
+      // does the stage, released only then.
+      const int s = it % STAGES;
+      kiln_mbarrier_wait(&full[s], (it / STAGES) & 1);
+      const unsigned char* as = a_stage + s * A_BYTES + cw * SLICES * CHUNK;
+      const unsigned b = kiln_smem_addr(b_stage + s * B_BYTES);
+      unsigned ra[SLICES][4][4];
+#pragma unroll
+      for (int sl = 0; sl < SLICES; ++sl)
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+          for (int q = 0; q < 4; ++q)
+            ra[sl][kk][q] =
+                *reinterpret_cast<const unsigned*>(as + sl * CHUNK + a_frag[q] + kk * 8 * 128);
+      kiln_wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        const unsigned db = b + kk * 32;
+        const int accumulate = k > tl.k0 || kk > 0;
+#pragma unroll
+        for (int sl = 0; sl < SLICES; ++sl) {
+          if constexpr (BN <= 256) {
+            kiln_wgmma<BN>(acc[sl], 0, kiln_wg_desc(db, CHUNK), accumulate, ra[sl][kk]);
+          } else {
+            constexpr int HI = BN > 256 ? 128 : 0;
+            kiln_wgmma<256>(acc[sl], 0, kiln_wg_desc(db, CHUNK), accumulate, ra[sl][kk]);
+            kiln_wgmma<BN - 256>(&acc[sl][HI], 0, kiln_wg_desc(db + 4 * CHUNK, CHUNK),
+                                 accumulate, ra[sl][kk]);
+          }
+        }
+      }
+      kiln_wg_commit();
+      kiln_wg_wait<0>();
+      // The fragments live (in the same registers) until here.
+#pragma unroll
+      for (int sl = 0; sl < SLICES; ++sl)
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+          for (int q = 0; q < 4; ++q) asm volatile("" : "+r"(ra[sl][kk][q])::"memory");
+      if (lane == 0) kiln_wg_release(&empty[s]);
+    }
+    for (int k = tl.k0; k < tl.k1 && !A_REGS; ++k, ++it) {
       const int s = it % STAGES;
       kiln_mbarrier_wait(&full[s], (it / STAGES) & 1);
       const unsigned a = kiln_smem_addr(a_stage + s * A_BYTES) + cw * SLICES * CHUNK;
@@ -649,14 +731,14 @@ extern "C" __global__ void KILN_WG_CLUSTER_DIMS __launch_bounds__(THREADS, 1) {{
         for (int sl = 0; sl < SLICES; ++sl) {
           const unsigned long long desc_a = kiln_wg_desc(da + sl * CHUNK, CHUNK);
           if constexpr (BN <= 256) {
-            kiln_wgmma<BN>(acc[sl], desc_a, kiln_wg_desc(db, CHUNK), accumulate);
+            kiln_wgmma<BN>(acc[sl], desc_a, kiln_wg_desc(db, CHUNK), accumulate, no_regs);
           } else {
             // Columns 256 on: B's chunks 4 on, accumulators 128 on. (The index is written so
             // that the branch the other tiles discard still indexes within their arrays.)
             constexpr int HI = BN > 256 ? 128 : 0;
-            kiln_wgmma<256>(acc[sl], desc_a, kiln_wg_desc(db, CHUNK), accumulate);
+            kiln_wgmma<256>(acc[sl], desc_a, kiln_wg_desc(db, CHUNK), accumulate, no_regs);
             kiln_wgmma<BN - 256>(&acc[sl][HI], desc_a, kiln_wg_desc(db + 4 * CHUNK, CHUNK),
-                                 accumulate);
+                                 accumulate, no_regs);
           }
         }
       }
@@ -666,7 +748,8 @@ extern "C" __global__ void KILN_WG_CLUSTER_DIMS __launch_bounds__(THREADS, 1) {{
       if (k > tl.k0 && lane == 0) kiln_wg_release(&empty[(it + STAGES - 1) % STAGES]);
     }
     kiln_wg_wait<0>();
-    if (tl.k1 > tl.k0 && lane == 0) kiln_wg_release(&empty[(it + STAGES - 1) % STAGES]);
+    if (!A_REGS && tl.k1 > tl.k0 && lane == 0)
+      kiln_wg_release(&empty[(it + STAGES - 1) % STAGES]);
 
     // Thread (warp, lane) holds rows warp * 16 + lane / 4 (+ 8) of each slice and column pairs
     // 8 j + 2 (lane % 4).

@@ -13,6 +13,7 @@ use std::time::Instant;
 use super::geometry::Pass;
 use super::hopper::{self, Tile};
 use super::plan::{self, Plan, PlanKey};
+use crate::dtype::DType;
 use crate::env::{Config, ConvPath};
 use crate::error::Result;
 use crate::runtime::{Array, CommandEncoder};
@@ -82,7 +83,7 @@ fn encode(tile: Tile, splits: usize) -> String {
 }
 
 /// A note's tile and split, if `pass` can take that tile.
-fn decode(pass: Pass, value: &str) -> Option<(Tile, usize)> {
+fn decode(dtype: DType, pass: Pass, value: &str) -> Option<(Tile, usize)> {
     let mut words: Vec<&str> = value.split_whitespace().collect();
     let paired = words.last() == Some(&"paired");
     if paired {
@@ -106,7 +107,7 @@ fn decode(pass: Pass, value: &str) -> Option<(Tile, usize)> {
         swapped,
         cluster,
     };
-    (hopper::tiles(pass).contains(&tile) && splits >= 1).then_some((tile, splits))
+    (hopper::tiles(dtype, pass).contains(&tile) && splits >= 1).then_some((tile, splits))
 }
 
 /// The tile for `key`: from the disk cache's note, or measured now (and then noted).
@@ -122,7 +123,7 @@ pub fn choose(
     if let Some((tile, splits)) = disk
         .load_note(&name)
         .as_deref()
-        .and_then(|note| decode(key.pass, note))
+        .and_then(|note| decode(key.dtype, key.pass, note))
     {
         return Ok(Choice {
             tile,
@@ -161,31 +162,51 @@ mod tests {
 
     #[test]
     fn notes_round_trip_and_reject_what_kiln_cannot_run() {
-        for pass in Pass::ALL {
-            for t in hopper::tiles(pass) {
-                assert_eq!(decode(pass, &encode(t, 3)), Some((t, 3)));
+        for dtype in DType::ALL {
+            for pass in Pass::ALL {
+                for t in hopper::tiles(dtype, pass) {
+                    assert_eq!(decode(dtype, pass, &encode(t, 3)), Some((t, 3)));
+                }
             }
         }
         let wgrad = Pass::BackwardWeight;
-        assert_eq!(decode(wgrad, "128 96 1"), None, "not a Hopper tile");
-        assert_eq!(decode(wgrad, "128 128 0"), None);
-        assert_eq!(decode(wgrad, "128 128"), None);
-        assert_eq!(decode(wgrad, "128 128 1 9"), None);
-        assert_eq!(decode(wgrad, "x 128 1"), None);
-        assert_eq!(decode(wgrad, "128 320 2"), None, "320 columns only swapped");
         assert_eq!(
-            decode(wgrad, "128 128 2 swapped"),
+            decode(DType::BF16, wgrad, "128 96 1"),
+            None,
+            "not a Hopper tile"
+        );
+        assert_eq!(decode(DType::BF16, wgrad, "128 128 0"), None);
+        assert_eq!(decode(DType::BF16, wgrad, "128 128"), None);
+        assert_eq!(decode(DType::BF16, wgrad, "128 128 1 9"), None);
+        assert_eq!(decode(DType::BF16, wgrad, "x 128 1"), None);
+        assert_eq!(
+            decode(DType::BF16, wgrad, "128 320 2"),
+            None,
+            "320 columns only swapped"
+        );
+        assert_eq!(
+            decode(DType::BF16, wgrad, "128 128 2 swapped"),
             None,
             "not a swapped tile"
         );
         assert_eq!(
-            decode(wgrad, "128 128 2 paired swapped"),
+            decode(DType::F32, wgrad, "128 128 2 swapped"),
+            Some((hopper::TILES[1].swapped(), 2)),
+            "TF32 backward-weight takes every tile swapped"
+        );
+        assert_eq!(
+            decode(DType::F32, wgrad, "128 128 2"),
+            None,
+            "and none the usual way round"
+        );
+        assert_eq!(
+            decode(DType::BF16, wgrad, "128 128 2 paired swapped"),
             None,
             "flags in their order"
         );
         let swapped = encode(hopper::SWAPPED, 2);
         assert_eq!(
-            decode(Pass::Forward, &swapped),
+            decode(DType::BF16, Pass::Forward, &swapped),
             None,
             "backward-weight only"
         );

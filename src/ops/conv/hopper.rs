@@ -5,10 +5,11 @@
 //!
 //! It takes 16-bit convolutions of one group, no input dilation, channel counts that are a
 //! multiple of 8 (the copy engine steps rows in 16-byte units), and backward-data of at most
-//! 16 stride phases (one launch each); with `KILN_ALLOW_TF32` also the f32 forward and
-//! backward-data, as TF32 products (`wgmma` takes TF32 operands K-major only: backward-data's
-//! weight is copied turned round first); everything else runs on the `mma.sync` path. `KILN_CONV_PATH` picks the path for tests and
-//! comparisons.
+//! 16 stride phases (one launch each); with `KILN_ALLOW_TF32` also f32, as TF32 products
+//! (`wgmma` takes TF32 operands from shared memory K-major only: backward-data's weight and
+//! backward-weight's cotangent are copied turned round first, and backward-weight runs on
+//! swapped tiles, whose A the kernel loads into registers); everything else runs on the
+//! `mma.sync` path. `KILN_CONV_PATH` picks the path for tests and comparisons.
 
 use crate::dtype::DType;
 use crate::env::ConvPath;
@@ -74,6 +75,14 @@ impl Tile {
     pub const fn paired(self) -> Tile {
         Tile { cluster: 2, ..self }
     }
+
+    /// The same tile turned round (backward-weight only).
+    pub const fn swapped(self) -> Tile {
+        Tile {
+            swapped: true,
+            ..self
+        }
+    }
 }
 
 /// The tiles kiln compiles for every pass. 256-row tiles stop at 128 columns: their
@@ -94,11 +103,16 @@ pub const SWAPPED: Tile = Tile {
     cluster: 1,
 };
 
-/// The tiles `pass` may take: [`TILES`] and each of them paired, and for backward-weight also
-/// [`SWAPPED`] alone and paired.
-pub fn tiles(pass: Pass) -> Vec<Tile> {
+/// The tiles `pass` may take in `dtype`: [`TILES`] and each of them paired, and for 16-bit
+/// backward-weight also [`SWAPPED`] alone and paired. f32 (TF32) backward-weight takes only
+/// swapped tiles (each of [`TILES`] turned round, and [`SWAPPED`]): TF32 products read B from
+/// shared memory along k, which the cotangent turned round is, and A from registers.
+pub fn tiles(dtype: DType, pass: Pass) -> Vec<Tile> {
     let mut out = TILES.to_vec();
     if pass == Pass::BackwardWeight {
+        if dtype == DType::F32 {
+            out = TILES.iter().map(|t| t.swapped()).collect();
+        }
         out.push(SWAPPED);
     }
     let paired: Vec<Tile> = out.iter().map(|t| t.paired()).collect();
@@ -175,7 +189,7 @@ pub fn specs() -> Vec<KernelSpec> {
     let mut out = Vec::new();
     for dtype in [DType::F16, DType::BF16] {
         for pass in Pass::ALL {
-            for t in tiles(pass).into_iter().filter(|t| t.cluster == 1) {
+            for t in tiles(dtype, pass).into_iter().filter(|t| t.cluster == 1) {
                 for spatial in 1..=3 {
                     out.push(spec(dtype, pass, t, spatial));
                 }
@@ -256,9 +270,15 @@ pub fn unsupported(key: &PlanKey) -> Option<&'static str> {
         return Some("exact f32 runs on the mma.sync path (three TF32 products)");
     }
     if key.dtype == DType::F32 && key.pass == Pass::BackwardWeight {
-        return Some(
-            "TF32 backward-weight runs on the mma.sync path (wgmma's TF32 operands are K-major)",
-        );
+        // The cotangent turned round, (cout, pixels), is a tensor map of 16-byte rows, made by a
+        // transposing copy whose grid takes 65,535 x 32 rows.
+        let pixels = g.batch * g.output_pixels();
+        if pixels % 4 != 0 {
+            return Some("TF32 backward-weight of a pixel count not a multiple of 4");
+        }
+        if pixels > 65_535 * 32 {
+            return Some("TF32 backward-weight of more than 65,535 x 32 pixels");
+        }
     }
     if g.groups != 1 {
         return Some("grouped");
@@ -563,7 +583,7 @@ pub fn candidates(
     };
     let mut per_tile: Vec<(f64, Tile, usize)> = Vec::new();
     // Paired tiles are left out: see `specs`.
-    for t in tiles(pass).into_iter().filter(|t| t.cluster == 1) {
+    for t in tiles(dtype, pass).into_iter().filter(|t| t.cluster == 1) {
         let mut best: Option<(f64, Tile, usize)> = None;
         for splits in 1..=most {
             let mut cost = 0.0;
@@ -715,6 +735,13 @@ impl Launch {
         self.dtype == DType::F32 && self.pass == Pass::BackwardData
     }
 
+    /// Whether the cotangent is turned round, (cout, pixels) (see [`turned_cotangent`]): TF32's
+    /// backward-weight, whose `wgmma` wants B (the cotangent, on a swapped tile) along k (the
+    /// pixels) where the cotangent runs along cout.
+    pub fn turns_cotangent(&self) -> bool {
+        self.dtype == DType::F32 && self.pass == Pass::BackwardWeight
+    }
+
     /// The tensor maps of each phase, in order, over GEMM operands `a` and `b` (see
     /// `ops::conv::run`): forward (input, weight), backward-data (cotangent, weight),
     /// backward-weight (cotangent, input). Only the im2col map of the activations depends on the
@@ -732,6 +759,12 @@ impl Launch {
             // channels of one tap (16-bit backward-data: 64 of each): a tile copies only the
             // boxes that hold part of its output.
             Pass::Forward | Pass::BackwardData => tiled(&weight_3d(b)?, &[64, 1, bk], w)?,
+            // The cotangent as (pixels, cout) in boxes of a k step's pixels by 64 channels, or
+            // turned round, (cout, pixels), in boxes of 64 channels by a k step's pixels.
+            Pass::BackwardWeight if self.turns_cotangent() => {
+                let cout = a.shape()[0];
+                tiled(&a.reshape(&[cout, a.size() / cout])?, &[64, bk], w)?
+            }
             Pass::BackwardWeight => {
                 let s = a.shape();
                 let cout = s[s.len() - 1];
@@ -742,12 +775,23 @@ impl Launch {
             .iter()
             .map(|phase| {
                 Ok(match self.pass {
-                    Pass::BackwardWeight => (shared, im2col(b, &phase.window, 64, bk, w)?),
+                    // A k step's pixels by 128 bytes of channels: the kernel copies a 64-channel
+                    // chunk of f32 as two boxes.
+                    Pass::BackwardWeight => (shared, im2col(b, &phase.window, bk, bk, w)?),
                     _ => (im2col(a, &phase.window, bk, bm, w)?, shared),
                 })
             })
             .collect()
     }
+}
+
+/// The cotangent (batch, pixels..., cout) copied as (cout, 1, batch x pixels), for
+/// [`Launch::turns_cotangent`].
+pub fn turned_cotangent(enc: &mut CommandEncoder, cotangent: &Array) -> Result<Array> {
+    let s = cotangent.shape();
+    let cout = s[s.len() - 1];
+    let pixels = cotangent.size() / cout;
+    crate::runtime::copy::swap_outer_inner(enc, &cotangent.reshape(&[pixels, 1, cout])?)
 }
 
 /// The weight (cout, taps..., cin) copied as (cin, taps, cout), for [`Launch::turns_weight`].
@@ -780,11 +824,12 @@ mod tests {
         window(g, &phases(pass, g)[0])
     }
 
-    /// f32 takes the family only as TF32 (`KILN_ALLOW_TF32`), and only for the passes whose
-    /// operands can both be K-major; a k step is then 32 channels. The opt-in's specs are not
-    /// registered (they compile on first use).
+    /// f32 takes the family only as TF32 (`KILN_ALLOW_TF32`); a k step is then 32 channels (or
+    /// pixels). Backward-data turns the weight round, backward-weight the cotangent, and
+    /// backward-weight takes only swapped tiles (A from registers, B along k). The opt-in's
+    /// specs are not registered (they compile on first use).
     #[test]
-    fn f32_runs_as_tf32_forward_and_backward_data() {
+    fn f32_runs_as_tf32() {
         let p = ConvParams::default().padding(&[1]);
         let registered = specs();
         for pass in Pass::ALL {
@@ -792,20 +837,28 @@ mod tests {
             k.dtype = DType::F32;
             assert!(unsupported(&k).is_some(), "exact f32 {pass:?}");
             k.tf32 = true;
-            let takes = pass != Pass::BackwardWeight;
-            assert_eq!(unsupported(&k).is_none(), takes, "{pass:?}");
-            let tile = TILES[1];
+            assert!(unsupported(&k).is_none(), "{pass:?}");
+            let wgrad = pass == Pass::BackwardWeight;
+            let all = tiles(DType::F32, pass);
+            assert!(all.iter().all(|t| t.swapped == wgrad), "{pass:?}: {all:?}");
+            let tile = all[1];
             assert!(!registered.contains(&spec(DType::F32, pass, tile, 2)));
-            if takes {
-                let (gm, _) = &gemms(DType::F32, pass, &k.geometry)[0];
-                let (gb, _) = &gemms(DType::BF16, pass, &k.geometry)[0];
+            let (gm, _) = &gemms(DType::F32, pass, &k.geometry)[0];
+            let (gb, _) = &gemms(DType::BF16, pass, &k.geometry)[0];
+            if wgrad {
+                assert_eq!(gm.k_iters, (8 * 20 * 20usize).div_ceil(32));
+                assert_eq!(gb.k_iters, (8 * 20 * 20usize).div_ceil(64));
+            } else {
                 let channels: usize = if pass == Pass::Forward { 96 } else { 64 };
                 assert_eq!(gm.cblocks, channels.div_ceil(32));
                 assert_eq!(gm.k_iters, 9 * gm.cblocks);
                 assert_eq!(gb.cblocks, channels.div_ceil(64));
-                let (_, launch) = launch_for(&k, tile, 1, 132);
-                assert_eq!(launch.turns_weight(), pass == Pass::BackwardData);
             }
+            let (_, launch) = launch_for(&k, tile, 1, 132);
+            assert_eq!(launch.turns_weight(), pass == Pass::BackwardData);
+            assert_eq!(launch.turns_cotangent(), wgrad);
+            let (t, _) = choose(132, DType::F32, pass, &k.geometry);
+            assert_eq!(t.swapped, wgrad, "{pass:?}");
         }
     }
 
@@ -814,7 +867,7 @@ mod tests {
     fn paired_tiles_run_on_request_only() {
         let registered = specs();
         for pass in Pass::ALL {
-            let all = tiles(pass);
+            let all = tiles(DType::BF16, pass);
             assert_eq!(all.iter().filter(|t| t.cluster == 2).count(), all.len() / 2);
             for t in all {
                 let registered_here = registered.contains(&spec(DType::BF16, pass, t, 2));
@@ -858,7 +911,10 @@ mod tests {
 
     #[test]
     fn stages_fill_the_budget_and_fit_a_block() {
-        for t in tiles(Pass::BackwardWeight) {
+        for t in tiles(DType::BF16, Pass::BackwardWeight)
+            .into_iter()
+            .chain(tiles(DType::F32, Pass::BackwardWeight))
+        {
             assert!(stages(t) >= 4, "{t:?}");
             assert!(shared_bytes(t) <= 227 * 1024, "{t:?}");
         }
@@ -987,8 +1043,8 @@ mod tests {
         let (gm, _) = &gemms(DType::BF16, Pass::BackwardWeight, &g)[0];
         assert_eq!(gm.tiles(SWAPPED), (9 * 640 / 128, 1));
         assert_eq!(gm.tiles(tile(128, 256)), (3, (9 * 640usize).div_ceil(256)));
-        assert!(!tiles(Pass::Forward).contains(&SWAPPED));
-        assert!(!tiles(Pass::BackwardData).contains(&SWAPPED));
+        assert!(!tiles(DType::BF16, Pass::Forward).contains(&SWAPPED));
+        assert!(!tiles(DType::BF16, Pass::BackwardData).contains(&SWAPPED));
     }
 
     /// Backward-data's phases along one dim, against every (input position, tap, output)

@@ -245,7 +245,7 @@ pub mod tuning {
         splits: usize,
     ) -> Result<Array> {
         let (dtype, a, b) = gemm_operands(pass, first, second)?;
-        let tiles = hopper::tiles(pass);
+        let tiles = hopper::tiles(dtype, pass);
         if !tiles.contains(&tile) {
             return Err(bad(
                 "tile",
@@ -502,12 +502,17 @@ fn launch(enc: &mut CommandEncoder, plan: &Plan, a: &Array, b: &Array, out: &Arr
             }?;
         }
         Kind::Wgmma(launch) => {
+            // TF32 takes its shared-memory operand along k: the weight or the cotangent turned
+            // round first.
             let turned;
-            let b = if launch.turns_weight() {
+            let (a, b) = if launch.turns_weight() {
                 turned = hopper::turned_weight(enc, b)?;
-                &turned
+                (a, &turned)
+            } else if launch.turns_cotangent() {
+                turned = hopper::turned_cotangent(enc, a)?;
+                (&turned, b)
             } else {
-                b
+                (a, b)
             };
             // Backward-data's stride phases write disjoint pixels of `out`, one launch each. The
             // maps hold the operands' addresses: built per call, checked by the driver.

@@ -468,7 +468,7 @@ impl Choice {
         if partials {
             out.push(split_sum_spec(key.dtype));
         }
-        if matches!(self, Choice::Wgmma(_, l) if l.turns_weight()) {
+        if matches!(self, Choice::Wgmma(_, l) if l.turns_weight() || l.turns_cotangent()) {
             out.push(crate::runtime::copy::transpose_spec(key.dtype));
         }
         out
