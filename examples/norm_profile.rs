@@ -1,6 +1,6 @@
 //! A small program for profilers (ncu, compute-sanitizer): runs norm ops twice each.
 //! Usage: cargo run --release --example norm_profile [DTYPE OP ROWS D]...
-//! with OP one of layer_norm, rms_norm, layer_norm_vjp; default: bf16 layer_norm_vjp 16384 768.
+//! with OP one of layer_norm, rms_norm, layer_norm_vjp, rms_norm_vjp; default: bf16 layer_norm_vjp 16384 768.
 use kiln::ops::norm;
 use kiln::runtime::{Array, CommandEncoder, Device};
 use kiln::selfcheck::TestRng;
@@ -40,6 +40,7 @@ fn main() -> kiln::Result<()> {
                     &g,
                     1e-5,
                 )?),
+                "rms_norm_vjp" => drop(norm::rms_norm_vjp(&mut enc, &x, Some(&w), &g, 1e-5)?),
                 other => panic!("unknown op {other}"),
             }
         }
