@@ -62,6 +62,13 @@ pub fn transpose_spec(dtype: DType) -> KernelSpec {
     KernelSpec::new(&TRANSPOSE, dtype, BLOCK_DIM, 1, &[])
 }
 
+/// Whether [`swap_outer_inner`] takes an array of `shape` (its grid's limits: rows / 32 and the
+/// middle extent at most 65,535, fewer than 2^31 elements), so callers can choose another way.
+pub fn swap_outer_inner_takes(shape: [usize; 3]) -> bool {
+    let [rows, mid, cols] = shape;
+    rows.div_ceil(32) <= 65_535 && mid <= 65_535 && rows * mid * cols <= i32::MAX as usize
+}
+
 /// A contiguous (c, b, a) copy of a 3-D array (a, b, c) (`src.swapaxes(0, 2)` made contiguous,
 /// at the speed of a plain copy: a strided gather would read one element per 32-byte sector).
 pub fn swap_outer_inner(enc: &mut CommandEncoder, src: &Array) -> Result<Array> {
@@ -80,7 +87,7 @@ pub fn swap_outer_inner(enc: &mut CommandEncoder, src: &Array) -> Result<Array> 
         return Ok(dst);
     }
     let grid = (cols.div_ceil(32), rows.div_ceil(32), mid);
-    if grid.1 > 65_535 || grid.2 > 65_535 || src.size() > i32::MAX as usize {
+    if !swap_outer_inner_takes([rows, mid, cols]) {
         return Err(Error::InvalidArgument {
             arg: "src",
             reason: format!(

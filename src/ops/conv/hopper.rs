@@ -270,14 +270,14 @@ pub fn unsupported(key: &PlanKey) -> Option<&'static str> {
         return Some("exact f32 runs on the mma.sync path (three TF32 products)");
     }
     if key.dtype == DType::F32 && key.pass == Pass::BackwardWeight {
-        // The cotangent turned round, (cout, pixels), is a tensor map of 16-byte rows, made by a
-        // transposing copy whose grid takes 65,535 x 32 rows.
+        // The cotangent turned round, (cout, pixels), is a tensor map of 16-byte rows, made by
+        // `turned_cotangent`'s transposing copy.
         let pixels = g.batch * g.output_pixels();
         if pixels % 4 != 0 {
             return Some("TF32 backward-weight of a pixel count not a multiple of 4");
         }
-        if pixels > 65_535 * 32 {
-            return Some("TF32 backward-weight of more than 65,535 x 32 pixels");
+        if !crate::runtime::copy::swap_outer_inner_takes([pixels, 1, g.cout]) {
+            return Some("TF32 backward-weight of a cotangent past the transposing copy's grid");
         }
     }
     if g.groups != 1 {
@@ -859,6 +859,18 @@ mod tests {
             assert_eq!(launch.turns_cotangent(), wgrad);
             let (t, _) = choose(132, DType::F32, pass, &k.geometry);
             assert_eq!(t.swapped, wgrad, "{pass:?}");
+        }
+        // Backward-weight falls back where the turned cotangent cannot be made: pixels not a
+        // multiple of 4, or past the transposing copy's 65,535 x 32 rows.
+        for (input, cout, takes) in [
+            ([8, 20, 20, 96], 1280, true),
+            ([1, 7, 7, 96], 1280, false),
+            ([1, 1280, 1280, 96], 1280, true),
+            ([2, 1280, 1280, 96], 8, false),
+        ] {
+            let mut k = key(Pass::BackwardWeight, &input, &[cout, 3, 3, 96], &p);
+            (k.dtype, k.tf32) = (DType::F32, true);
+            assert_eq!(unsupported(&k).is_none(), takes, "{input:?} -> {cout}");
         }
     }
 
