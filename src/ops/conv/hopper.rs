@@ -256,6 +256,10 @@ fn i3(v: [usize; 3]) -> [i32; 3] {
     v.map(|x| x as i32)
 }
 
+/// The fewest rows of C, the weight's (tap, input channel) pairs, for which TF32 backward-weight
+/// takes the Hopper family (see `unsupported`).
+const MIN_TF32_WEIGHT_ROWS: usize = 256;
+
 /// Backward-data phases a Hopper launch may run; more (large strides in 2-D and 3-D) go to the
 /// `mma.sync` path, which runs phases as one grid.
 const MAX_PHASES: usize = 16;
@@ -278,6 +282,12 @@ pub fn unsupported(key: &PlanKey) -> Option<&'static str> {
         }
         if !crate::runtime::copy::swap_outer_inner_takes([pixels, 1, g.cout]) {
             return Some("TF32 backward-weight of a cotangent past the transposing copy's grid");
+        }
+        // Under 256 rows of C (1x1 layers of 64 or 128 input channels) the transposing copy
+        // costs more than the product saves: H100, 64 -> 256 channels at 56x56, 56 TFLOP/s on
+        // one TF32 mma.sync product against 25 here.
+        if g.kernel_size() * g.cin < MIN_TF32_WEIGHT_ROWS {
+            return Some("TF32 backward-weight of fewer than 256 (tap, channel) rows");
         }
     }
     if g.groups != 1 {
@@ -860,8 +870,15 @@ mod tests {
             let (t, _) = choose(132, DType::F32, pass, &k.geometry);
             assert_eq!(t.swapped, wgrad, "{pass:?}");
         }
-        // Backward-weight falls back where the turned cotangent cannot be made: pixels not a
-        // multiple of 4, or past the transposing copy's 65,535 x 32 rows.
+        // Backward-weight falls back where the transposing copy costs more than it saves (1x1
+        // layers of up to 128 channels), and where the turned cotangent cannot be made: pixels
+        // not a multiple of 4, or past the transposing copy's 65,535 x 32 rows.
+        let one = ConvParams::default();
+        for (weight, takes) in [([256, 1, 1, 128], false), ([256, 1, 1, 256], true)] {
+            let mut k = key(Pass::BackwardWeight, &[8, 20, 20, weight[3]], &weight, &one);
+            (k.dtype, k.tf32) = (DType::F32, true);
+            assert_eq!(unsupported(&k).is_none(), takes, "1x1 {weight:?}");
+        }
         for (input, cout, takes) in [
             ([8, 20, 20, 96], 1280, true),
             ([1, 7, 7, 96], 1280, false),
