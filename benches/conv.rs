@@ -126,7 +126,8 @@ fn class_layers() -> Vec<Layer> {
     ]
 }
 
-/// The class suite's stems and the seven shapes' (batch 32), held to the stems' floor: a quick
+/// The class suite's stems, the seven shapes' (batch 32), and stems neither has (3x3 to 64
+/// channels, 1 and 4 input channels, another resolution), held to the stems' floor: a quick
 /// suite (`--suite stems`) for work on the stem family.
 fn stem_layers() -> Vec<Layer> {
     let mut out: Vec<Layer> = class_layers()
@@ -139,6 +140,11 @@ fn stem_layers() -> Vec<Layer> {
             .filter(|l| l.c <= 4)
             .map(|l| Layer { class: STEM, ..l }),
     );
+    out.extend([
+        class_layer(STEM, 32, 3, &[224, 224], 64, 3, 2, 1, 1),
+        class_layer(STEM, 32, 1, &[256, 256], 32, 3, 2, 1, 1),
+        class_layer(STEM, 32, 4, &[160, 160], 64, 7, 2, 3, 1),
+    ]);
     out
 }
 
