@@ -29,7 +29,8 @@ constexpr int C = {{C}}, KH = {{KH}}, KW = {{KW}}, SH = {{SH}}, SW = {{SW}}, NB 
 constexpr bool TENSOR = {{TENSOR}} != 0;
 constexpr int THREADS = 128, TH = 8, TW = 16, PIXELS = TH * TW;
 // Blocks an SM must hold: four (forward, backward-data), so that others' math hides a block's
-// staging; backward-weight's accumulators need more registers.
+// staging; backward-weight's accumulators need more registers. Mirrored by
+// ops::conv::stem::min_blocks_per_sm; the persistent grids hold as many as the driver says fit.
 constexpr int MIN_BLOCKS = PASS == 2 ? 2 : 4;
 static_assert(NB == 32 || NB == 64, "32 or 64 output channels a block");
 

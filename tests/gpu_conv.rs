@@ -142,6 +142,15 @@ fn cases() -> Vec<Case> {
             &[16, 7, 7, 3],
             d().strides(&[2]).padding(&[3]),
         ),
+        // 720 tiles of 2 x 16 pixels: more than an H100's persistent stem grid holds at once
+        // (132 SMs x the blocks the driver says fit), so blocks walk several tiles; few pixels
+        // a tile keep backward-weight's sums inside f16's range.
+        case(
+            "stem 3x3 over 720 tiles",
+            &[720, 2, 16, 3],
+            &[32, 3, 3, 3],
+            d().padding(&[1]),
+        ),
         case(
             "2d channels 5 -> 7, groups 1",
             &[2, 6, 7, 5],

@@ -833,8 +833,12 @@ fn build_stem(
     device: &Device,
     key: &PlanKey,
     spec: KernelSpec,
-    launch: stem::Launch,
+    mut launch: stem::Launch,
 ) -> Result<Plan> {
+    let kernel = device.kernel(&spec)?;
+    kernel.allow_shared(launch.shared)?;
+    let per_sm = kernel.blocks_per_sm(stem::THREADS as u32, launch.shared)?;
+    launch.fill(device.info().multiprocessors as usize, per_sm);
     let geometry = (
         launch.grid,
         stem::THREADS as u32,

@@ -213,12 +213,18 @@ pub fn shared_bytes(pass: Pass, dtype: DType, s: Shape, tensor: bool) -> usize {
     patch + second
 }
 
-/// Blocks an SM the forward's persistent grid aims at (the weight is staged once a block).
-const FORWARD_BLOCKS_PER_SM: usize = 4;
-/// Backward-weight's blocks an SM: each writes one f32 partial of the weight.
-const WGRAD_BLOCKS_PER_SM: usize = 2;
+/// Blocks an SM the template's `__launch_bounds__` leaves room for (its MIN_BLOCKS): the size of
+/// the forward's and backward-weight's persistent grids until the driver says how many of the
+/// compiled kernel's blocks fit (see [`Launch::fill`]).
+pub fn min_blocks_per_sm(pass: Pass) -> usize {
+    match pass {
+        Pass::BackwardWeight => 2,
+        _ => 4,
+    }
+}
 
-/// The launch of `key` on `sms` multiprocessors, or None where the family does not take it.
+/// The launch of `key` on `sms` multiprocessors, with the persistent grids sized by
+/// [`min_blocks_per_sm`], or None where the family does not take it.
 pub fn launch_for(key: &PlanKey, sms: usize) -> Option<Launch> {
     let g = &key.geometry;
     let shape = Shape::of(g);
@@ -233,13 +239,7 @@ pub fn launch_for(key: &PlanKey, sms: usize) -> Option<Launch> {
         _ => (g.output[1].div_ceil(TILE_H), g.output[2].div_ceil(TILE_W)),
     };
     let tiles = g.batch * tiles_h * tiles_w;
-    let blocks = match key.pass {
-        Pass::Forward => tiles.clamp(1, sms.max(1) * FORWARD_BLOCKS_PER_SM),
-        Pass::BackwardWeight => tiles.clamp(1, sms.max(1) * WGRAD_BLOCKS_PER_SM),
-        // One block a tile.
-        Pass::BackwardData => tiles,
-    };
-    if blocks > i32::MAX as usize {
+    if tiles > i32::MAX as usize {
         return None;
     }
     let problem = Problem {
@@ -257,17 +257,14 @@ pub fn launch_for(key: &PlanKey, sms: usize) -> Option<Launch> {
         // 16-byte cotangent rows: 8-channel vectors inside cout, from an aligned base.
         vec: (key.aligned && g.cout % 8 == 0) as i32,
     };
-    let splits = match key.pass {
-        Pass::BackwardWeight => blocks,
-        _ => 1,
-    };
-    Some(Launch {
+    let mut launch = Launch {
         pass: key.pass,
         shape,
         tensor,
         problem,
+        // One block a tile; `fill` makes the other passes' grids persistent.
         grid: (
-            blocks as u32,
+            tiles as u32,
             match key.pass {
                 Pass::BackwardData => 1,
                 _ => g.cout.div_ceil(shape.nb) as u32,
@@ -275,8 +272,31 @@ pub fn launch_for(key: &PlanKey, sms: usize) -> Option<Launch> {
             1,
         ),
         shared: shared_bytes(key.pass, key.dtype, shape, tensor),
-        splits,
-    })
+        splits: 1,
+    };
+    launch.fill(sms, min_blocks_per_sm(key.pass));
+    Some(launch)
+}
+
+impl Launch {
+    /// Sizes the forward's and backward-weight's persistent grids to `per_sm` blocks on each of
+    /// `sms` multiprocessors (never more blocks than tiles): the plan passes how many of the
+    /// compiled kernel's blocks an SM holds, so that every block is resident from the start (a
+    /// second wave would double a pass's time for a few tiles; fewer blocks leave the SMs
+    /// without other blocks' math to hide a block's staging). Backward-weight's blocks each
+    /// write one f32 partial. Backward-data keeps one block a tile.
+    pub fn fill(&mut self, sms: usize, per_sm: usize) {
+        if self.pass == Pass::BackwardData {
+            return;
+        }
+        let p = &self.problem;
+        let tiles = p.batch as usize * p.tiles_h as usize * p.tiles_w as usize;
+        let blocks = tiles.clamp(1, sms.max(1) * per_sm.max(1));
+        self.grid.0 = blocks as u32;
+        if self.pass == Pass::BackwardWeight {
+            self.splits = blocks;
+        }
+    }
 }
 
 /// The spec and launch that run `key`, or None where the family does not take it.
@@ -385,5 +405,50 @@ mod tests {
         )
         .unwrap();
         assert_eq!((d.grid, d.splits), ((12, 1, 1), 1));
+    }
+
+    #[test]
+    fn persistent_grids_hold_what_the_driver_says_fits() {
+        let p = ConvParams::default().strides(&[2]).padding(&[1]);
+        // 112 x 112 outputs: 14 x 7 tiles an image, 6272 for 64 images.
+        let w = key(
+            DType::F32,
+            Pass::BackwardWeight,
+            &[64, 224, 224, 3],
+            &[32, 3, 3, 3],
+            &p,
+        );
+        let mut l = launch_for(&w, 132).unwrap();
+        assert_eq!(
+            (l.grid.0, l.splits),
+            (264, 264),
+            "two blocks an SM before the driver says"
+        );
+        l.fill(132, 5);
+        assert_eq!((l.grid.0, l.splits), (660, 660));
+        // Never more blocks than tiles.
+        l.fill(132, 64);
+        assert_eq!((l.grid.0, l.splits), (6272, 6272));
+        let mut f = launch_for(
+            &PlanKey {
+                pass: Pass::Forward,
+                ..w
+            },
+            132,
+        )
+        .unwrap();
+        f.fill(132, 5);
+        assert_eq!((f.grid.0, f.splits), (660, 1));
+        let mut d = launch_for(
+            &PlanKey {
+                pass: Pass::BackwardData,
+                ..w
+            },
+            132,
+        )
+        .unwrap();
+        let before = d.grid;
+        d.fill(132, 5);
+        assert_eq!(d.grid, before, "backward-data keeps one block a tile");
     }
 }
