@@ -48,11 +48,14 @@ constexpr int KK = KH * KW * C;                          // the weight's element
 constexpr int WK = KH * KWP * 4 + 8;
 // Backward-weight: the cotangent tile, a row a pixel (tensor cores: padded for ldmatrix).
 constexpr int DY_LD = TENSOR ? NB + 8 : NB;
+// Forward, tensor cores: the output tile on its way out, a row a pixel.
+constexpr int OUT_LD = NB + 8;
 
-// Shared memory (mirrored by ops::conv::stem::shared_bytes): the patch, then the weight or the
-// cotangent tile.
+// Shared memory (mirrored by ops::conv::stem::shared_bytes): the patch, then the weight (and,
+// tensor-core forward, the output tile on its way out) or the cotangent tile.
 constexpr int PATCH_BYTES = (PR * PC * CP * (int)sizeof(PT) + 15) / 16 * 16;
 constexpr int WEIGHT_BYTES = TENSOR ? NB * WK * 2 : KK * NB * 4;
+constexpr int OUT_BYTES = TENSOR ? PIXELS * OUT_LD * 2 : 0;  // after the weight
 constexpr int DY_BYTES = PIXELS * DY_LD * (TENSOR ? 2 : 4);
 
 // Mirrors ops::conv::stem::Problem (repr(C)).
@@ -93,6 +96,47 @@ __device__ __forceinline__ void kiln_stage_patch(PT* patch, const T* __restrict_
     if (c < C && pr < rows && pc < cols && ih >= 0 && ih < p.in_h && iw >= 0 && iw < p.in_w)
       v = kiln_patch_of<TENSOR>::get(image[((long long)ih * p.in_w + iw) * C + c]);
     patch[i] = v;
+  }
+}
+
+// Tensor cores: the same patch, loaded a pixel at a time into registers (a pixel's 4 channels are
+// two 32-bit words) so that a block can load the next tile's patch while it multiplies this one.
+// Thread t holds patch pixels t, t + THREADS, ...
+constexpr int PATCH_PX = PR * PC, PATCH_REGS = (PATCH_PX + THREADS - 1) / THREADS;
+struct kiln_patch_regs {
+  uint2 px[PATCH_REGS];
+};
+__device__ __forceinline__ unsigned kiln_bits(kiln_f16 v) { return v.bits; }
+__device__ __forceinline__ unsigned kiln_bits(kiln_bf16 v) { return v.bits; }
+__device__ __forceinline__ unsigned kiln_bits(float) { return 0u; }  // f32 runs on the FMA path
+
+__device__ __forceinline__ void kiln_load_patch(kiln_patch_regs& r, const T* __restrict__ x,
+                                                const kiln_stem& p, int img, int oh0, int ow0) {
+  const int ih0 = oh0 * SH - p.pad_h, iw0 = ow0 * SW - p.pad_w;
+  const int rows = (min(p.out_h - oh0, TH) - 1) * SH + KH;
+  const int cols = (min(p.out_w - ow0, TW) - 1) * SW + KW;
+  const T* image = x + (long long)img * p.in_h * p.in_w * C;
+#pragma unroll
+  for (int j = 0; j < PATCH_REGS; ++j) {
+    const int i = threadIdx.x + j * THREADS;
+    const int pr = i / PC, pc = i % PC;
+    const int ih = ih0 + pr, iw = iw0 + pc;
+    unsigned h[4] = {0u, 0u, 0u, 0u};
+    if (i < PATCH_PX && pr < rows && pc < cols && ih >= 0 && ih < p.in_h && iw >= 0 &&
+        iw < p.in_w) {
+      const T* at = image + ((long long)ih * p.in_w + iw) * C;
+#pragma unroll
+      for (int c = 0; c < C; ++c) h[c] = kiln_bits(at[c]);
+    }
+    r.px[j] = make_uint2(h[0] | (h[1] << 16), h[2] | (h[3] << 16));
+  }
+}
+
+__device__ __forceinline__ void kiln_put_patch(PT* patch, const kiln_patch_regs& r) {
+#pragma unroll
+  for (int j = 0; j < PATCH_REGS; ++j) {
+    const int i = threadIdx.x + j * THREADS;
+    if (i < PATCH_PX) reinterpret_cast<uint2*>(patch)[i] = r.px[j];
   }
 }
 
@@ -220,10 +264,44 @@ __device__ __forceinline__ void kiln_forward_tensor(const unsigned* words, const
   }
 }
 
-__device__ __forceinline__ void kiln_store_forward_tensor(T* __restrict__ out, const kiln_stem& p,
-                                                          int img, int oh0, int ow0, int n0,
+// Writes the warp's two tile rows. With cout a multiple of 8 they pass through the warp's part
+// of `stage` (OUT_LD channels a pixel, padded so that the fragments' 4-byte writes miss each
+// other's banks) and leave as 16-byte vectors of consecutive channels, lane l moving vectors
+// l, l + 32, ... of the warp's 32 pixels x NB / 8: whole 32-byte sectors, where the fragments'
+// own stores would write each pixel's channels in 4-byte pieces.
+__device__ __forceinline__ void kiln_store_forward_tensor(T* __restrict__ out, T* stage,
+                                                          const kiln_stem& p, int img, int oh0,
+                                                          int ow0, int n0,
                                                           const float (&acc)[2][FWD_NT][4]) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, q = lane % 4, r = lane / 4;
+  if (p.cout % 8 == 0) {
+    T* mine = stage + warp * 32 * OUT_LD;
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int nt = 0; nt < FWD_NT; ++nt) {
+          kiln_vec<T, 2> v;
+          v.v[0] = kiln_from_float<T>(acc[mt][nt][2 * h]);
+          v.v[1] = kiln_from_float<T>(acc[mt][nt][2 * h + 1]);
+          const int px = 16 * mt + r + 8 * h;
+          *reinterpret_cast<kiln_vec<T, 2>*>(mine + px * OUT_LD + nt * 8 + 2 * q) = v;
+        }
+    __syncwarp();
+    constexpr int CHUNKS = NB / 8;  // 16-byte vectors a pixel
+#pragma unroll
+    for (int i = 0; i < CHUNKS; ++i) {
+      const int v = lane + 32 * i, px = v / CHUNKS, co = n0 + v % CHUNKS * 8;
+      const int oh = oh0 + 2 * warp + px / 16, ow = ow0 + px % 16;
+      if (oh < p.out_h && ow < p.out_w && co < p.cout)
+        *reinterpret_cast<uint4*>(out + (((long long)img * p.out_h + oh) * p.out_w + ow) * p.cout +
+                                  co) = *reinterpret_cast<const uint4*>(mine + px * OUT_LD +
+                                                                        v % CHUNKS * 8);
+    }
+    __syncwarp();  // the next tile's writes come after these reads
+    return;
+  }
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt) {
     const int oh = oh0 + 2 * warp + mt;
@@ -572,6 +650,37 @@ __device__ __forceinline__ void kiln_tiles(const kiln_stem& p, Stage stage, Step
   }
 }
 
+// The tiles again, with the patch loaded into registers a tile ahead (tensor-core forward): the
+// next tile's loads are in flight while this one is multiplied and stored.
+template <typename Step>
+__device__ __forceinline__ void kiln_tiles_ahead(const kiln_stem& p, const T* __restrict__ x,
+                                                 PT* patch, Step step) {
+  const int tiles = p.batch * p.tiles_h * p.tiles_w;
+  auto origin = [&](int t, int& img, int& oh0, int& ow0) {
+    img = t / (p.tiles_h * p.tiles_w);
+    oh0 = (t / p.tiles_w) % p.tiles_h * TH;
+    ow0 = t % p.tiles_w * TW;
+  };
+  kiln_patch_regs ahead;
+  int img, oh0, ow0;
+  if (blockIdx.x < tiles) {
+    origin(blockIdx.x, img, oh0, ow0);
+    kiln_load_patch(ahead, x, p, img, oh0, ow0);
+  }
+  for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+    origin(t, img, oh0, ow0);
+    __syncthreads();  // the previous tile's reads of shared memory are done
+    kiln_put_patch(patch, ahead);
+    __syncthreads();
+    if (t + gridDim.x < tiles) {
+      int ni, nh, nw;
+      origin(t + gridDim.x, ni, nh, nw);
+      kiln_load_patch(ahead, x, p, ni, nh, nw);
+    }
+    step(img, oh0, ow0);
+  }
+}
+
 // Forward: (input, weight); backward-data: (cotangent, weight); backward-weight: (input,
 // cotangent).
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{kernel}}(
@@ -588,11 +697,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{kernel}}(
     kiln_stage_weight(second, other, p, n0);
     auto stage = [&](int img, int oh0, int ow0) { kiln_stage_patch(patch, x, p, img, oh0, ow0); };
     if constexpr (TENSOR) {
-      kiln_tiles(p, stage, [&](int img, int oh0, int ow0) {
+      kiln_tiles_ahead(p, x, patch, [&](int img, int oh0, int ow0) {
         float acc[2][FWD_NT][4];
         kiln_forward_tensor(reinterpret_cast<const unsigned*>(patch),
                             reinterpret_cast<const T*>(second), acc);
-        kiln_store_forward_tensor(out, p, img, oh0, ow0, n0, acc);
+        kiln_store_forward_tensor(out, reinterpret_cast<T*>(second + WEIGHT_BYTES), p, img, oh0,
+                                  ow0, n0, acc);
       });
     } else {
       kiln_tiles(p, stage, [&](int img, int oh0, int ow0) {

@@ -185,7 +185,8 @@ pub struct Launch {
 }
 
 /// Dynamic shared memory of a block, as the template lays it out: the input patch (16-byte
-/// rounded), then the weight (forward) or the cotangent tile (backward-weight); backward-data
+/// rounded), then the weight (forward; on tensor cores also the output tile on its way out) or
+/// the cotangent tile (backward-weight); backward-data
 /// a stage of the cotangent rows its tile reads and of the weight, as f32.
 pub fn shared_bytes(pass: Pass, dtype: DType, s: Shape, tensor: bool) -> usize {
     let (kh, kw) = (s.kernel[0], s.kernel[1]);
@@ -205,7 +206,8 @@ pub fn shared_bytes(pass: Pass, dtype: DType, s: Shape, tensor: bool) -> usize {
     let value = if tensor { dtype.size() } else { 4 };
     let patch = (rows * cols * cp * value).div_ceil(16) * 16;
     let second = match (pass, tensor) {
-        (Pass::Forward, true) => s.nb * (kh * kwp * 4 + 8) * 2,
+        // The weight, then the output tile on its way out.
+        (Pass::Forward, true) => s.nb * (kh * kwp * 4 + 8) * 2 + TILE_H * TILE_W * (s.nb + 8) * 2,
         (Pass::Forward, false) => kh * kw * s.channels * s.nb * 4,
         (_, true) => TILE_H * TILE_W * (s.nb + 8) * 2,
         (_, false) => TILE_H * TILE_W * s.nb * 4,
