@@ -52,7 +52,8 @@ constexpr int DY_LD = TENSOR ? NB + 8 : NB;
 constexpr int OUT_LD = NB + 8;
 
 // Shared memory (mirrored by ops::conv::stem::shared_bytes): the patch, then the weight (and,
-// tensor-core forward, the output tile on its way out) or the cotangent tile.
+// tensor-core forward, the output tile on its way out) or the cotangent tile (two of them on
+// tensor cores).
 constexpr int PATCH_BYTES = (PR * PC * CP * (int)sizeof(PT) + 15) / 16 * 16;
 constexpr int WEIGHT_BYTES = TENSOR ? NB * WK * 2 : KK * NB * 4;
 constexpr int OUT_BYTES = TENSOR ? PIXELS * OUT_LD * 2 : 0;  // after the weight
@@ -681,6 +682,52 @@ __device__ __forceinline__ void kiln_tiles_ahead(const kiln_stem& p, const T* __
   }
 }
 
+// Backward-weight's cotangent tile (tensor cores, 16-byte rows: p.vec) copied into `d` by
+// cp.async, committed as one group.
+__device__ __forceinline__ void kiln_copy_cotangent_async(T* d, const T* __restrict__ dy,
+                                                          const kiln_stem& p, int img, int oh0,
+                                                          int ow0, int n0) {
+  const long long image = (long long)img * p.out_h;
+#pragma unroll
+  for (int i = threadIdx.x; i < PIXELS * (NB / 8); i += THREADS) {
+    const int px = i / (NB / 8), ch = (i % (NB / 8)) * 8;
+    const int oh = oh0 + px / TW, ow = ow0 + px % TW;
+    const bool real = oh < p.out_h && ow < p.out_w && n0 + ch < p.cout;
+    const T* from = real ? dy + ((image + oh) * p.out_w + ow) * p.cout + n0 + ch : dy;
+    kiln_cp_async<16, false>(d + px * DY_LD + ch, from, real);
+  }
+  kiln_cp_async_commit();
+}
+
+// Backward-weight's tiles on tensor cores with 16-byte cotangent rows: while a tile is
+// multiplied, the next one's cotangent is copied into the other of two buffers (`dys`, DY_BYTES
+// apart) and its patch loaded into registers. `step(d)` multiplies the tile whose cotangent is
+// at d.
+template <typename Step>
+__device__ __forceinline__ void kiln_wgrad_tiles_ahead(const kiln_stem& p, const T* __restrict__ x,
+                                                       const T* __restrict__ dy, PT* patch,
+                                                       unsigned char* dys, int n0, Step step) {
+  const int tiles = p.batch * p.tiles_h * p.tiles_w;
+  auto buffer = [&](int b) { return reinterpret_cast<T*>(dys + b * DY_BYTES); };
+  auto fetch = [&](kiln_patch_regs& r, int t, int b) {
+    const int img = t / (p.tiles_h * p.tiles_w);
+    const int oh0 = (t / p.tiles_w) % p.tiles_h * TH, ow0 = t % p.tiles_w * TW;
+    kiln_load_patch(r, x, p, img, oh0, ow0);
+    kiln_copy_cotangent_async(buffer(b), dy, p, img, oh0, ow0, n0);
+  };
+  kiln_patch_regs ahead;
+  if (blockIdx.x < tiles) fetch(ahead, blockIdx.x, 0);
+  int b = 0;
+  for (int t = blockIdx.x; t < tiles; t += gridDim.x, b ^= 1) {
+    kiln_cp_async_wait<0>();  // this thread's copies of the tile have landed
+    __syncthreads();          // everyone's have; the previous tile's reads are done
+    kiln_put_patch(patch, ahead);
+    __syncthreads();
+    if (t + gridDim.x < tiles) fetch(ahead, t + gridDim.x, b ^ 1);
+    step(buffer(b));
+  }
+}
+
 // Forward: (input, weight); backward-data: (cotangent, weight); backward-weight: (input,
 // cotangent).
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{kernel}}(
@@ -717,10 +764,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{kernel}}(
     };
     if constexpr (TENSOR) {
       float acc[WG_MT][WG_NTW][4] = {};
-      kiln_tiles(p, stage, [&](int, int, int) {
-        kiln_wgrad_tensor(reinterpret_cast<const unsigned short*>(patch),
-                          reinterpret_cast<const T*>(second), acc);
-      });
+      auto step = [&](const T* dys) {
+        kiln_wgrad_tensor(reinterpret_cast<const unsigned short*>(patch), dys, acc);
+      };
+      if (p.vec)
+        kiln_wgrad_tiles_ahead(p, x, other, patch, second, n0, step);
+      else
+        kiln_tiles(p, stage, [&](int, int, int) { step(reinterpret_cast<const T*>(second)); });
       kiln_wgrad_store_tensor(out, partial, p, n0, acc);
     } else {
       float acc[WG_FMA_V][WG_FMA_J][4] = {};

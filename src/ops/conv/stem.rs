@@ -186,7 +186,7 @@ pub struct Launch {
 
 /// Dynamic shared memory of a block, as the template lays it out: the input patch (16-byte
 /// rounded), then the weight (forward; on tensor cores also the output tile on its way out) or
-/// the cotangent tile (backward-weight); backward-data
+/// the cotangent tile (backward-weight; two on tensor cores); backward-data
 /// a stage of the cotangent rows its tile reads and of the weight, as f32.
 pub fn shared_bytes(pass: Pass, dtype: DType, s: Shape, tensor: bool) -> usize {
     let (kh, kw) = (s.kernel[0], s.kernel[1]);
@@ -209,7 +209,8 @@ pub fn shared_bytes(pass: Pass, dtype: DType, s: Shape, tensor: bool) -> usize {
         // The weight, then the output tile on its way out.
         (Pass::Forward, true) => s.nb * (kh * kwp * 4 + 8) * 2 + TILE_H * TILE_W * (s.nb + 8) * 2,
         (Pass::Forward, false) => kh * kw * s.channels * s.nb * 4,
-        (_, true) => TILE_H * TILE_W * (s.nb + 8) * 2,
+        // Two cotangent tiles: the next one is copied in while this one is multiplied.
+        (_, true) => 2 * TILE_H * TILE_W * (s.nb + 8) * 2,
         (_, false) => TILE_H * TILE_W * s.nb * 4,
     };
     patch + second
