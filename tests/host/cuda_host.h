@@ -29,6 +29,9 @@ inline kiln_dim3 blockDim, gridDim;
 inline thread_local std::barrier<>* kiln_host_barrier = nullptr;
 
 inline void __syncthreads() { kiln_host_barrier->arrive_and_wait(); }
+// Stronger than a warp's barrier: kiln's kernels call it only where every thread of the block
+// does, so the block barrier keeps the same order and cannot deadlock.
+inline void __syncwarp(unsigned = 0xffffffffu) { __syncthreads(); }
 
 struct alignas(8) float2 {
   float x, y;
@@ -41,6 +44,7 @@ inline float4 make_float4(float x, float y, float z, float w) { return float4{x,
 struct alignas(8) uint2 {
   unsigned x, y;
 };
+inline uint2 make_uint2(unsigned x, unsigned y) { return uint2{x, y}; }
 struct alignas(16) uint4 {
   unsigned x, y, z, w;
 };
