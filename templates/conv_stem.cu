@@ -65,7 +65,8 @@ struct kiln_stem {
   int pad_h, pad_w;       // padding before the first row and column
   int tiles_h, tiles_w;   // tiles an image along h and w
   int flip;               // the weight is applied turned round
-  int vec;                // backward-weight, tensor cores: cotangent rows in 16-byte vectors
+  int vec;                // cotangent rows in 16-byte vectors (backward-data, backward-weight
+                          // on tensor cores): cout % 8 == 0 and aligned arrays
 };
 
 // --- staging --------------------------------------------------------------------------------
@@ -571,14 +572,31 @@ __device__ __forceinline__ void kiln_backward_data(const T* __restrict__ dy,
       for (int c = 0; c < 4; ++c) acc[f][r][c] = 0.0f;
   for (int co0 = 0; co0 < p.cout; co0 += BD_CO) {
     __syncthreads();  // the previous stage's reads are done
-    // Channels innermost in the loop, so that the global reads coalesce.
-    for (int i = threadIdx.x; i < BD_DR * BD_DC * BD_CO; i += THREADS) {
-      const int co = i % BD_CO, col = (i / BD_CO) % BD_DC, row = i / (BD_CO * BD_DC);
-      const int oh = oh_base + row, ow = ow_base + col;
-      float v = 0.0f;
-      if (oh >= 0 && oh < p.out_h && ow >= 0 && ow < p.out_w && co0 + co < p.cout)
-        v = kiln_to_float(dy[((image + oh) * p.out_w + ow) * p.cout + co0 + co]);
-      dys[(row * BD_CO + co) * BD_DCP + col] = v;
+    // Channels innermost in the loop, so that the global reads coalesce: 16-byte vectors where
+    // the rows allow (p.vec: cout a multiple of 8, aligned arrays), else one value a read.
+    if (p.vec) {
+      constexpr int V = 16 / (int)sizeof(T), CV = BD_CO / V;  // values a vector, vectors a stage
+      for (int i = threadIdx.x; i < BD_DR * BD_DC * CV; i += THREADS) {
+        const int ch = i % CV * V, col = (i / CV) % BD_DC, row = i / (CV * BD_DC);
+        const int oh = oh_base + row, ow = ow_base + col;
+        uint4 raw = make_uint4(0, 0, 0, 0);
+        // cout % 8 == 0: a vector is all inside cout or all past it.
+        if (oh >= 0 && oh < p.out_h && ow >= 0 && ow < p.out_w && co0 + ch < p.cout)
+          raw = *reinterpret_cast<const uint4*>(dy + ((image + oh) * p.out_w + ow) * p.cout +
+                                                co0 + ch);
+        const T* v = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+        for (int e = 0; e < V; ++e) dys[(row * BD_CO + ch + e) * BD_DCP + col] = kiln_to_float(v[e]);
+      }
+    } else {
+      for (int i = threadIdx.x; i < BD_DR * BD_DC * BD_CO; i += THREADS) {
+        const int co = i % BD_CO, col = (i / BD_CO) % BD_DC, row = i / (BD_CO * BD_DC);
+        const int oh = oh_base + row, ow = ow_base + col;
+        float v = 0.0f;
+        if (oh >= 0 && oh < p.out_h && ow >= 0 && ow < p.out_w && co0 + co < p.cout)
+          v = kiln_to_float(dy[((image + oh) * p.out_w + ow) * p.cout + co0 + co]);
+        dys[(row * BD_CO + co) * BD_DCP + col] = v;
+      }
     }
     for (int i = threadIdx.x; i < KH * KW * BD_CO; i += THREADS) {
       const int co = i % BD_CO, kw = (i / BD_CO) % KW, kh = i / (BD_CO * KW);
