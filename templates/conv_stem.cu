@@ -29,9 +29,10 @@ constexpr int C = {{C}}, KH = {{KH}}, KW = {{KW}}, SH = {{SH}}, SW = {{SW}}, NB 
 constexpr bool TENSOR = {{TENSOR}} != 0;
 constexpr int THREADS = 128, TH = 8, TW = 16, PIXELS = TH * TW;
 // Blocks an SM must hold: four (forward, backward-data), so that others' math hides a block's
-// staging; backward-weight's accumulators need more registers. Mirrored by
+// staging; backward-weight's accumulators, and backward-data's on tensor cores, need more
+// registers. Mirrored by
 // ops::conv::stem::min_blocks_per_sm; the persistent grids hold as many as the driver says fit.
-constexpr int MIN_BLOCKS = PASS == 2 ? 2 : 4;
+constexpr int MIN_BLOCKS = PASS == 2 ? 2 : PASS == 1 && TENSOR && SH * SW <= 4 && C >= 3 ? 3 : 4;
 static_assert(NB == 32 || NB == 64, "32 or 64 output channels a block");
 
 template <bool B, typename X, typename Y> struct kiln_if { typedef X type; };
@@ -547,6 +548,12 @@ constexpr int BD_DCP = BD_DC | 1;
 constexpr int BD_DY_BYTES = BD_DR * BD_CO * BD_DCP * 4;
 constexpr int BD_W_BYTES = KH * KW * BD_CO * 16;
 
+// The tap (kh * KW + kw) at which backward-data applies the weight's stored tap `tap`: turned
+// round when the convolution flips the kernel.
+__device__ __forceinline__ int kiln_stage_tap(const kiln_stem& p, int tap) {
+  return p.flip ? KH * KW - 1 - tap : tap;
+}
+
 __device__ __forceinline__ int kiln_floor_div(int a, int b) {
   return a >= 0 ? a / b : -((-a + b - 1) / b);
 }
@@ -570,6 +577,8 @@ __device__ __forceinline__ void kiln_backward_data(const T* __restrict__ dy,
     for (int r = 0; r < BD_PX; ++r)
 #pragma unroll
       for (int c = 0; c < 4; ++c) acc[f][r][c] = 0.0f;
+  if (C < 4)
+    for (int i = threadIdx.x; i < KH * KW * BD_CO; i += THREADS) ws[i] = make_float4(0, 0, 0, 0);
   for (int co0 = 0; co0 < p.cout; co0 += BD_CO) {
     __syncthreads();  // the previous stage's reads are done
     // Channels innermost in the loop, so that the global reads coalesce: 16-byte vectors where
@@ -598,13 +607,13 @@ __device__ __forceinline__ void kiln_backward_data(const T* __restrict__ dy,
         dys[(row * BD_CO + co) * BD_DCP + col] = v;
       }
     }
-    for (int i = threadIdx.x; i < KH * KW * BD_CO; i += THREADS) {
-      const int co = i % BD_CO, kw = (i / BD_CO) % KW, kh = i / (BD_CO * KW);
-      float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      if (co0 + co < p.cout)
-#pragma unroll
-        for (int c = 0; c < C; ++c) v[c] = kiln_to_float(w[kiln_weight_index(p, co0 + co, kh, kw, c)]);
-      ws[i] = make_float4(v[0], v[1], v[2], v[3]);
+    // The stage's BD_CO weight rows (KK contiguous values each) in order, so that the reads
+    // coalesce; channels past C stay as zeroed before the loop.
+    float* wf = reinterpret_cast<float*>(ws);
+    for (int i = threadIdx.x; i < BD_CO * KK; i += THREADS) {
+      const int co = i / KK, k = i % KK;
+      const float v = co0 + co < p.cout ? kiln_to_float(w[(long long)(co0 + co) * KK + k]) : 0.0f;
+      wf[(kiln_stage_tap(p, k / C) * BD_CO + co) * 4 + k % C] = v;
     }
     __syncthreads();
 #pragma unroll
@@ -650,6 +659,120 @@ __device__ __forceinline__ void kiln_backward_data(const T* __restrict__ dy,
 #pragma unroll
         for (int c = 0; c < C; ++c) px[c] = kiln_from_float<T>(acc[ph * SW + pw][r][c]);
       }
+}
+
+// Tensor cores (16-bit types, 3 or 4 channels, at most 4 stride phases; with fewer channels
+// most of an MMA's 8 columns would be padding): for each tap of a phase, the warp's
+// pixels x 8 channels += cotangent (pixels x 16 cout) x weight (16 cout x 8 channels), one
+// m16n8k16 a 16-pixel m tile, channels C..7 zero. The stage keeps 16-bit values: the cotangent as
+// [row][column][BDT_LD] (16 channels, padded so that an ldmatrix's 8 rows fall in different
+// banks; a tile's 16 pixels read 16 consecutive columns), the weight as [tap][channel (8)]
+// [BDT_LD]. Warp w takes phase rows w + 4 r (r < BD_PX) of every phase, two m tiles a row.
+constexpr bool BD_TENSOR = TENSOR && SH * SW <= 4 && C >= 3;
+constexpr int BDT_LD = BD_CO + 8;
+constexpr int BDT_DY_BYTES = BD_DR * BD_DC * BDT_LD * 2;
+
+__device__ __forceinline__ void kiln_backward_data_tensor(const T* __restrict__ dy,
+                                                          const T* __restrict__ w,
+                                                          T* __restrict__ dx, unsigned char* smem,
+                                                          const kiln_stem& p) {
+  T* dys = reinterpret_cast<T*>(smem);
+  T* ws = reinterpret_cast<T*>(smem + BDT_DY_BYTES);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, q = lane % 4, r = lane / 4;
+  const int t = blockIdx.x;
+  const int img = t / (p.tiles_h * p.tiles_w);
+  const int ih0 = (t / p.tiles_w) % p.tiles_h * BD_TH, iw0 = t % p.tiles_w * BD_TW;
+  const int oh_base = kiln_floor_div(ih0 + p.pad_h - (KH - 1), SH);
+  const int ow_base = kiln_floor_div(iw0 + p.pad_w - (KW - 1), SW);
+  const long long image = (long long)img * p.out_h;
+  float acc[SH * SW][BD_PX][2][4];
+#pragma unroll
+  for (int f = 0; f < SH * SW; ++f)
+#pragma unroll
+    for (int rr = 0; rr < BD_PX; ++rr)
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[f][rr][mt][e] = 0.0f;
+  for (int i = threadIdx.x; i < KH * KW * 8 * BDT_LD; i += THREADS) ws[i] = T{};
+  for (int co0 = 0; co0 < p.cout; co0 += BD_CO) {
+    __syncthreads();  // the previous stage's reads are done
+    if (p.vec) {
+      // Two 16-byte vectors a (row, column); cout % 8 == 0, so each is inside cout or past it.
+      for (int i = threadIdx.x; i < BD_DR * BD_DC * 2; i += THREADS) {
+        const int half = i % 2, col = (i / 2) % BD_DC, row = i / (2 * BD_DC);
+        const int oh = oh_base + row, ow = ow_base + col;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (oh >= 0 && oh < p.out_h && ow >= 0 && ow < p.out_w && co0 + 8 * half < p.cout)
+          v = *reinterpret_cast<const uint4*>(dy + ((image + oh) * p.out_w + ow) * p.cout + co0 +
+                                              8 * half);
+        *reinterpret_cast<uint4*>(dys + (row * BD_DC + col) * BDT_LD + 8 * half) = v;
+      }
+    } else {
+      for (int i = threadIdx.x; i < BD_DR * BD_DC * BD_CO; i += THREADS) {
+        const int co = i % BD_CO, col = (i / BD_CO) % BD_DC, row = i / (BD_CO * BD_DC);
+        const int oh = oh_base + row, ow = ow_base + col;
+        T v{};
+        if (oh >= 0 && oh < p.out_h && ow >= 0 && ow < p.out_w && co0 + co < p.cout)
+          v = dy[((image + oh) * p.out_w + ow) * p.cout + co0 + co];
+        dys[(row * BD_DC + col) * BDT_LD + co] = v;
+      }
+    }
+    // As the FMA path stages it: the weight rows in order; channels C..7 stay zero.
+    for (int i = threadIdx.x; i < BD_CO * KK; i += THREADS) {
+      const int co = i / KK, k = i % KK;
+      T v{};
+      if (co0 + co < p.cout) v = w[(long long)(co0 + co) * KK + k];
+      ws[(kiln_stage_tap(p, k / C) * 8 + k % C) * BDT_LD + co] = v;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int ph = 0; ph < SH; ++ph) {
+#pragma unroll
+      for (int pw = 0; pw < SW; ++pw) {
+        float (&a)[BD_PX][2][4] = acc[ph * SW + pw];
+        for (int kh = (ph + p.pad_h) % SH; kh < KH; kh += SH) {
+          for (int kw = (pw + p.pad_w) % SW; kw < KW; kw += SW) {
+            // B: channel r, cout pairs 2q and 2q + 8 of the tap.
+            const unsigned* wt =
+                reinterpret_cast<const unsigned*>(ws + ((kh * KW + kw) * 8 + r) * BDT_LD) + q;
+            const unsigned b0 = wt[0], b1 = wt[4];
+            // The cotangent column phase column 0 reads at this tap (exact: the tap is the
+            // phase's).
+            const int col0 = (iw0 + pw + p.pad_w - kw) / SW - ow_base;
+#pragma unroll
+            for (int rr = 0; rr < BD_PX; ++rr) {
+              const int row = (ih0 + ph + SH * (warp + 4 * rr) + p.pad_h - kh) / SH - oh_base;
+#pragma unroll
+              for (int mt = 0; mt < 2; ++mt) {
+                unsigned af[4];
+                kiln_ldmatrix_x4<false>(
+                    af, dys + (row * BD_DC + col0 + 16 * mt + lane % 16) * BDT_LD + 8 * (lane / 16));
+                kiln_mma<T>::run(a[rr][mt], af, b0, b1);
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  // C's element e: pixel r (+8 for e >= 2) of the m tile, channel 2q (+1 for odd e).
+#pragma unroll
+  for (int ph = 0; ph < SH; ++ph)
+#pragma unroll
+    for (int pw = 0; pw < SW; ++pw)
+#pragma unroll
+      for (int rr = 0; rr < BD_PX; ++rr)
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int c = 2 * q + e % 2, j = 16 * mt + r + 8 * (e / 2);
+            const int ih = ih0 + ph + SH * (warp + 4 * rr), iw = iw0 + pw + SW * j;
+            if (c >= C || ih >= p.in_h || iw >= p.in_w) continue;
+            dx[(((long long)img * p.in_h + ih) * p.in_w + iw) * C + c] =
+                kiln_from_float<T>(acc[ph * SW + pw][rr][mt][e]);
+          }
 }
 
 // --- the kernel -----------------------------------------------------------------------------
@@ -757,7 +880,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{kernel}}(
   unsigned char* second = smem + PATCH_BYTES;
   const int n0 = blockIdx.y * NB;
   if constexpr (PASS == 1) {
-    kiln_backward_data(x, other, out, smem, p);
+    if constexpr (BD_TENSOR)
+      kiln_backward_data_tensor(x, other, out, smem, p);
+    else
+      kiln_backward_data(x, other, out, smem, p);
   } else if constexpr (PASS == 0) {
     kiln_stage_weight(second, other, p, n0);
     auto stage = [&](int img, int oh0, int ow0) { kiln_stage_patch(patch, x, p, img, oh0, ow0); };

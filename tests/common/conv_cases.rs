@@ -297,6 +297,12 @@ pub fn stem() -> Vec<ConvCase> {
             &[10, 3, 2, 2],
             d().padding(&[1, 0]),
         ),
+        ConvCase::new(
+            "stem 3x3 flip stride 2, 3 -> 24",
+            &[2, 15, 17, 3],
+            &[24, 3, 3, 3],
+            d().strides(&[2]).padding(&[1]).flip(true),
+        ),
     ]
 }
 

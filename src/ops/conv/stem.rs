@@ -187,14 +187,20 @@ pub struct Launch {
 /// Dynamic shared memory of a block, as the template lays it out: the input patch (16-byte
 /// rounded), then the weight (forward; on tensor cores also the output tile on its way out) or
 /// the cotangent tile (backward-weight; two on tensor cores); backward-data
-/// a stage of the cotangent rows its tile reads and of the weight, as f32.
+/// a stage of the cotangent rows its tile reads and of the weight (16-bit on tensor cores for 3
+/// or 4 channels and at most 4 stride phases, else f32).
 pub fn shared_bytes(pass: Pass, dtype: DType, s: Shape, tensor: bool) -> usize {
     let (kh, kw) = (s.kernel[0], s.kernel[1]);
     if pass == Pass::BackwardData {
         let (sh, sw) = (s.stride[0], s.stride[1]);
         let rows = (bd_rows(s.stride) * sh + kh - 2) / sh + 2;
-        let cols = ((BD_COLS * sw + kw - 2) / sw + 2) | 1;
-        return rows * BD_CO * cols * 4 + kh * kw * BD_CO * 16;
+        let cols = (BD_COLS * sw + kw - 2) / sw + 2;
+        if tensor && sh * sw <= 4 && s.channels >= 3 {
+            // 16-bit values on tensor cores: [row][column][BD_CO + 8] and [tap][8][BD_CO + 8].
+            return (rows * cols + kh * kw * 8) * (BD_CO + 8) * 2;
+        }
+        // f32: columns padded to an odd count; the weight in float4s of 4 channels.
+        return rows * BD_CO * (cols | 1) * 4 + kh * kw * BD_CO * 16;
     }
     let (cp, kwp) = if tensor {
         (4, kw.div_ceil(4) * 4)
@@ -216,9 +222,10 @@ pub fn shared_bytes(pass: Pass, dtype: DType, s: Shape, tensor: bool) -> usize {
     patch + second
 }
 
-/// Blocks an SM the template's `__launch_bounds__` leaves room for (its MIN_BLOCKS): the size of
-/// the forward's and backward-weight's persistent grids until the driver says how many of the
-/// compiled kernel's blocks fit (see [`Launch::fill`]).
+/// Blocks an SM the template's `__launch_bounds__` leaves room for in the forward and
+/// backward-weight (their MIN_BLOCKS): the size of their persistent grids until the driver says
+/// how many of the compiled kernel's blocks fit (see [`Launch::fill`]). Backward-data launches a
+/// block a tile and does not use it.
 pub fn min_blocks_per_sm(pass: Pass) -> usize {
     match pass {
         Pass::BackwardWeight => 2,
