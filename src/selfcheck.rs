@@ -205,13 +205,24 @@ fn check_norms(gpu: &GpuInfo) -> Result<Vec<CheckResult>> {
     Ok(out)
 }
 
-/// An output element's error over the convolution bound |out - ref| <= r * |ref| + 2e-5 * S
-/// (r: [`conv_rounding`], S: the sum of the |terms|), which the GPU tests use too: at most 1
-/// passes; a non-finite output is infinitely far. An element no term reaches (ref and S zero:
-/// backward-data's pixels past a strided kernel's last window) must be exactly zero.
+/// An output element's error over the convolution bound |out - ref| <= r * |ref| + 2e-5 * S + h
+/// (r: [`conv_rounding`], S: the sum of the |terms|, h: half the spacing of the dtype's
+/// subnormals, the least error a rounded output can have near zero), which the GPU tests use
+/// too: at most 1 passes; a non-finite output is infinitely far. An element no term reaches (ref
+/// and S zero: backward-data's pixels past a strided kernel's last window) must be exactly zero.
 #[doc(hidden)]
 pub fn conv_error(dtype: DType, got: f64, reference: f64, magnitude: f64) -> f64 {
-    let bound = conv_rounding(dtype) * reference.abs() + 2e-5 * magnitude;
+    let subnormal_half_step = match dtype {
+        DType::F32 => 2f64.powi(-150),
+        DType::F16 => 2f64.powi(-25),
+        DType::BF16 => 2f64.powi(-134),
+    };
+    let floor = if magnitude > 0.0 {
+        subnormal_half_step
+    } else {
+        0.0
+    };
+    let bound = conv_rounding(dtype) * reference.abs() + 2e-5 * magnitude + floor;
     let e = (got - reference).abs();
     match () {
         _ if !got.is_finite() => f64::INFINITY,
@@ -336,5 +347,10 @@ mod tests {
         let e = conv_error(DType::F32, 1.0 + 1e-6 + 2e-5, 1.0, 1.0);
         assert!((e - 1.0).abs() < 1e-9, "{e}");
         assert!(conv_error(DType::BF16, 1.004, 1.0, 1.0) < 1.0);
+        // One product near zero in f16: the correctly rounded subnormal output (273 steps of
+        // 2^-24) passes, one step off does not.
+        let (r, s) = (-1.6246092854999006e-5, 1.6246092854999006e-5);
+        assert!(conv_error(DType::F16, -273.0 * 2f64.powi(-24), r, s) <= 1.0);
+        assert!(conv_error(DType::F16, -274.0 * 2f64.powi(-24), r, s) > 1.0);
     }
 }
