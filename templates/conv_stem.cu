@@ -558,17 +558,26 @@ __device__ __forceinline__ int kiln_floor_div(int a, int b) {
   return a >= 0 ? a / b : -((-a + b - 1) / b);
 }
 
+// The block's input tile: its image, first input row and column, and the first cotangent row
+// and column its pixels read (floor((origin + pad - (K - 1)) / S)).
+struct kiln_bd_tile {
+  int img, ih0, iw0, oh_base, ow_base;
+};
+__device__ __forceinline__ kiln_bd_tile kiln_bd_tile_at(const kiln_stem& p) {
+  const int t = blockIdx.x;
+  const int ih0 = (t / p.tiles_w) % p.tiles_h * BD_TH, iw0 = t % p.tiles_w * BD_TW;
+  return {t / (p.tiles_h * p.tiles_w), ih0, iw0, kiln_floor_div(ih0 + p.pad_h - (KH - 1), SH),
+          kiln_floor_div(iw0 + p.pad_w - (KW - 1), SW)};
+}
+
 __device__ __forceinline__ void kiln_backward_data(const T* __restrict__ dy,
                                                    const T* __restrict__ w, T* __restrict__ dx,
                                                    unsigned char* smem, const kiln_stem& p) {
   float* dys = reinterpret_cast<float*>(smem);                     // [row][channel][column]
   float4* ws = reinterpret_cast<float4*>(smem + BD_DY_BYTES);     // [kh][kw][channel], 4 c
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int t = blockIdx.x;
-  const int img = t / (p.tiles_h * p.tiles_w);
-  const int ih0 = (t / p.tiles_w) % p.tiles_h * BD_TH, iw0 = t % p.tiles_w * BD_TW;
-  const int oh_base = kiln_floor_div(ih0 + p.pad_h - (KH - 1), SH);
-  const int ow_base = kiln_floor_div(iw0 + p.pad_w - (KW - 1), SW);
+  const kiln_bd_tile at = kiln_bd_tile_at(p);
+  const int img = at.img, ih0 = at.ih0, iw0 = at.iw0, oh_base = at.oh_base, ow_base = at.ow_base;
   const long long image = (long long)img * p.out_h;
   float acc[SH * SW][BD_PX][4];
 #pragma unroll
@@ -679,11 +688,8 @@ __device__ __forceinline__ void kiln_backward_data_tensor(const T* __restrict__ 
   T* dys = reinterpret_cast<T*>(smem);
   T* ws = reinterpret_cast<T*>(smem + BDT_DY_BYTES);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, q = lane % 4, r = lane / 4;
-  const int t = blockIdx.x;
-  const int img = t / (p.tiles_h * p.tiles_w);
-  const int ih0 = (t / p.tiles_w) % p.tiles_h * BD_TH, iw0 = t % p.tiles_w * BD_TW;
-  const int oh_base = kiln_floor_div(ih0 + p.pad_h - (KH - 1), SH);
-  const int ow_base = kiln_floor_div(iw0 + p.pad_w - (KW - 1), SW);
+  const kiln_bd_tile at = kiln_bd_tile_at(p);
+  const int img = at.img, ih0 = at.ih0, iw0 = at.iw0, oh_base = at.oh_base, ow_base = at.ow_base;
   const long long image = (long long)img * p.out_h;
   float acc[SH * SW][BD_PX][2][4];
 #pragma unroll
@@ -777,18 +783,25 @@ __device__ __forceinline__ void kiln_backward_data_tensor(const T* __restrict__ 
 
 // --- the kernel -----------------------------------------------------------------------------
 
+// Output tile t of the forward and backward-weight: its image and first output row and column.
+struct kiln_tile {
+  int img, oh0, ow0;
+};
+__device__ __forceinline__ kiln_tile kiln_tile_at(const kiln_stem& p, int t) {
+  return {t / (p.tiles_h * p.tiles_w), (t / p.tiles_w) % p.tiles_h * TH, t % p.tiles_w * TW};
+}
+
 // Forward: (input, weight); backward-weight: (input, cotangent).
 // Walks the block's tiles: stages each one (`stage`) and multiplies it (`step`).
 template <typename Stage, typename Step>
 __device__ __forceinline__ void kiln_tiles(const kiln_stem& p, Stage stage, Step step) {
   const int tiles = p.batch * p.tiles_h * p.tiles_w;
   for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-    const int img = t / (p.tiles_h * p.tiles_w);
-    const int oh0 = (t / p.tiles_w) % p.tiles_h * TH, ow0 = t % p.tiles_w * TW;
+    const kiln_tile at = kiln_tile_at(p, t);
     __syncthreads();  // the previous tile's reads of shared memory are done
-    stage(img, oh0, ow0);
+    stage(at.img, at.oh0, at.ow0);
     __syncthreads();
-    step(img, oh0, ow0);
+    step(at.img, at.oh0, at.ow0);
   }
 }
 
@@ -798,28 +811,19 @@ template <typename Step>
 __device__ __forceinline__ void kiln_tiles_ahead(const kiln_stem& p, const T* __restrict__ x,
                                                  PT* patch, Step step) {
   const int tiles = p.batch * p.tiles_h * p.tiles_w;
-  auto origin = [&](int t, int& img, int& oh0, int& ow0) {
-    img = t / (p.tiles_h * p.tiles_w);
-    oh0 = (t / p.tiles_w) % p.tiles_h * TH;
-    ow0 = t % p.tiles_w * TW;
+  auto load = [&](kiln_patch_regs& r, int t) {
+    const kiln_tile at = kiln_tile_at(p, t);
+    kiln_load_patch(r, x, p, at.img, at.oh0, at.ow0);
   };
   kiln_patch_regs ahead;
-  int img, oh0, ow0;
-  if (blockIdx.x < tiles) {
-    origin(blockIdx.x, img, oh0, ow0);
-    kiln_load_patch(ahead, x, p, img, oh0, ow0);
-  }
+  if (blockIdx.x < tiles) load(ahead, blockIdx.x);
   for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-    origin(t, img, oh0, ow0);
     __syncthreads();  // the previous tile's reads of shared memory are done
     kiln_put_patch(patch, ahead);
     __syncthreads();
-    if (t + gridDim.x < tiles) {
-      int ni, nh, nw;
-      origin(t + gridDim.x, ni, nh, nw);
-      kiln_load_patch(ahead, x, p, ni, nh, nw);
-    }
-    step(img, oh0, ow0);
+    if (t + gridDim.x < tiles) load(ahead, t + gridDim.x);
+    const kiln_tile at = kiln_tile_at(p, t);
+    step(at.img, at.oh0, at.ow0);
   }
 }
 
@@ -851,10 +855,9 @@ __device__ __forceinline__ void kiln_wgrad_tiles_ahead(const kiln_stem& p, const
   const int tiles = p.batch * p.tiles_h * p.tiles_w;
   auto buffer = [&](int b) { return reinterpret_cast<T*>(dys + b * DY_BYTES); };
   auto fetch = [&](kiln_patch_regs& r, int t, int b) {
-    const int img = t / (p.tiles_h * p.tiles_w);
-    const int oh0 = (t / p.tiles_w) % p.tiles_h * TH, ow0 = t % p.tiles_w * TW;
-    kiln_load_patch(r, x, p, img, oh0, ow0);
-    kiln_copy_cotangent_async(buffer(b), dy, p, img, oh0, ow0, n0);
+    const kiln_tile at = kiln_tile_at(p, t);
+    kiln_load_patch(r, x, p, at.img, at.oh0, at.ow0);
+    kiln_copy_cotangent_async(buffer(b), dy, p, at.img, at.oh0, at.ow0, n0);
   };
   kiln_patch_regs ahead;
   if (blockIdx.x < tiles) fetch(ahead, blockIdx.x, 0);
