@@ -177,25 +177,13 @@ __device__ __forceinline__ void kiln_stage_weight(unsigned char* smem, const T* 
 }
 
 // Backward-weight: the cotangent rows of the tile's pixels, channels n0..n0 + NB; zeros for
-// pixels past the edges and channels past cout.
+// pixels past the edges and channels past cout. (Tensor cores with 16-byte rows copy them with
+// kiln_copy_cotangent_async instead, a tile ahead.)
 __device__ __forceinline__ void kiln_stage_cotangent(unsigned char* smem,
                                                      const T* __restrict__ dy,
                                                      const kiln_stem& p, int img, int oh0,
                                                      int ow0, int n0) {
   const long long image = (long long)img * p.out_h;
-  if (TENSOR && p.vec) {
-    // cout % 8 == 0: an 8-channel vector is all inside or all past cout.
-    T* d = reinterpret_cast<T*>(smem);
-    for (int i = threadIdx.x; i < PIXELS * (NB / 8); i += THREADS) {
-      const int px = i / (NB / 8), ch = (i % (NB / 8)) * 8;
-      const int oh = oh0 + px / TW, ow = ow0 + px % TW;
-      uint4 v = make_uint4(0, 0, 0, 0);
-      if (oh < p.out_h && ow < p.out_w && n0 + ch < p.cout)
-        v = *reinterpret_cast<const uint4*>(dy + ((image + oh) * p.out_w + ow) * p.cout + n0 + ch);
-      *reinterpret_cast<uint4*>(d + px * DY_LD + ch) = v;
-    }
-    return;
-  }
   for (int i = threadIdx.x; i < PIXELS * NB; i += THREADS) {
     const int px = i / NB, n = i % NB;
     const int oh = oh0 + px / TW, ow = ow0 + px % TW;
