@@ -279,6 +279,48 @@ fn run_host_depthwise(
     run_launch(&exe, &spec, dtype, &host, ops)
 }
 
+/// The depthwise family's tensor-core launch of `pass` of `g` (sm_80), or None where that
+/// kernel does not take it.
+fn depthwise_tc_launch(dtype: DType, pass: Pass, g: &Geometry) -> Option<depthwise::Launch> {
+    let key = PlanKey {
+        arch: depthwise::TENSOR_ARCH,
+        ..host_key(dtype, pass, g)
+    };
+    depthwise::launch_for(&key, SMS, 227 * 1024).filter(|l| l.shape.tensor)
+}
+
+/// Runs `pass` of `g` through the host build of the depthwise family's tensor-core kernel, with
+/// ldmatrix and mma.sync emulated warp by warp.
+fn run_host_depthwise_tc(
+    cxx: &str,
+    dtype: DType,
+    pass: Pass,
+    g: &Geometry,
+    ops: [&[f64]; 2],
+) -> Vec<f64> {
+    let launch =
+        depthwise_tc_launch(dtype, pass, g).expect("the tensor-core kernel takes the case");
+    let spec = depthwise::spec(dtype, pass, launch.shape);
+    let exe = executable(
+        cxx,
+        &spec,
+        &[
+            "KILN_ENTRY=kiln_conv_depthwise_tc",
+            "KILN_PROBLEM=kiln_depthwise",
+            "KILN_ARCH=800",
+        ],
+    );
+    let host = HostLaunch {
+        grid: launch.grid,
+        block: (32, depthwise::THREADS as u32 / 32, 1),
+        shared: launch.shared,
+        problem: problem_bytes(&launch.problem),
+        splits: launch.splits,
+        out_len: out_len(pass, g),
+    };
+    run_launch(&exe, &spec, dtype, &host, ops)
+}
+
 /// Runs `pass` of `g` through the host build of the grouped family's kernel: its tensor-core
 /// path (sm_80), with ldmatrix and mma.sync emulated warp by warp.
 fn run_host_grouped(
@@ -672,6 +714,31 @@ fn check_depthwise(pass: Pass) {
     check_cases("host_depthwise", pass, &cases, run_host_depthwise);
 }
 
+/// The depthwise tensor-core kernel: the fixed and random depthwise cases it takes, 16-bit.
+fn check_depthwise_tc(pass: Pass) {
+    let taken = |x: &[usize], w: &[usize], p: &ConvParams| {
+        let g = Geometry::new(x, w, p).unwrap();
+        depthwise_tc_launch(DType::F16, pass, &g).is_some()
+    };
+    let fixed = common::conv_cases::depthwise()
+        .into_iter()
+        .filter(|c| taken(&c.x, &c.w, &c.p))
+        .map(|c| (c.name.to_string(), c.x, c.w, c.p));
+    let random = random_depthwise(pass, 40)
+        .into_iter()
+        .filter(|(_, x, w, p)| taken(x, w, p))
+        .take(6);
+    let cases: Vec<_> = fixed.chain(random).collect();
+    let sixteen = [DType::F16, DType::BF16];
+    check_dtypes(
+        "host_depthwise_tc",
+        pass,
+        &cases,
+        run_host_depthwise_tc,
+        &sixteen,
+    );
+}
+
 /// The grouped family is 16-bit only.
 fn check_grouped(pass: Pass) {
     let taken = |c: &common::conv_cases::ConvCase| {
@@ -814,6 +881,16 @@ fn igemm_one_tf32_product_meets_tf32s_bound_and_not_f32s() {
         );
         eprintln!("host_igemm_tf32 {label}: {past_f32} cases past f32's bound, none past TF32's");
     }
+}
+
+#[test]
+fn depthwise_tensor_forward_matches_the_reference() {
+    check_depthwise_tc(Pass::Forward);
+}
+
+#[test]
+fn depthwise_tensor_backward_data_matches_the_reference() {
+    check_depthwise_tc(Pass::BackwardData);
 }
 
 #[test]

@@ -198,6 +198,15 @@ pub fn depthwise() -> Vec<ConvCase> {
             &[16, 3, 3, 1],
             d().groups(16).padding(&[1]),
         ),
+        ConvCase::new(
+            "depthwise 3x3 flip, rows of 150 in two tiles, uneven padding, 24 channels",
+            &[1, 5, 150, 24],
+            &[24, 3, 3, 1],
+            d().groups(24)
+                .flip(true)
+                .padding_lo(&[0, 2])
+                .padding_hi(&[2, 0]),
+        ),
     ]
 }
 

@@ -7,6 +7,13 @@
 //! the family's aim is to read each operand about once and keep the per-tap work out of the
 //! inner loop. Every dtype, every architecture kiln runs on.
 //!
+//! From sm_80 on, 16-bit forward and stride-1 backward-data with one output channel a group,
+//! a column stride of 1 and channels in 16-byte units run on a tensor-core variant
+//! (`templates/conv_depthwise_tc.cu`): along a row, eight outputs of one channel and one tap row
+//! are a product of 16 source columns with a banded matrix of the tap row's weights, so an
+//! `mma.sync` takes 16 such segments; a block works on 16 channels, turning its staged pixels
+//! into one plane per channel for `ldmatrix` and its outputs back into pixels.
+//!
 //! It takes kernels up to [`MAX_KERNEL`] taps a side, strides up to [`MAX_STRIDE`] (1 for
 //! backward-data) and no dilation; the direct family takes the other grouped layers. Specs are
 //! specialised by kernel, stride and channel multiplier: [`specs`] lists the common ones
@@ -29,6 +36,34 @@ pub static DEPTHWISE: TemplateDef = TemplateDef {
     only_arch: None,
 };
 
+/// The tensor-core variant (`templates/conv_depthwise_tc.cu`): 16-bit forward and stride-1
+/// backward-data with one output channel a group and a column stride of 1, from sm_80 on.
+pub static DEPTHWISE_TC: TemplateDef = TemplateDef {
+    name: "conv_depthwise_tc",
+    source: include_str!("../../../templates/conv_depthwise_tc.cu"),
+    kernel: "kiln_conv_depthwise_tc",
+    const_names: &["PASS", "MG", "KH", "KW", "SH", "SW", "OTH", "OTW"],
+    arch_specific: false,
+    only_arch: None,
+};
+/// The first architecture whose `mma.sync` m16n8k16 takes both 16-bit types.
+pub const TENSOR_ARCH: u32 = 80;
+/// Channels a tensor-core block works on, and the outputs of one MMA row (a segment).
+const TENSOR_CHANNELS: usize = 16;
+const SEGMENT: usize = 8;
+/// The widest tensor-core tile: its staged columns (plus a segment) are at most half the
+/// block's threads, one thread pair a column.
+const MAX_TENSOR_TILE_W: usize = THREADS as usize / 2 - SEGMENT;
+/// The tensor-core kernel's launch bound (blocks an SM at least), the template's MIN_BLOCKS:
+/// three for kernels of up to 5 rows, whose bands take fewer registers.
+fn tensor_min_blocks(kernel_rows: usize) -> usize {
+    if kernel_rows <= 5 {
+        3
+    } else {
+        2
+    }
+}
+
 /// Threads a block: 32 channel lanes x 8 warps.
 pub const THREADS: u16 = 256;
 const LANES: usize = 32;
@@ -44,8 +79,11 @@ pub struct Shape {
     pub mg: usize,
     pub kernel: [usize; 2],
     pub stride: [usize; 2],
-    /// Outputs a warp computes at a time: `out_tile[0]` rows of `out_tile[1]`.
+    /// Outputs a warp computes at a time: `out_tile[0]` rows of `out_tile[1]` (the tensor-core
+    /// kernel: one segment of 8).
     pub out_tile: [usize; 2],
+    /// Whether the tensor-core kernel runs it.
+    pub tensor: bool,
 }
 
 impl Shape {
@@ -66,6 +104,16 @@ impl Shape {
             kernel: [g.kernel[1], g.kernel[2]],
             stride: [g.stride[1], g.stride[2]],
             out_tile,
+            tensor: false,
+        }
+    }
+
+    /// The tensor-core kernel's shape for `g`.
+    fn tensor(g: &Geometry) -> Shape {
+        Shape {
+            out_tile: [1, SEGMENT],
+            tensor: true,
+            ..Shape::of(g)
         }
     }
 
@@ -90,7 +138,7 @@ impl Shape {
 
 pub fn spec(dtype: DType, pass: Pass, s: Shape) -> KernelSpec {
     KernelSpec::new(
-        &DEPTHWISE,
+        if s.tensor { &DEPTHWISE_TC } else { &DEPTHWISE },
         dtype,
         THREADS,
         1,
@@ -107,10 +155,11 @@ pub fn spec(dtype: DType, pass: Pass, s: Shape) -> KernelSpec {
     )
 }
 
-/// The common 2-D depthwise layers `kiln warm` compiles: square 3x3, 5x5 and 7x7 kernels at
-/// strides 1 and 2 (MobileNet, EfficientNet, ConvNeXt), and channel multiplier 2 at stride 1
-/// for 3x3 and 5x5; backward-data at stride 1.
-pub fn specs() -> Vec<KernelSpec> {
+/// The common 2-D depthwise layers `kiln warm` compiles for `arch`: square 3x3, 5x5 and 7x7
+/// kernels at strides 1 and 2 (MobileNet, EfficientNet, ConvNeXt), and channel multiplier 2 at
+/// stride 1 for 3x3 and 5x5; backward-data at stride 1. From sm_80 on, the 16-bit forward and
+/// backward-data at stride 1 and multiplier 1 are the tensor-core kernel's.
+pub fn specs(arch: u32) -> Vec<KernelSpec> {
     let mut shapes = Vec::new();
     for k in [3, 5, 7] {
         for s in [1, 2] {
@@ -125,17 +174,46 @@ pub fn specs() -> Vec<KernelSpec> {
                 if pass == Pass::BackwardData && s > 1 {
                     continue;
                 }
+                let tensor = arch >= TENSOR_ARCH
+                    && dtype != DType::F32
+                    && pass != Pass::BackwardWeight
+                    && mg == 1
+                    && s == 1;
                 let shape = Shape {
                     mg,
                     kernel: [k, k],
                     stride: [s, s],
-                    out_tile: if s == 1 { [4, 4] } else { [2, 4] },
+                    out_tile: match (tensor, s) {
+                        (true, _) => [1, SEGMENT],
+                        (false, 1) => [4, 4],
+                        _ => [2, 4],
+                    },
+                    tensor,
                 };
                 out.push(spec(dtype, pass, shape));
             }
         }
     }
     out
+}
+
+/// Whether the tensor-core kernel takes `key` (which the family takes): 16-bit forward or
+/// backward-data on sm_80 on, one output channel a group, a column stride of 1, channels in
+/// whole 16-byte units and aligned operands, and offsets within one image of either operand
+/// that fit the kernel's 32-bit arithmetic.
+fn takes_tensor(key: &PlanKey) -> bool {
+    let g = &key.geometry;
+    let image = |e: [usize; 3], c: usize| e.iter().product::<usize>() * c <= i32::MAX as usize;
+    key.arch >= TENSOR_ARCH
+        && matches!(key.dtype, DType::F16 | DType::BF16)
+        && key.pass != Pass::BackwardWeight
+        && g.cout == g.groups
+        && g.stride[2] == 1
+        && g.kernel[2] <= 9
+        && key.aligned
+        && (g.cin * key.dtype.size()) % 16 == 0
+        && image(g.input, g.cin)
+        && image(g.output, g.cout)
 }
 
 /// Why the family does not take `key`, or None.
@@ -195,6 +273,9 @@ pub struct Launch {
 /// for backward-weight the cotangent) as they are in memory; backward-weight reuses them for
 /// its warps' sums.
 pub fn shared_bytes(dtype: DType, pass: Pass, s: Shape, tile: [usize; 2]) -> usize {
+    if s.tensor {
+        return tensor_shared_bytes(s, tile);
+    }
     let (per, planes) = s.staged(pass);
     let rows = (tile[0] - 1) * s.stride[0] + s.kernel[0];
     let cols = (tile[1] - 1) * s.stride[1] + s.kernel[1];
@@ -266,6 +347,72 @@ fn choose_tile(
     best.map(|(t, per_sm, ..)| (t, per_sm.max(1)))
 }
 
+/// Elements between two channel planes of `cells` cells, as the tensor-core template spaces
+/// them (32 past a multiple of 64).
+fn plane_stride(cells: usize) -> usize {
+    (cells + 31) / 64 * 64 + 32
+}
+
+/// Dynamic shared memory of a tensor-core block with a `tile` of outputs, as the template lays
+/// it out: the weights, the raw copy of the tile's source (its rows, the tile's columns plus a
+/// segment), the source's channel planes and the output planes.
+fn tensor_shared_bytes(s: Shape, tile: [usize; 2]) -> usize {
+    let rows = (tile[0] - 1) * s.stride[0] + s.kernel[0];
+    let cols = tile[1] + SEGMENT;
+    let weights = (TENSOR_CHANNELS * s.kernel[0] * s.kernel[1] * 2).next_multiple_of(16);
+    let planes = plane_stride(rows * cols) + plane_stride(tile[0] * tile[1]);
+    weights + rows * cols * TENSOR_CHANNELS * 2 + TENSOR_CHANNELS * 2 * planes
+}
+
+/// The tensor-core kernel's output tile over `out` (rows, columns) extents within `limit` bytes
+/// of shared memory, and the blocks an SM then holds. Rows of up to [`MAX_TENSOR_TILE_W`]
+/// outputs are one tile wide (wider ones split evenly), in whole segments. Of the heights whose blocks fit two an
+/// SM, preferred: enough tiles that each block walks several, then the least shared-memory
+/// traffic (a block's 128-byte wavefronts: the copy lands, is read and lands in the planes;
+/// ldmatrix reads four a tap row and 16 segments; the outputs land and are read), counting
+/// the segments and rows past the edges that a tile computes.
+fn choose_tensor_tile(
+    s: Shape,
+    out: [usize; 2],
+    images_x_chunks: usize,
+    sms: usize,
+    limit: usize,
+) -> Option<([usize; 2], usize)> {
+    let tw = out[1]
+        .div_ceil(out[1].div_ceil(MAX_TENSOR_TILE_W))
+        .next_multiple_of(SEGMENT);
+    let min_blocks = tensor_min_blocks(s.kernel[0]);
+    // (tile, enough tiles, cost)
+    let mut best: Option<([usize; 2], bool, usize)> = None;
+    for th in 1..=out[0].min(64) {
+        let shared = tensor_shared_bytes(s, [th, tw]);
+        if shared > limit || (limit + 1024) / (shared + 1024) < min_blocks {
+            continue;
+        }
+        let rows = (th - 1) * s.stride[0] + s.kernel[0];
+        let staged = rows * (tw + SEGMENT) * TENSOR_CHANNELS * 2;
+        let mtiles = (th * tw / SEGMENT).div_ceil(16);
+        let outputs = th * tw * TENSOR_CHANNELS * 2;
+        let per_tile =
+            3 * staged / 128 + mtiles * TENSOR_CHANNELS * s.kernel[0] * 4 + 2 * outputs / 128;
+        let tiles = out[0].div_ceil(th) * out[1].div_ceil(tw) * images_x_chunks;
+        let enough = tiles >= TILES_PER_BLOCK * min_blocks * sms;
+        let cost = tiles * per_tile;
+        let better = match best {
+            None => true,
+            Some((_, b_enough, b_cost)) => {
+                (enough, std::cmp::Reverse(cost)) > (b_enough, std::cmp::Reverse(b_cost))
+            }
+        };
+        if better {
+            best = Some(([th, tw], enough, cost));
+        }
+    }
+    // The driver's count, with the registers, replaces the launch bound when the plan is built
+    // (`Launch::fill`).
+    best.map(|(t, ..)| (t, min_blocks))
+}
+
 /// Tiles a block should walk at least, where the layer has them, so that copies overlap work.
 const TILES_PER_BLOCK: usize = 3;
 
@@ -278,7 +425,6 @@ pub fn launch_for(key: &PlanKey, sms: usize, limit: usize) -> Option<Launch> {
     let g = &key.geometry;
     let pass = key.pass;
     let dtype = key.dtype;
-    let shape = Shape::of(g);
     // The gather's output and source: extents, channels; the source position of output 0's
     // tap 0 along each dim.
     let (out, src, out_c, src_c) = match pass {
@@ -289,23 +435,37 @@ pub fn launch_for(key: &PlanKey, sms: usize, limit: usize) -> Option<Launch> {
         Pass::BackwardData => g.pad_lo[d] as i64 - (g.kernel[d] as i64 - 1),
         _ => -(g.pad_lo[d] as i64),
     };
-    let chunks = out_c.div_ceil(LANES);
     let sms = sms.max(1);
-    let (tile, per_sm) = choose_tile(
-        dtype,
-        pass,
-        shape,
-        [out[1], out[2]],
-        g.batch * chunks,
-        sms,
-        limit,
-    )?;
+    let extents = [out[1], out[2]];
+    // The tensor-core kernel where it takes the layer and a tile fits, else the FMA stencil.
+    let tensor = takes_tensor(key)
+        .then(|| {
+            let chunks = out_c.div_ceil(TENSOR_CHANNELS);
+            let shape = Shape::tensor(g);
+            choose_tensor_tile(shape, extents, g.batch * chunks, sms, limit)
+                .map(|(tile, per_sm)| (shape, chunks, tile, per_sm))
+        })
+        .flatten();
+    let (shape, chunks, tile, per_sm) = match tensor {
+        Some(t) => t,
+        None => {
+            let shape = Shape::of(g);
+            let chunks = out_c.div_ceil(LANES);
+            let (tile, per_sm) =
+                choose_tile(dtype, pass, shape, extents, g.batch * chunks, sms, limit)?;
+            (shape, chunks, tile, per_sm)
+        }
+    };
     let blocks = per_sm * sms;
     let tiles_h = out[1].div_ceil(tile[0]);
     let tiles_w = out[2].div_ceil(tile[1]);
     let tiles = g.batch * tiles_h * tiles_w;
     let (blocks_x, splits, per_split) = persistent_grid(pass, blocks, chunks, tiles);
     if tiles == 0 || tiles > i32::MAX as usize || chunks > 65535 {
+        return None;
+    }
+    // The tensor-core kernel divides tile indices by tiles_w and tiles_h as multiplies.
+    if shape.tensor && tiles.saturating_mul(tiles_w.max(tiles_h)) >= 1 << 32 {
         return None;
     }
     let vec = |c: usize| key.aligned && (c * dtype.size()) % 16 == 0;
@@ -327,7 +487,7 @@ pub fn launch_for(key: &PlanKey, sms: usize, limit: usize) -> Option<Launch> {
         chunks: chunks as i32,
         // Backward-data walks the taps backwards: its weight tap is reversed unless flipped.
         reverse: (g.flip != (pass == Pass::BackwardData)) as i32,
-        vec_src: vec(src_c) as i32,
+        vec_src: (shape.tensor || vec(src_c)) as i32,
         vec_dy: (pass == Pass::BackwardWeight && vec(out_c)) as i32,
         tiles_per_split: per_split as i32,
     };
@@ -339,6 +499,25 @@ pub fn launch_for(key: &PlanKey, sms: usize, limit: usize) -> Option<Launch> {
         shared: shared_bytes(dtype, pass, shape, tile),
         splits,
     })
+}
+
+impl Launch {
+    /// A tensor-core launch's persistent grid for `per_sm` blocks an SM (the driver's count for
+    /// the loaded kernel: registers may hold fewer blocks than shared memory); other launches
+    /// keep theirs.
+    pub fn fill(&mut self, sms: usize, per_sm: usize) {
+        if !self.shape.tensor {
+            return;
+        }
+        let blocks = sms.max(1) * per_sm.max(1);
+        let (x, ..) = persistent_grid(
+            self.pass,
+            blocks,
+            self.grid.1 as usize,
+            self.problem.tiles as usize,
+        );
+        self.grid.0 = x as u32;
+    }
 }
 
 /// The spec and launch that run `key`, or None where the family does not take it.
@@ -406,8 +585,71 @@ mod tests {
     }
 
     #[test]
+    fn tensor_cores_take_16_bit_stride_1_columns_with_whole_vectors() {
+        let tensor = |dtype, pass, c: usize, mg, stride: [usize; 2], arch| {
+            let p = ConvParams::default()
+                .groups(c)
+                .strides(&stride)
+                .padding(&[1]);
+            let k = PlanKey {
+                arch,
+                ..key(dtype, pass, &[2, 30, 70, c], &[c * mg, 3, 3, 1], &p)
+            };
+            launch_for(&k, 132, H100_SHARED).unwrap().shape.tensor
+        };
+        for dtype in [DType::F16, DType::BF16] {
+            for pass in [Pass::Forward, Pass::BackwardData] {
+                assert!(tensor(dtype, pass, 24, 1, [1, 1], 90));
+                assert!(tensor(dtype, pass, 24, 1, [1, 1], 80));
+                assert!(!tensor(dtype, pass, 24, 1, [1, 1], 75));
+                assert!(
+                    !tensor(dtype, pass, 20, 1, [1, 1], 90),
+                    "channels not in 16-byte units"
+                );
+                assert!(
+                    !tensor(dtype, pass, 24, 2, [1, 1], 90),
+                    "a channel multiplier of 2"
+                );
+            }
+            assert!(
+                tensor(dtype, Pass::Forward, 24, 1, [2, 1], 90),
+                "row stride 2"
+            );
+            assert!(
+                !tensor(dtype, Pass::Forward, 24, 1, [1, 2], 90),
+                "column stride 2"
+            );
+            assert!(!tensor(dtype, Pass::BackwardWeight, 24, 1, [1, 1], 90));
+        }
+        assert!(!tensor(DType::F32, Pass::Forward, 24, 1, [1, 1], 90));
+    }
+
+    #[test]
+    fn tensor_tiles_fit_the_staging_threads_and_shared_memory() {
+        for width in [1, 7, 14, 56, 112, 120, 121, 224, 1000] {
+            for k in [1, 3, 5, 7] {
+                let p = ConvParams::default().groups(32).padding(&[k / 2]);
+                let x = [4, 9, width, 32];
+                let kk = key(DType::F16, Pass::Forward, &x, &[32, k, k, 1], &p);
+                let l = launch_for(&kk, 132, H100_SHARED).unwrap();
+                assert!(l.shape.tensor, "{kk:?}");
+                let pr = l.problem;
+                assert!(pr.tile_w as usize <= MAX_TENSOR_TILE_W && pr.tile_w % 8 == 0);
+                assert!(pr.tiles_w * pr.tile_w >= pr.out_w && pr.tiles_h * pr.tile_h >= pr.out_h);
+                assert!(l.shared * tensor_min_blocks(k) <= H100_SHARED + 1024);
+                assert_eq!(l.grid.1 as usize, 32 / TENSOR_CHANNELS);
+                // The template's plane stride: 32 past a multiple of 64, room for every cell.
+                for cells in [1, 31, 32, 33, 64, 96, 97, 1000] {
+                    let ps = plane_stride(cells);
+                    assert!(ps >= cells && ps % 64 == 32, "{cells} {ps}");
+                }
+            }
+        }
+    }
+
+    #[test]
     fn the_common_layers_are_listed() {
-        let all = specs();
+        let all = specs(90);
         for dtype in DType::ALL {
             for pass in Pass::ALL {
                 for (k, s) in [(3, 1), (3, 2), (5, 1), (5, 2), (7, 1)] {

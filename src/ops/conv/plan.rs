@@ -248,7 +248,7 @@ pub fn specs(arch: u32) -> Vec<KernelSpec> {
         }
         out.push(split_sum_spec(dtype));
     }
-    out.extend(depthwise::specs());
+    out.extend(depthwise::specs(arch));
     if arch >= grouped::MIN_ARCH {
         out.extend(grouped::specs());
     }
@@ -818,8 +818,14 @@ fn build_depthwise(
     device: &Device,
     key: &PlanKey,
     spec: KernelSpec,
-    launch: depthwise::Launch,
+    mut launch: depthwise::Launch,
 ) -> Result<Plan> {
+    if launch.shape.tensor {
+        let kernel = device.kernel(&spec)?;
+        kernel.allow_shared(launch.shared)?;
+        let per_sm = kernel.blocks_per_sm(depthwise::THREADS as u32, launch.shared)?;
+        launch.fill(device.info().multiprocessors as usize, per_sm);
+    }
     let geometry = (
         launch.grid,
         depthwise::THREADS as u32,
