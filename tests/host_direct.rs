@@ -249,25 +249,24 @@ fn run_host_stem(cxx: &str, dtype: DType, pass: Pass, g: &Geometry, ops: [&[f64]
     run_launch(&exe, &spec, dtype, &host, ops)
 }
 
-/// Runs `pass` of `g` through the host build of the depthwise family's kernel.
-fn run_host_depthwise(
+/// Runs `launch` of the depthwise family (`pass` of `g`) through the host build of its kernel:
+/// the FMA stencil, or the tensor-core kernel (sm_80) with ldmatrix and mma.sync emulated warp
+/// by warp.
+fn run_depthwise_launch(
     cxx: &str,
     dtype: DType,
     pass: Pass,
     g: &Geometry,
     ops: [&[f64]; 2],
+    launch: depthwise::Launch,
 ) -> Vec<f64> {
-    let key = host_key(dtype, pass, g);
-    let launch = depthwise::launch_for(&key, SMS, 227 * 1024).expect("the family takes the case");
     let spec = depthwise::spec(dtype, pass, launch.shape);
-    let exe = executable(
-        cxx,
-        &spec,
-        &[
-            "KILN_ENTRY=kiln_conv_depthwise",
-            "KILN_PROBLEM=kiln_depthwise",
-        ],
-    );
+    let entry = format!("KILN_ENTRY={}", spec.template.kernel);
+    let mut defines = vec![entry.as_str(), "KILN_PROBLEM=kiln_depthwise"];
+    if launch.shape.tensor {
+        defines.push("KILN_ARCH=800");
+    }
+    let exe = executable(cxx, &spec, &defines);
     let host = HostLaunch {
         grid: launch.grid,
         block: (32, depthwise::THREADS as u32 / 32, 1),
@@ -277,6 +276,19 @@ fn run_host_depthwise(
         out_len: out_len(pass, g),
     };
     run_launch(&exe, &spec, dtype, &host, ops)
+}
+
+/// Runs `pass` of `g` through the host build of the depthwise family's FMA stencil.
+fn run_host_depthwise(
+    cxx: &str,
+    dtype: DType,
+    pass: Pass,
+    g: &Geometry,
+    ops: [&[f64]; 2],
+) -> Vec<f64> {
+    let key = host_key(dtype, pass, g);
+    let launch = depthwise::launch_for(&key, SMS, 227 * 1024).expect("the family takes the case");
+    run_depthwise_launch(cxx, dtype, pass, g, ops, launch)
 }
 
 /// The depthwise family's tensor-core launch of `pass` of `g` (sm_80), or None where that
@@ -289,8 +301,7 @@ fn depthwise_tc_launch(dtype: DType, pass: Pass, g: &Geometry) -> Option<depthwi
     depthwise::launch_for(&key, SMS, 227 * 1024).filter(|l| l.shape.tensor)
 }
 
-/// Runs `pass` of `g` through the host build of the depthwise family's tensor-core kernel, with
-/// ldmatrix and mma.sync emulated warp by warp.
+/// Runs `pass` of `g` through the host build of the depthwise family's tensor-core kernel.
 fn run_host_depthwise_tc(
     cxx: &str,
     dtype: DType,
@@ -300,25 +311,7 @@ fn run_host_depthwise_tc(
 ) -> Vec<f64> {
     let launch =
         depthwise_tc_launch(dtype, pass, g).expect("the tensor-core kernel takes the case");
-    let spec = depthwise::spec(dtype, pass, launch.shape);
-    let exe = executable(
-        cxx,
-        &spec,
-        &[
-            "KILN_ENTRY=kiln_conv_depthwise_tc",
-            "KILN_PROBLEM=kiln_depthwise",
-            "KILN_ARCH=800",
-        ],
-    );
-    let host = HostLaunch {
-        grid: launch.grid,
-        block: (32, depthwise::THREADS as u32 / 32, 1),
-        shared: launch.shared,
-        problem: problem_bytes(&launch.problem),
-        splits: launch.splits,
-        out_len: out_len(pass, g),
-    };
-    run_launch(&exe, &spec, dtype, &host, ops)
+    run_depthwise_launch(cxx, dtype, pass, g, ops, launch)
 }
 
 /// Runs `pass` of `g` through the host build of the grouped family's kernel: its tensor-core
