@@ -401,3 +401,50 @@ fn stand_ins_compile_and_are_found_without_compiling() {
         assert_eq!(c.origin, Origin::Disk, "{spec}");
     }
 }
+
+/// A process that exits while background compiles run exits cleanly: exit waits for the
+/// compiles in flight instead of tearing NVRTC down under them (before, about one exit in three
+/// in the middle of compiles ended in a segfault, an abort or a hang). The test runs itself as
+/// a child that queues slow compiles and exits after a delay, at several delays.
+#[test]
+fn exiting_while_compiles_run_is_clean() {
+    const CHILD: &str = "KILN_TEST_EXIT_AFTER_MS";
+    const NAME: &str = "exiting_while_compiles_run_is_clean";
+    if let Ok(ms) = std::env::var(CHILD) {
+        let jit = Jit::global().unwrap();
+        // One compile first, so that the queued ones are inside NVRTC by the time of the exit.
+        let first = kiln::ops::copy::specs()[0];
+        jit.compile(&first, Target::sass(90)).unwrap();
+        // Scalar-load implicit-GEMM specs: among the slowest to compile.
+        let specs: Vec<KernelSpec> = kiln::ops::registered_specs()
+            .into_iter()
+            .filter(|s| s.to_string().contains("conv_igemm") && s.builds_for(90))
+            .take(8)
+            .collect();
+        jit.prefetch(specs, Target::sass(90));
+        std::thread::sleep(std::time::Duration::from_millis(ms.parse().unwrap()));
+        std::process::exit(0);
+    }
+    for ms in [200, 350, 500, 650, 800, 950] {
+        let dir = tempfile::tempdir().unwrap();
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", NAME, "--test-threads=1"])
+            .env(CHILD, ms.to_string())
+            .env("KILN_CACHE_DIR", dir.path())
+            .env("KILN_COMPILE_THREADS", "2")
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "exit after {ms} ms: {:?}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        // The compiles that were running finished and were stored.
+        let cache = kiln::jit::disk_cache::DiskCache::open(dir.path(), CacheMode::On, u64::MAX);
+        assert!(
+            !cache.entry_files().is_empty(),
+            "exit after {ms} ms left no entry"
+        );
+    }
+}

@@ -136,6 +136,10 @@ impl Jit {
                     state = bg.wake.wait(state).unwrap_or_else(|e| e.into_inner());
                 }
             };
+            if super::exit_wait::exiting() {
+                // The process is exiting: no new compile may start (see `exit_wait`).
+                return;
+            }
             self.compile_one(spec, target);
         }
     }

@@ -409,6 +409,8 @@ impl Jit {
         let _enter = span.enter();
         // The program name appears only in NVRTC's messages: the family's name.
         let program = what.split_whitespace().next().unwrap_or("kiln");
+        // Exit waits for the compile and its store (see `exit_wait`).
+        let _in_flight = super::exit_wait::Call::start("nvrtcCreateProgram")?;
         let output = nvrtc.compile(
             program,
             &parts.source,

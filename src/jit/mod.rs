@@ -8,6 +8,7 @@ pub mod compat;
 pub mod compiler;
 pub mod disk_cache;
 pub mod entry;
+mod exit_wait;
 pub mod family;
 pub mod kernels;
 pub mod key;

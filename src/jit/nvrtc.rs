@@ -47,6 +47,7 @@ pub struct CompileFailure {
 
 static NVRTC: OnceLock<Result<Nvrtc>> = OnceLock::new();
 static LIBRARY: OnceLock<libloading::Library> = OnceLock::new();
+static EXIT_WAIT: std::sync::Once = std::sync::Once::new();
 
 impl Nvrtc {
     /// Finds and loads NVRTC once per process. `explicit` is `KILN_NVRTC_LIB`.
@@ -70,6 +71,26 @@ impl Nvrtc {
 
     /// Compiles `source`; the image is a cubin unless the options name a `compute_XY` target.
     pub fn compile(
+        &self,
+        program_name: &str,
+        source: &str,
+        name_expressions: &[String],
+        options: &[String],
+        ptx: bool,
+    ) -> Result<std::result::Result<Output, CompileFailure>> {
+        EXIT_WAIT.call_once(|| {
+            // A trivial compile first creates what NVRTC creates on first use, so that the
+            // exit handler registered after it runs before every destructor NVRTC registers.
+            let trivial = "extern \"C\" __global__ void kiln_first() {}";
+            let _ = self.compile_unguarded("kiln_first", trivial, &[], &[], true);
+            super::exit_wait::register_at_exit();
+        });
+        // Held until the program is destroyed: exit waits for it (see `exit_wait`).
+        let _in_flight = super::exit_wait::Call::start("nvrtcCreateProgram")?;
+        self.compile_unguarded(program_name, source, name_expressions, options, ptx)
+    }
+
+    fn compile_unguarded(
         &self,
         program_name: &str,
         source: &str,
@@ -411,6 +432,9 @@ fn load(explicit: Option<&Path>) -> Result<Nvrtc> {
     })?;
     // Keep our handle open for the life of the process, so cudarc's lookup by soname finds it.
     let _ = LIBRARY.set(lib);
+    // Exit waits for compiles in flight before the destructors NVRTC registered on loading;
+    // `Nvrtc::compile` registers the wait again after its first compile (see `exit_wait`).
+    super::exit_wait::register_at_exit();
     // SAFETY: is_culib_present only tries to dlopen the candidate names.
     if !unsafe { sys::is_culib_present() } {
         return Err(Error::NvrtcLoad {
