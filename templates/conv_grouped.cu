@@ -22,9 +22,11 @@
 //                           block and every other M tile: A = 16 outputs x 16 source channels
 //                           (ldmatrix from the tile), B = the chunk's weights (ldmatrix from
 //                           the block's staged weights), a tap and k chunk at a time.
-//   PASS 1 backward-data:   out = input gradient, src = cotangent, stride 1: the forward with
-//                           the taps walked backwards (off = pad - (k - 1)) and each group's
-//                           weight transposed.
+//   PASS 1 backward-data:   out = input gradient, src = cotangent: the forward at stride 1
+//                           with the taps walked backwards and each group's weight transposed.
+//                           A strided layer runs one launch a stride phase (the input pixels
+//                           whose rows and columns have one remainder by the strides): a phase
+//                           reads every stride-th tap, and its outputs lie a stride apart.
 //   PASS 2 backward-weight: src = input, the cotangent staged beside it. M = the chunk's 16
 //                           output channels, N = 8 source channels, K = 16 outputs (A: the
 //                           cotangent, B: the source at a tap, both ldmatrix .trans); a warp
@@ -58,7 +60,7 @@ static_assert(KILN_ARCH >= 800, "mma.sync m16n8k16 for both 16-bit types needs s
 static_assert(WARPS == 2 * CHUNKS, "two warps a chunk");
 static_assert(UNITS == 8 && THREADS % UNITS == 0, "a thread copies one unit of its pixels");
 static_assert(16 % CG == 0 || CG == 32, "group widths 2, 4, 8, 16 and 32");
-static_assert(PASS != 1 || (SH == 1 && SW == 1), "backward-data is stride 1 only");
+static_assert(PASS != 1 || (SH == 1 && SW == 1), "backward-data gathers at stride 1");
 
 // Mirrors ops::conv::grouped::Problem (repr(C)).
 struct kiln_grouped {
@@ -66,11 +68,17 @@ struct kiln_grouped {
   int src_h, src_w;      // the source's extents
   int out_h, out_w;      // the gather's output (backward-weight: the cotangent)
   int chans;             // channels of source and output
+  int dst_h, dst_w;      // the output array's extents (a stride phase writes part of it)
+  int out_h0, out_w0;    // the output pixel of gather output (0, 0)
+  int out_step_h, out_step_w;  // output pixels between consecutive gather outputs
+  int w_kh, w_kw;        // the layer's kernel extents
+  int tap_h0, tap_w0;    // forward, backward-data: the kernel row and column of staged tap 0
+  int tap_step_h, tap_step_w;  // and between staged taps (< 0 walks the kernel backwards)
   int off_h, off_w;      // source position of output 0 at tap 0
   int tile_h, tile_w;    // outputs a tile (tile_w a multiple of 8, tile_h * tile_w of 16)
   int tiles_h, tiles_w;  // tiles an image
   int tiles;             // batch * tiles_h * tiles_w
-  int reverse;           // the weight's tap is KSIZE - 1 - t
+  int reverse;           // backward-weight: the weight's tap is KSIZE - 1 - t
   int vec;               // both staged arrays may be copied in 16-byte pieces
   int tiles_per_split;   // backward-weight: tiles a block sums
 };
@@ -227,7 +235,8 @@ __device__ __forceinline__ void kiln_products(const kiln_grouped& p, const kiln_
       const int row = s / per_row, col = (s - row * per_row) * 8 + g;
       const int oh = t.oh + row, ow = t.ow + col;
       if (oh >= p.out_h || ow >= p.out_w) continue;
-      T* dst = out + (((long long)t.n * p.out_h + oh) * p.out_w + ow) * p.chans;
+      const int dh = p.out_h0 + oh * p.out_step_h, dw = p.out_w0 + ow * p.out_step_w;
+      T* dst = out + (((long long)t.n * p.dst_h + dh) * p.dst_w + dw) * p.chans;
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         const int c = c0 + 16 * j + 8 * nt + pair;  // even, as chans is
@@ -302,8 +311,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{kernel}}(
     // B of chunk j, walked tap, k chunk kc, at [((j * KSIZE + tap) * KC + kc) * 256 + n * 16 +
     // k] (the two 8-element halves of row n swapped when n / 4 is odd): the weight between
     // gather output channel c0 + 16 j + n and source channel c0 + (its span) + 16 kc + k; zero
-    // across groups. Forward: weight[output][tap][source % CG]; backward-data (the gather's
-    // output is the layer's input): weight[source][tap][output % CG].
+    // across groups and at staged taps outside the kernel (a stride phase's missing taps).
+    // Forward: weight[output][tap][source % CG]; backward-data (the gather's output is the
+    // layer's input): weight[source][tap][output % CG].
     const T* weight = other;
     for (int e = tid; e < WEIGHTS; e += THREADS) {
       const int k = e & 15, n = (e >> 4) & 15, block = e >> 8;
@@ -312,10 +322,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{kernel}}(
       const int oc = c0 + 16 * jj + n;
       const int sc = c0 + 16 * jj / SPAN * SPAN + 16 * kc + k;
       T v{};
-      if (oc < p.chans && sc < p.chans && oc / CG == sc / CG) {
-        const int wt = p.reverse ? KSIZE - 1 - tap : tap;
+      const int wr = p.tap_h0 + tap / KW * p.tap_step_h;
+      const int wc = p.tap_w0 + tap % KW * p.tap_step_w;
+      if (oc < p.chans && sc < p.chans && oc / CG == sc / CG && wr >= 0 && wr < p.w_kh &&
+          wc >= 0 && wc < p.w_kw) {
         const int wo = PASS == 1 ? sc : oc, wi = PASS == 1 ? oc : sc;
-        v = weight[((long long)wo * KSIZE + wt) * CG + wi % CG];
+        v = weight[(((long long)wo * p.w_kh + wr) * p.w_kw + wc) * CG + wi % CG];
       }
       ws[block * 256 + n * 16 + (((k >> 3) ^ ((n >> 2) & 1)) << 3) + (k & 7)] = v;
     }

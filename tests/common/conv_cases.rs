@@ -251,6 +251,16 @@ pub fn grouped() -> Vec<ConvCase> {
                 .padding_hi(&[0, 2]),
         ),
         ConvCase::new(
+            "grouped 3x2 stride 2 flip, uneven padding, 4 a group, 32 channels",
+            &[2, 11, 10, 32],
+            &[32, 3, 2, 4],
+            d().groups(8)
+                .strides(&[2])
+                .flip(true)
+                .padding_lo(&[0, 1])
+                .padding_hi(&[2, 0]),
+        ),
+        ConvCase::new(
             "grouped 1d kernel 3, 8 a group, 40 channels",
             &[2, 37, 40],
             &[40, 3, 8],

@@ -228,7 +228,8 @@ pub fn unsupported(path: ConvPath, key: &PlanKey) -> Option<&'static str> {
     if !MULTIPLIERS.contains(&(g.cout / g.groups)) {
         return Some("a channel multiplier the family does not take");
     }
-    tile_limits(key, MAX_KERNEL, MAX_STRIDE)
+    // Backward-data walks the taps at stride 1 (the direct family takes strided layers).
+    tile_limits(key, MAX_KERNEL, MAX_STRIDE, 1)
 }
 
 /// The kernel's view of a problem: `struct kiln_depthwise` in the template.

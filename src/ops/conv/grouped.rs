@@ -1,16 +1,19 @@
 //! The grouped family (`templates/conv_grouped.cu`): grouped convolutions with few channels a
 //! group (2 to 32 input channels a group, as many output channels: ResNeXt, RegNet) in f16 and
-//! bf16 on tensor cores. A block works on 64 channels and walks tiles of outputs, copying the
+//! bf16 on tensor cores; and depthwise layers (one channel a group) that the depthwise family
+//! declines, which are strided backward-data. A block works on 64 channels and walks tiles of outputs, copying the
 //! next tile's source pixels into shared memory while it multiplies this one with `mma.sync`;
 //! each group's weights between 16 output channels and the source channels they read are a
 //! block-diagonal 16 x 16 matrix (two dense ones for 32-channel groups), so one code path takes
 //! every group width and the zeros cost only MMAs, which such layers have to spare.
 //!
-//! It takes 1-D and 2-D layers with kernels up to [`MAX_KERNEL`] taps a side, strides up to
-//! [`MAX_STRIDE`] (1 for backward-data) and no dilation, on GPUs with 16-bit tensor cores for
-//! the dtype from sm_80 on. The direct family takes the other grouped layers (f32, older GPUs,
-//! wider kernels, strided backward-data). [`specs`] lists the common specs (`kiln warm`
-//! compiles those); any other compiles on its first use.
+//! It takes 1-D and 2-D layers with kernels up to [`MAX_KERNEL`] taps a side (for strided
+//! backward-data, each stride phase's), strides up to [`MAX_STRIDE`] and no dilation, on GPUs with 16-bit tensor cores for the dtype from sm_80
+//! on. Backward-data of a strided layer runs one launch a stride phase: the input pixels whose
+//! rows and columns leave one remainder by the strides take every stride-th tap of the kernel,
+//! a stride-1 gather of the cotangent with a smaller kernel (2x2 for a 3x3 at stride 2). The
+//! direct family takes the other grouped layers (f32, older GPUs, wider kernels). [`specs`]
+//! lists the common specs (`kiln warm` compiles those); any other compiles on its first use.
 
 use crate::dtype::DType;
 use crate::env::ConvPath;
@@ -38,7 +41,7 @@ const PITCH: usize = CHANNELS + 8;
 pub const MAX_KERNEL: usize = 3;
 pub const MAX_STRIDE: usize = 2;
 /// Channels a group the family takes (input and output alike).
-pub const GROUP_WIDTHS: [usize; 5] = [2, 4, 8, 16, 32];
+pub const GROUP_WIDTHS: [usize; 6] = [1, 2, 4, 8, 16, 32];
 /// The first architecture whose `mma.sync` m16n8k16 takes both 16-bit types.
 pub const MIN_ARCH: u32 = 80;
 
@@ -52,11 +55,20 @@ pub struct Shape {
 }
 
 impl Shape {
-    fn of(g: &Geometry) -> Shape {
-        Shape {
-            cg: g.cin / g.groups,
-            kernel: [g.kernel[1], g.kernel[2]],
-            stride: [g.stride[1], g.stride[2]],
+    /// The gather `pass` of `g` runs: backward-data gathers at stride 1, a stride phase's taps
+    /// (every stride-th: the kernel divided by the stride, rounded up) at a time.
+    fn of(pass: Pass, g: &Geometry) -> Shape {
+        let cg = g.cin / g.groups;
+        let kernel = [g.kernel[1], g.kernel[2]];
+        let stride = [g.stride[1], g.stride[2]];
+        if pass == Pass::BackwardData {
+            Shape {
+                cg,
+                kernel: [0, 1].map(|d| kernel[d].div_ceil(stride[d])),
+                stride: [1, 1],
+            }
+        } else {
+            Shape { cg, kernel, stride }
         }
     }
 
@@ -92,21 +104,35 @@ pub fn spec(dtype: DType, pass: Pass, s: Shape) -> KernelSpec {
     )
 }
 
-/// The common grouped layers `kiln warm` compiles: 3x3 at strides 1 and 2 (backward-data at
-/// stride 1) with 4, 8, 16 and 32 channels a group (ResNeXt, RegNet), f16 and bf16.
+/// The common grouped layers `kiln warm` compiles: 3x3 at strides 1 and 2 with 4, 8, 16 and
+/// 32 channels a group (ResNeXt, RegNet), f16 and bf16 (backward-data at stride 2 gathers 2x2
+/// phases); and the backward-data of depthwise 3x3 and 5x5 layers at stride 2.
 pub fn specs() -> Vec<KernelSpec> {
     let mut out = Vec::new();
     for dtype in [DType::F16, DType::BF16] {
+        for taps in [2, 3] {
+            let shape = Shape {
+                cg: 1,
+                kernel: [taps, taps],
+                stride: [1, 1],
+            };
+            out.push(spec(dtype, Pass::BackwardData, shape));
+        }
         for pass in Pass::ALL {
             for cg in [4, 8, 16, 32] {
                 for s in [1, 2] {
-                    if pass == Pass::BackwardData && s > 1 {
-                        continue;
-                    }
-                    let shape = Shape {
-                        cg,
-                        kernel: [3, 3],
-                        stride: [s, s],
+                    let shape = if pass == Pass::BackwardData {
+                        Shape {
+                            cg,
+                            kernel: [3usize.div_ceil(s); 2],
+                            stride: [1, 1],
+                        }
+                    } else {
+                        Shape {
+                            cg,
+                            kernel: [3, 3],
+                            stride: [s, s],
+                        }
                     };
                     out.push(spec(dtype, pass, shape));
                 }
@@ -131,7 +157,28 @@ pub fn unsupported(path: ConvPath, key: &PlanKey) -> Option<&'static str> {
     if !GROUP_WIDTHS.contains(&(g.cin / g.groups)) {
         return Some("a group width the family does not take");
     }
-    tile_limits(key, MAX_KERNEL, MAX_STRIDE)
+    if g.cin % 2 != 0 {
+        // Outputs are stored as channel pairs (only one channel a group can leave one over).
+        return Some("an odd channel count");
+    }
+    // Backward-data gathers a stride phase's taps: up to MAX_KERNEL of a kernel MAX_STRIDE
+    // times as wide.
+    let widest = if key.pass == Pass::BackwardData {
+        MAX_KERNEL * MAX_STRIDE
+    } else {
+        MAX_KERNEL
+    };
+    if let Some(why) = tile_limits(key, widest, MAX_STRIDE, MAX_STRIDE) {
+        return Some(why);
+    }
+    if Shape::of(key.pass, g)
+        .kernel
+        .iter()
+        .any(|&k| k > MAX_KERNEL)
+    {
+        return Some("a kernel wider than the family's");
+    }
+    None
 }
 
 /// The kernel's view of a problem: `struct kiln_grouped` in the template.
@@ -144,6 +191,18 @@ pub struct Problem {
     pub out_h: i32,
     pub out_w: i32,
     pub chans: i32,
+    pub dst_h: i32,
+    pub dst_w: i32,
+    pub out_h0: i32,
+    pub out_w0: i32,
+    pub out_step_h: i32,
+    pub out_step_w: i32,
+    pub w_kh: i32,
+    pub w_kw: i32,
+    pub tap_h0: i32,
+    pub tap_w0: i32,
+    pub tap_step_h: i32,
+    pub tap_step_w: i32,
     pub off_h: i32,
     pub off_w: i32,
     pub tile_h: i32,
@@ -156,14 +215,22 @@ pub struct Problem {
     pub tiles_per_split: i32,
 }
 
-/// A plan's launch: the problem, the grid, dynamic shared memory, and the splits of
-/// backward-weight's sum (one f32 partial a block along x).
-#[derive(Clone, Copy, Debug)]
+/// One launch: its problem and grid.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Phase {
+    pub problem: Problem,
+    pub grid: (u32, u32, u32),
+}
+
+/// A plan's launches (one, or one a stride phase of backward-data, each writing its own pixels
+/// of the output), dynamic shared memory, and the splits of backward-weight's sum (one f32
+/// partial a block along x).
+#[derive(Clone, Debug)]
 pub struct Launch {
     pub pass: Pass,
     pub shape: Shape,
-    pub problem: Problem,
-    pub grid: (u32, u32, u32),
+    /// The launches, in order; together they write every element of the output once.
+    pub phases: Vec<Phase>,
     pub shared: usize,
     pub splits: usize,
 }
@@ -265,61 +332,151 @@ pub fn launch_for(key: &PlanKey, sms: usize, limit: usize) -> Option<Launch> {
     }
     let g = &key.geometry;
     let pass = key.pass;
-    let shape = Shape::of(g);
-    // The gather's output and source extents; the source position of output 0's tap 0.
+    let shape = Shape::of(pass, g);
+    // The gather's output and source extents.
     let (out, src) = match pass {
         Pass::BackwardData => (g.input, g.output),
         _ => (g.output, g.input),
     };
-    let off = |d: usize| match pass {
-        Pass::BackwardData => g.pad_lo[d] as i64 - (g.kernel[d] as i64 - 1),
-        _ => -(g.pad_lo[d] as i64),
-    };
+    let phases = gather_phases(pass, g);
     let blocks_y = g.cin.div_ceil(CHANNELS);
     let sms = sms.max(1);
+    // Phase 0 has the most outputs; every phase takes its tile.
     let (tile, per_sm) = choose_tile(
         pass,
         shape,
-        [out[1], out[2]],
+        phases[0].map(|d| d.outputs),
         g.batch * blocks_y,
         sms,
         limit,
     )?;
-    let blocks = per_sm * sms;
-    let tiles_h = out[1].div_ceil(tile[0]);
-    let tiles_w = out[2].div_ceil(tile[1]);
-    let tiles = g.batch * tiles_h * tiles_w;
-    if tiles == 0 || tiles > i32::MAX as usize || blocks_y > 65535 {
+    if blocks_y > 65535 {
         return None;
     }
-    let (blocks_x, splits, per_split) = persistent_grid(pass, blocks, blocks_y, tiles);
-    let problem = Problem {
-        batch: g.batch as i32,
-        src_h: src[1] as i32,
-        src_w: src[2] as i32,
-        out_h: out[1] as i32,
-        out_w: out[2] as i32,
-        chans: g.cin as i32,
-        off_h: off(1) as i32,
-        off_w: off(2) as i32,
-        tile_h: tile[0] as i32,
-        tile_w: tile[1] as i32,
-        tiles_h: tiles_h as i32,
-        tiles_w: tiles_w as i32,
-        tiles: tiles as i32,
-        // Backward-data walks the taps backwards: its weight tap is reversed unless flipped.
-        reverse: (g.flip != (pass == Pass::BackwardData)) as i32,
-        vec: (key.aligned && g.cin % 8 == 0) as i32,
-        tiles_per_split: per_split as i32,
-    };
-    Some(Launch {
+    let mut launch = Launch {
         pass,
         shape,
-        problem,
-        grid: (blocks_x as u32, blocks_y as u32, 1),
+        phases: Vec::new(),
         shared: shared_bytes(pass, shape, tile),
-        splits,
-    })
+        splits: 1,
+    };
+    for [h, w] in phases {
+        let tiles_h = h.outputs.div_ceil(tile[0]);
+        let tiles_w = w.outputs.div_ceil(tile[1]);
+        let tiles = g.batch * tiles_h * tiles_w;
+        if tiles == 0 || tiles > i32::MAX as usize {
+            return None;
+        }
+        let (blocks_x, splits, per_split) = persistent_grid(pass, per_sm * sms, blocks_y, tiles);
+        launch.splits = splits;
+        let problem = Problem {
+            batch: g.batch as i32,
+            src_h: src[1] as i32,
+            src_w: src[2] as i32,
+            out_h: h.outputs as i32,
+            out_w: w.outputs as i32,
+            chans: g.cin as i32,
+            dst_h: out[1] as i32,
+            dst_w: out[2] as i32,
+            out_h0: h.first as i32,
+            out_w0: w.first as i32,
+            out_step_h: h.step as i32,
+            out_step_w: w.step as i32,
+            w_kh: g.kernel[1] as i32,
+            w_kw: g.kernel[2] as i32,
+            tap_h0: h.tap0 as i32,
+            tap_w0: w.tap0 as i32,
+            tap_step_h: h.tap_step as i32,
+            tap_step_w: w.tap_step as i32,
+            off_h: h.off as i32,
+            off_w: w.off as i32,
+            tile_h: tile[0] as i32,
+            tile_w: tile[1] as i32,
+            tiles_h: tiles_h as i32,
+            tiles_w: tiles_w as i32,
+            tiles: tiles as i32,
+            reverse: g.flip as i32,
+            vec: (key.aligned && g.cin % 8 == 0) as i32,
+            tiles_per_split: per_split as i32,
+        };
+        launch.phases.push(Phase {
+            problem,
+            grid: (blocks_x as u32, blocks_y as u32, 1),
+        });
+    }
+    Some(launch)
+}
+
+/// How one axis of a gather maps onto the layer: outputs `first`, `first + step`, ... of the
+/// output array (`outputs` of them), the source position `off` of output 0 at staged tap 0, and
+/// the kernel position `tap0 + tap_step * t` of staged tap t (outside the kernel: no tap).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct AxisMap {
+    outputs: usize,
+    first: usize,
+    step: usize,
+    off: i64,
+    tap0: i64,
+    tap_step: i64,
+}
+
+/// The gathers `pass` of `g` runs, each as (rows, columns): one, or for backward-data one a
+/// stride phase that has outputs, phase 0 first.
+fn gather_phases(pass: Pass, g: &Geometry) -> Vec<[AxisMap; 2]> {
+    let axis = |d: usize, phase: usize| -> AxisMap {
+        let (k, s, pad) = (g.kernel[d] as i64, g.stride[d] as i64, g.pad_lo[d] as i64);
+        // A flipped kernel is read from its far end.
+        let oriented = |tap0: i64, step: i64| {
+            if g.flip {
+                (k - 1 - tap0, -step)
+            } else {
+                (tap0, step)
+            }
+        };
+        if pass != Pass::BackwardData {
+            let (tap0, tap_step) = oriented(0, 1);
+            return AxisMap {
+                outputs: g.output[d],
+                first: 0,
+                step: 1,
+                off: -pad,
+                tap0,
+                tap_step,
+            };
+        }
+        // Input pixel a + s i takes the kernel taps r = r0 + s t (r0 = (a + pad) mod s) from
+        // cotangent pixel i + q - t (q = (a + pad) div s); staged tap u is t = taps - 1 - u, so
+        // that the cotangent is read forwards: pixel i + (q - taps + 1) + u.
+        let a = phase as i64;
+        let taps = (k + s - 1) / s;
+        let (r0, q) = ((a + pad) % s, (a + pad) / s);
+        let (tap0, tap_step) = oriented(r0 + s * (taps - 1), -s);
+        AxisMap {
+            outputs: (g.input[d].saturating_sub(phase)).div_ceil(s as usize),
+            first: phase,
+            step: s as usize,
+            off: q - taps + 1,
+            tap0,
+            tap_step,
+        }
+    };
+    let phases = |d: usize| {
+        if pass == Pass::BackwardData {
+            g.stride[d]
+        } else {
+            1
+        }
+    };
+    let mut out = Vec::new();
+    for ph in 0..phases(1) {
+        for pw in 0..phases(2) {
+            let maps = [axis(1, ph), axis(2, pw)];
+            if maps.iter().all(|m| m.outputs > 0) {
+                out.push(maps);
+            }
+        }
+    }
+    out
 }
 
 /// The spec and launch that run `key`, or None where the family does not take it.
@@ -369,14 +526,8 @@ mod tests {
             }
         }
         let f16 = DType::F16;
-        // Depthwise, 64-channel groups, output channels unlike input, wide kernels, 3-D,
-        // strided backward-data and dilation are other families'.
-        let [x, w] = grouped(64, 1, [9, 9], 3);
-        assert!(unsupported(
-            ConvPath::Auto,
-            &key(f16, Pass::Forward, &x, &w, &params(64, 1, 3, 1))
-        )
-        .is_some());
+        // 64-channel groups, output channels unlike input, wide kernels, 3-D and dilation are
+        // other families'. (Depthwise layers are the depthwise family's where it takes them.)
         let [x, w] = grouped(128, 64, [9, 9], 3);
         assert!(unsupported(
             ConvPath::Auto,
@@ -394,11 +545,20 @@ mod tests {
         .is_some());
         let [x, w] = grouped(64, 8, [9, 9], 3);
         let p = params(64, 8, 3, 2);
+        for pass in Pass::ALL {
+            assert_eq!(
+                unsupported(ConvPath::Auto, &key(f16, pass, &x, &w, &p)),
+                None
+            );
+        }
+        // Strided backward-data of kernels up to 6 wide: phases of up to 3 taps a side.
+        let [x, w] = grouped(64, 8, [9, 9], 5);
+        let bd = |s| key(f16, Pass::BackwardData, &x, &w, &params(64, 8, 5, s));
+        assert_eq!(unsupported(ConvPath::Auto, &bd(2)), None);
+        assert!(unsupported(ConvPath::Auto, &bd(1)).is_some());
+        let [x, w] = grouped(64, 8, [9, 9], 7);
+        let p = params(64, 8, 7, 2);
         assert!(unsupported(ConvPath::Auto, &key(f16, Pass::BackwardData, &x, &w, &p)).is_some());
-        assert_eq!(
-            unsupported(ConvPath::Auto, &key(f16, Pass::Forward, &x, &w, &p)),
-            None
-        );
         let dilated = params(64, 8, 3, 1).kernel_dilation(&[2]);
         let k = key(f16, Pass::Forward, &[2, 9, 9, 64], &[64, 3, 3, 8], &dilated);
         assert!(unsupported(ConvPath::Auto, &k).is_some());
@@ -411,9 +571,6 @@ mod tests {
             for pass in Pass::ALL {
                 for cg in [4, 8, 16, 32] {
                     for s in [1, 2] {
-                        if pass == Pass::BackwardData && s > 1 {
-                            continue;
-                        }
                         let [x, w] = grouped(256, cg, [28, 28], 3);
                         let k = key(dtype, pass, &x, &w, &params(256, cg, 3, s));
                         let l = launch_for(&k, 132, H100_SHARED).unwrap();
@@ -434,9 +591,6 @@ mod tests {
             for cg in GROUP_WIDTHS {
                 for k in [1, 2, 3] {
                     for s in [1, 2] {
-                        if pass == Pass::BackwardData && s > 1 {
-                            continue;
-                        }
                         for size in sizes {
                             let kh = if size[0] == 1 { 1 } else { k };
                             let c = 96.max(cg * 2);
@@ -449,29 +603,98 @@ mod tests {
                             let w = [c, kh, k, cg];
                             let kk = key(DType::F16, pass, &x, &w, &p);
                             let l = launch_for(&kk, 132, H100_SHARED).unwrap();
-                            let pr = l.problem;
                             assert!(l.shared <= H100_SHARED, "{kk:?}");
-                            assert_eq!(pr.tile_w % 8, 0);
-                            assert_eq!(pr.tile_h * pr.tile_w % 16, 0);
-                            assert!(pr.tiles_h * pr.tile_h >= pr.out_h, "{kk:?}");
-                            assert!(pr.tiles_w * pr.tile_w >= pr.out_w, "{kk:?}");
-                            assert_eq!(pr.tiles, 3 * pr.tiles_h * pr.tiles_w);
-                            assert_eq!(l.grid.1 as usize, c.div_ceil(64));
-                            if pass == Pass::BackwardWeight {
-                                // Every split has a tile; all tiles are covered.
-                                let s = l.splits as i32;
-                                assert!((s - 1) * pr.tiles_per_split < pr.tiles, "{kk:?}");
-                                assert!(s * pr.tiles_per_split >= pr.tiles, "{kk:?}");
-                            } else {
-                                assert!(l.grid.0 >= 1 && l.grid.0 as i32 <= pr.tiles);
-                                // One wave: no more blocks than the SMs hold at once.
-                                let blocks = l.grid.0 * l.grid.1;
-                                assert!(blocks <= 3 * 132 || l.grid.0 == 1, "{kk:?}");
+                            // The launches write every output pixel once.
+                            let (out_h, out_w) = match pass {
+                                Pass::BackwardData => (kk.geometry.input[1], kk.geometry.input[2]),
+                                _ => (kk.geometry.output[1], kk.geometry.output[2]),
+                            };
+                            let mut written = vec![0; out_h * out_w];
+                            for ph in l.phases {
+                                let pr = ph.problem;
+                                for i in 0..pr.out_h {
+                                    for j in 0..pr.out_w {
+                                        let h = pr.out_h0 + i * pr.out_step_h;
+                                        let w = pr.out_w0 + j * pr.out_step_w;
+                                        written[h as usize * out_w + w as usize] += 1;
+                                    }
+                                }
+                                assert_eq!(pr.tile_w % 8, 0);
+                                assert_eq!(pr.tile_h * pr.tile_w % 16, 0);
+                                assert!(pr.tiles_h * pr.tile_h >= pr.out_h, "{kk:?}");
+                                assert!(pr.tiles_w * pr.tile_w >= pr.out_w, "{kk:?}");
+                                assert_eq!(pr.tiles, 3 * pr.tiles_h * pr.tiles_w);
+                                assert_eq!(ph.grid.1 as usize, c.div_ceil(64));
+                                if pass == Pass::BackwardWeight {
+                                    // Every split has a tile; all tiles are covered.
+                                    let s = l.splits as i32;
+                                    assert!((s - 1) * pr.tiles_per_split < pr.tiles, "{kk:?}");
+                                    assert!(s * pr.tiles_per_split >= pr.tiles, "{kk:?}");
+                                } else {
+                                    assert!(ph.grid.0 >= 1 && ph.grid.0 as i32 <= pr.tiles);
+                                    // One wave: no more blocks than the SMs hold at once.
+                                    let blocks = ph.grid.0 * ph.grid.1;
+                                    assert!(blocks <= 3 * 132 || ph.grid.0 == 1, "{kk:?}");
+                                }
                             }
+                            assert!(written.iter().all(|&n| n == 1), "{kk:?}");
                         }
                     }
                 }
             }
         }
+    }
+
+    /// Each stride phase of backward-data gathers exactly the (cotangent pixel, kernel tap)
+    /// pairs that reach each of its input pixels, checked against the definition along one
+    /// axis: kernels 1 to 6, strides 1 and 2, paddings 0 to 3 a side, flip.
+    #[test]
+    fn stride_phases_gather_exactly_the_taps_that_reach_each_pixel() {
+        for k in 1..=6usize {
+            for s in 1..=2usize {
+                for lo in 0..=3usize {
+                    for hi in 0..=3usize {
+                        for flip in [false, true] {
+                            let p = ConvParams::default()
+                                .groups(8)
+                                .strides(&[s])
+                                .padding_lo(&[lo])
+                                .padding_hi(&[hi])
+                                .flip(flip);
+                            let Ok(g) = Geometry::new(&[1, 9, 64], &[64, k, 8], &p) else {
+                                continue;
+                            };
+                            check_phases_along_the_row(&g, flip);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn check_phases_along_the_row(g: &Geometry, flip: bool) {
+        let (k, s, pad) = (g.kernel[2], g.stride[2], g.pad_lo[2] as i64);
+        let (x_len, o_len) = (g.input[2], g.output[2]);
+        let mut seen = vec![false; x_len];
+        let taps = Shape::of(Pass::BackwardData, g).kernel[1];
+        for [_, m] in gather_phases(Pass::BackwardData, g) {
+            for i in 0..m.outputs {
+                let x = m.first + i * m.step;
+                seen[x] = true;
+                let mut got: Vec<(i64, i64)> = (0..taps as i64)
+                    .map(|u| (i as i64 + m.off + u, m.tap0 + m.tap_step * u))
+                    .filter(|&(o, r)| o >= 0 && o < o_len as i64 && r >= 0 && r < k as i64)
+                    .collect();
+                let mut want: Vec<(i64, i64)> = (0..o_len as i64)
+                    .flat_map(|o| (0..k as i64).map(move |r| (o, r)))
+                    .filter(|&(o, r)| o * s as i64 - pad + r == x as i64)
+                    .map(|(o, r)| (o, if flip { k as i64 - 1 - r } else { r }))
+                    .collect();
+                got.sort();
+                want.sort();
+                assert_eq!(got, want, "{g:?} pixel {x}");
+            }
+        }
+        assert!(seen.iter().all(|&v| v), "{g:?}");
     }
 }

@@ -557,17 +557,20 @@ fn launch(enc: &mut CommandEncoder, plan: &Plan, a: &Array, b: &Array, out: &Arr
         Kind::Grouped(l) => {
             let block = (32, plan.threads / 32, 1);
             let split = partial.as_ref();
-            launch_gather(
-                enc,
-                plan,
-                l.pass,
-                l.grid,
-                block,
-                l.problem,
-                out,
-                split,
-                [a, b],
-            )?;
+            // Backward-data's stride phases write disjoint pixels of `out`, one launch each.
+            for phase in &l.phases {
+                launch_gather(
+                    enc,
+                    plan,
+                    l.pass,
+                    phase.grid,
+                    block,
+                    phase.problem,
+                    out,
+                    split,
+                    [a, b],
+                )?;
+            }
         }
         Kind::Depthwise(l) => {
             let block = (32, plan.threads / 32, 1);

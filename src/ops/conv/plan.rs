@@ -479,7 +479,7 @@ impl Choice {
             Choice::Depthwise(spec, launch) => build_depthwise(device, key, spec, launch),
             Choice::Grouped(spec, launch) => {
                 let geometry = (
-                    launch.grid,
+                    launch.phases[0].grid,
                     grouped::THREADS as u32,
                     launch.shared,
                     launch.splits,
@@ -495,9 +495,14 @@ impl Choice {
 }
 
 /// What the tiled stencil families (depthwise, grouped) share in what they take: 1-D and 2-D
-/// layers, kernels up to `max_kernel` taps a side, strides up to `max_stride` (1 for
-/// backward-data, which walks the taps at stride 1), no dilation. Why not, or None.
-pub fn tile_limits(key: &PlanKey, max_kernel: usize, max_stride: usize) -> Option<&'static str> {
+/// layers, kernels up to `max_kernel` taps a side, strides up to `max_stride` (for
+/// backward-data `max_data_stride`), no dilation. Why not, or None.
+pub fn tile_limits(
+    key: &PlanKey,
+    max_kernel: usize,
+    max_stride: usize,
+    max_data_stride: usize,
+) -> Option<&'static str> {
     let g = &key.geometry;
     if g.spatial > 2 {
         return Some("3-D");
@@ -506,7 +511,7 @@ pub fn tile_limits(key: &PlanKey, max_kernel: usize, max_stride: usize) -> Optio
         return Some("a kernel wider than the family's");
     }
     let most = if key.pass == Pass::BackwardData {
-        1
+        max_data_stride
     } else {
         max_stride
     };
