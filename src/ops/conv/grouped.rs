@@ -263,17 +263,24 @@ fn blocks_per_sm(pass: Pass, s: Shape, shared: usize, limit: usize) -> usize {
     ((limit + 1024) / (shared + 1024)).min(s.min_blocks(pass))
 }
 
-/// Tiles a block should walk at least, where the layer has them, so that copies overlap work.
-const TILES_PER_BLOCK: usize = 3;
+/// Costs of the tile model, in staged slots (64 channels copied into shared memory): an MMA
+/// unit (an M tile at a tap and k chunk, used or idle), and a tile's fixed work (its barriers,
+/// setup and pipeline turn). Fitted to a sweep of eight tile shapes on the six ResNeXt layers,
+/// every pass (H100, f16).
+const MMA_UNIT_SLOTS: f64 = 4.0;
+const TILE_SLOTS: f64 = 800.0;
+/// How the time falls with the blocks at work at once: as their count to this power (more
+/// warps hide latency, but less than in proportion).
+const PARALLEL_POWER: f64 = 0.75;
 
 /// The output tile of `pass` over `out` (rows, columns) extents within `limit` bytes of shared
 /// memory, and the blocks an SM then holds. Tiles are rows of 8, 16, 24 or 32 outputs, a
-/// multiple of 16 outputs in all. Preferred, in order: as many blocks an SM as the launch bound
-/// allows (the kernel is bound by latency, and more warps hide it; measured on the H100: two
-/// blocks an SM ran at 25% occupancy, issuing 0.43 instructions a scheduler cycle); an M tile
-/// (16 outputs) for each of a chunk's two warps; enough tiles that each block walks several; the least work,
-/// counting a staged slot (64 channels copied from L2 or memory) as six of its 128 bytes read by
-/// ldmatrix, and each M tile, used or idle, as the ldmatrix reads of its taps.
+/// multiple of 16 outputs in all. The model: the work is the staged slots (halos included),
+/// the MMA units (M tiles rounded up to a pair, one a warp of a chunk) and a fixed cost a tile,
+/// summed over the tiles; the time is the work over the blocks at work at once (those an SM
+/// holds on every SM, or as many as there are tiles) to the power PARALLEL_POWER. Larger tiles
+/// than the most blocks an SM would allow often win: a 14x14 map in one 14x16 tile ran 1.3x
+/// faster on the H100 than in 4x8 tiles at three blocks an SM (the earlier rule).
 fn choose_tile(
     pass: Pass,
     s: Shape,
@@ -283,45 +290,39 @@ fn choose_tile(
     limit: usize,
 ) -> Option<([usize; 2], usize)> {
     let taps = s.kernel[0] * s.kernel[1];
-    // (tile, blocks an SM, both warps busy, enough tiles, cost)
-    let mut best: Option<([usize; 2], usize, bool, bool, usize)> = None;
+    // (tile, blocks an SM, modelled time)
+    let mut best: Option<([usize; 2], usize, f64)> = None;
     for tw in [8, 16, 24, 32] {
         // Past the output's width only as far as a one-row tile of 16 needs.
         if tw > out[1].next_multiple_of(8).max(16) {
             break;
         }
-        for th in 1..=out[0].min(32) {
+        // Up to an even row count past the output's height (7 rows: one tile of 8x8).
+        for th in 1..=out[0].next_multiple_of(2).min(32) {
             if (th * tw) % 16 != 0 {
                 continue;
             }
             let shared = shared_bytes(pass, s, [th, tw]);
-            let per_sm = blocks_per_sm(pass, s, shared, limit);
             if shared > limit {
                 continue;
             }
-            let mtiles = th * tw / 16;
-            let busy = mtiles >= 2;
+            let per_sm = blocks_per_sm(pass, s, shared, limit).max(1);
             let tiles = out[0].div_ceil(th) * out[1].div_ceil(tw) * images_x_blocks;
-            let enough = tiles >= TILES_PER_BLOCK * per_sm * sms;
             let mut slots = source_slots(s, [th, tw]);
             if pass == Pass::BackwardWeight {
                 slots += th * tw;
             }
-            let products = mtiles.next_multiple_of(2) * taps * s.k_chunks() * 4 * 512;
-            let cost = tiles * (slots * 6 * 128 + products);
-            let better = match best {
-                None => true,
-                Some((_, b_sm, b_busy, b_enough, b_cost)) => {
-                    (per_sm, busy, enough, std::cmp::Reverse(cost))
-                        > (b_sm, b_busy, b_enough, std::cmp::Reverse(b_cost))
-                }
-            };
-            if better {
-                best = Some(([th, tw], per_sm, busy, enough, cost));
+            let mma_units = (th * tw / 16).next_multiple_of(2) * taps * s.k_chunks();
+            let work =
+                tiles as f64 * (slots as f64 + MMA_UNIT_SLOTS * mma_units as f64 + TILE_SLOTS);
+            let at_once = tiles.min(per_sm * sms) as f64;
+            let time = work / at_once.powf(PARALLEL_POWER);
+            if best.map_or(true, |(_, _, t)| time < t) {
+                best = Some(([th, tw], per_sm, time));
             }
         }
     }
-    best.map(|(t, per_sm, ..)| (t, per_sm.max(1)))
+    best.map(|(t, per_sm, _)| (t, per_sm))
 }
 
 /// The launch of `key` on `sms` multiprocessors with `limit` bytes of shared memory a block, or
