@@ -90,6 +90,7 @@ impl Nvrtc {
         self.compile_unguarded(program_name, source, name_expressions, options, ptx)
     }
 
+    /// [`Nvrtc::compile`] without the exit guard: its body, and the first, trivial compile.
     fn compile_unguarded(
         &self,
         program_name: &str,

@@ -15,7 +15,8 @@
 //! into one plane per channel for `ldmatrix` and its outputs back into pixels.
 //!
 //! It takes kernels up to [`MAX_KERNEL`] taps a side, strides up to [`MAX_STRIDE`] (1 for
-//! backward-data) and no dilation; the direct family takes the other grouped layers. Specs are
+//! backward-data) and no dilation; strided backward-data goes to the grouped family (16-bit,
+//! stride phases) or the direct family, as do the other depthwise layers. Specs are
 //! specialised by kernel, stride and channel multiplier: [`specs`] lists the common ones
 //! (`kiln warm` compiles those); any other compiles on its first use.
 
@@ -228,7 +229,8 @@ pub fn unsupported(path: ConvPath, key: &PlanKey) -> Option<&'static str> {
     if !MULTIPLIERS.contains(&(g.cout / g.groups)) {
         return Some("a channel multiplier the family does not take");
     }
-    // Backward-data walks the taps at stride 1 (the direct family takes strided layers).
+    // Backward-data walks the taps at stride 1 (the grouped family takes strided layers by
+    // stride phase where it can, the direct family the rest).
     tile_limits(key, MAX_KERNEL, MAX_STRIDE, 1)
 }
 
@@ -570,7 +572,7 @@ mod tests {
         assert!(unsupported(ConvPath::Auto, &key(f16, Pass::Forward, &x, &w, &p)).is_some());
         let (x, w, p) = depthwise(24, 1, [9, 9], 9, 1);
         assert!(unsupported(ConvPath::Auto, &key(f16, Pass::Forward, &x, &w, &p)).is_some());
-        // Strided backward-data is the direct family's; strided forward is this one's.
+        // Strided backward-data is another family's; strided forward is this one's.
         let (x, w, p) = depthwise(24, 1, [9, 9], 3, 2);
         assert!(unsupported(ConvPath::Auto, &key(f16, Pass::BackwardData, &x, &w, &p)).is_some());
         assert_eq!(
