@@ -663,12 +663,20 @@ struct kiln_tensor_tile {
       for (int mt = 0; mt < MT; ++mt) kiln_mma_tf32(acc[mt][nt], a[mt], b[nt][0], b[nt][1]);
   }
 
-  // Calls store(row, m, n, v0, v1) for each pair of adjacent columns this thread holds, with
-  // row = row_base(m) computed once per row.
-  template <typename Row, typename Store>
-  __device__ __forceinline__ void each_pair(Row row_base, Store store) const {
+  // Calls store(row, col, m, n, v0, v1) for each pair of adjacent columns this thread holds,
+  // with row = row_base(m) computed once per row and col[i] = col_base(n + i) once per column
+  // (not once per row and column: col_base may divide).
+  template <typename Row, typename Col, typename Store>
+  __device__ __forceinline__ void each_pair(Row row_base, Col col_base, Store store) const {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int wm = warp % WM, wn = warp / WM;
+    int col[NT][2];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int n = wn * WTN + nt * 8 + (lane % 4) * 2;
+      col[nt][0] = col_base(n);
+      col[nt][1] = col_base(n + 1);
+    }
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -678,7 +686,7 @@ struct kiln_tensor_tile {
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
           const int n = wn * WTN + nt * 8 + (lane % 4) * 2;
-          store(row, m, n, acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1]);
+          store(row, col[nt], m, n, acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1]);
         }
       }
   }
@@ -729,9 +737,16 @@ struct kiln_fma_tile {
     }
   }
 
-  template <typename Row, typename Store>
-  __device__ __forceinline__ void each_pair(Row row_base, Store store) const {
+  template <typename Row, typename Col, typename Store>
+  __device__ __forceinline__ void each_pair(Row row_base, Col col_base, Store store) const {
     const int ty = threadIdx.x / TX, tx = threadIdx.x % TX;
+    int col[TT / 2][2];
+#pragma unroll
+    for (int j = 0; j < TT; j += 2) {
+      const int n = (j / 4) * TX * 4 + tx * 4 + j % 4;
+      col[j / 2][0] = col_base(n);
+      col[j / 2][1] = col_base(n + 1);
+    }
 #pragma unroll
     for (int i = 0; i < TT; ++i) {
       const int m = (i / 4) * TY * 4 + ty * 4 + i % 4;
@@ -739,7 +754,7 @@ struct kiln_fma_tile {
 #pragma unroll
       for (int j = 0; j < TT; j += 2) {
         const int n = (j / 4) * TX * 4 + tx * 4 + j % 4;
-        store(row, m, n, acc[i][j], acc[i][j + 1]);
+        store(row, col[j / 2], m, n, acc[i][j], acc[i][j + 1]);
       }
     }
   }
@@ -875,10 +890,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{kernel}}(
 
   const long long total = (long long)p.cout * p.ksize * p.cin_g;  // backward-weight partials
   auto row_base = [&](int mi) { return m0 + mi < ext.m ? row_offset(p, ext, m0 + mi, g) : 0; };
-  auto store = [&](int row, int mi, int ni, float v0, float v1) {
+  auto col_base = [&](int ni) { return col_offset(p, n0 + ni); };
+  auto store = [&](int row, const int (&col)[2], int mi, int ni, float v0, float v1) {
     const int m = m0 + mi, n = n0 + ni;
     if (m >= ext.m || n >= p.n) return;
-    const int o = row + col_offset(p, n);
+    const int o = row + col[0];
     const bool both = n + 1 < p.n;
     if (partial != nullptr) {
       float* dst = partial + split * total;
@@ -886,7 +902,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{kernel}}(
         *reinterpret_cast<float2*>(dst + o) = make_float2(v0, v1);
       } else {
         dst[o] = v0;
-        if (both) dst[row + col_offset(p, n + 1)] = v1;
+        if (both) dst[row + col[1]] = v1;
       }
     } else if (both && p.pair_store) {
       kiln_vec<T, 2> v;
@@ -895,11 +911,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{kernel}}(
       *reinterpret_cast<kiln_vec<T, 2>*>(out + o) = v;
     } else {
       out[o] = kiln_from_float<T>(v0);
-      if (both) out[row + col_offset(p, n + 1)] = kiln_from_float<T>(v1);
+      if (both) out[row + col[1]] = kiln_from_float<T>(v1);
     }
   };
   if constexpr (TENSOR)
-    tc.each_pair(row_base, store);
+    tc.each_pair(row_base, col_base, store);
   else
-    fm.each_pair(row_base, store);
+    fm.each_pair(row_base, col_base, store);
 }
