@@ -131,6 +131,28 @@ __device__ __forceinline__ void kiln_tap_weights(const float4* ws, int sb,
 }
 
 #if {{PASS}} != 2  // a preprocessor test: PASS above is a C++ constant
+// The weights of tap tw for the thread's NO outputs as floats, [o][r], zero-padded to whole
+// float4s. Read in vectors of WV elements along the axis that is contiguous in memory (forward:
+// a group's channels r; backward-data, r being the weight's output channel: a group's channels
+// o): one load per element made the grouped shapes' staging a large part of their compile time.
+constexpr int WRUN = PASS == 1 ? (NO < CG ? NO : CG) : R;  // a run of them next to each other
+constexpr int WV = WRUN * (int)sizeof(T) > 16 ? 16 / (int)sizeof(T) : WRUN;
+__device__ __forceinline__ void kiln_slot_weights(const T* __restrict__ weight, int oc0, int tw,
+                                                  int ksize, float (&v)[4 * ((NO * R + 3) / 4)]) {
+#pragma unroll
+  for (int i = NO * R; i < 4 * ((NO * R + 3) / 4); ++i) v[i] = 0.0f;
+#pragma unroll
+  for (int a = 0; a < NO * R; a += WV) {
+    // (o, r) counted r first (forward) or o first (backward-data): a run of WV is contiguous.
+    const int o = PASS == 1 ? a % NO : a / R, r = PASS == 1 ? a / NO : a % R;
+    const kiln_vec<T, WV> x =
+        *reinterpret_cast<const kiln_vec<T, WV>*>(weight + kiln_weight_at(oc0 + o, r, tw, ksize));
+#pragma unroll
+    for (int k = 0; k < WV; ++k)
+      v[PASS == 1 ? (o + k) * R + r : o * R + r + k] = kiln_to_float(x.v[k]);
+  }
+}
+
 // Depthwise forward/backward-data along one source row: OT + KT - 1 window positions from
 // element `at` (position `first`, channel sc0) on, each loaded once and meeting output j at tap
 // i - j, with the KT taps' weights in `wv`. CHECKED: the window may leave the row (positions
@@ -170,16 +192,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{kernel}}(
   if (slot < p.slots) {
     for (int t = lane; t < p.ksize; t += lanes) {
       const int tw = p.reverse ? p.ksize - 1 - t : t;
+      float v[4 * CH];
+      kiln_slot_weights(weight, oc0, tw, p.ksize, v);
 #pragma unroll
-      for (int c = 0; c < CH; ++c) {
-        float v[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int f = c * 4 + e, o = f / R, r = f - o * R;
-          v[e] = f < NO * R ? kiln_to_float(weight[kiln_weight_at(oc0 + o, r, tw, p.ksize)]) : 0.0f;
-        }
-        kiln_w4[((size_t)t * CH + c) * sb + slot_l] = make_float4(v[0], v[1], v[2], v[3]);
-      }
+      for (int c = 0; c < CH; ++c)
+        kiln_w4[((size_t)t * CH + c) * sb + slot_l] =
+            make_float4(v[4 * c], v[4 * c + 1], v[4 * c + 2], v[4 * c + 3]);
     }
   }
   __syncthreads();
@@ -281,6 +299,22 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{kernel}}(
   }
 }
 #else
+// Loads the NO cotangent channels at element `at` as floats; zeros where `valid` is false.
+__device__ __forceinline__ void kiln_load_dy(const T* __restrict__ dy, long long at, bool valid,
+                                             float (&g)[NO]) {
+#pragma unroll
+  for (int o = 0; o < NO; o += VO) {
+    if (valid) {
+      const kiln_vec<T, VO> x = *reinterpret_cast<const kiln_vec<T, VO>*>(dy + at + o);
+#pragma unroll
+      for (int k = 0; k < VO; ++k) g[o + k] = kiln_to_float(x.v[k]);
+    } else {
+#pragma unroll
+      for (int k = 0; k < VO; ++k) g[o + k] = 0.0f;
+    }
+  }
+}
+
 // Backward-weight. Block: (slots, tap groups, lanes); grid: (slot blocks x tap-group blocks,
 // splits). `src` is the input, `dy` the cotangent; `out` the weight gradient, or with splits
 // the f32 partials, one weight's worth per split.
@@ -321,25 +355,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{kernel}}(
       const int ow0 = strip * OT;
       const long long row = (((long long)n * p.src[0] + sd) * p.src[1] + sh) * p.src[2];
       const long long dyrow = (((long long)n * p.out[0] + od) * p.out[1] + oh) * p.out[2];
-      float g[OT][NO];
-#pragma unroll
-      for (int j = 0; j < OT; ++j) {
-        const bool ok = ow0 + j < p.out[2];
-#pragma unroll
-        for (int o = 0; o < NO; o += VO) {
-          if (ok) {
-            const kiln_vec<T, VO> x =
-                *reinterpret_cast<const kiln_vec<T, VO>*>(dy + (dyrow + ow0 + j) * p.out_c + oc0 + o);
-#pragma unroll
-            for (int k = 0; k < VO; ++k) g[j][o + k] = kiln_to_float(x.v[k]);
-          } else {
-#pragma unroll
-            for (int k = 0; k < VO; ++k) g[j][o + k] = 0.0f;
-          }
-        }
-      }
       constexpr int WIN = OT + KT - 1;
       if (p.window) {
+        float g[OT][NO];
+#pragma unroll
+        for (int j = 0; j < OT; ++j)
+          kiln_load_dy(dy, (dyrow + ow0 + j) * p.out_c + oc0, ow0 + j < p.out[2], g[j]);
         const int w0 = ow0 + kw0 + p.offset[2];
         const int kleft = min(KT, p.ks[2] - kw0);
 #pragma unroll
@@ -360,18 +381,24 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{kernel}}(
           }
         }
       } else {
+        // One source per (position, tap). The positions stay a loop (acc is indexed by tap, so
+        // the taps are unrolled, but nothing is indexed by position): unrolled KT x OT times,
+        // each with kiln_source's division, this branch was most of the kernel's compile time.
+#pragma unroll 1
+        for (int j = 0; j < OT; ++j) {
+          if (ow0 + j >= p.out[2]) break;
+          float g[NO];
+          kiln_load_dy(dy, (dyrow + ow0 + j) * p.out_c + oc0, true, g);
 #pragma unroll
-        for (int kk = 0; kk < KT; ++kk) {
-          if (kw0 + kk >= p.ks[2]) break;
-#pragma unroll
-          for (int j = 0; j < OT; ++j) {
+          for (int kk = 0; kk < KT; ++kk) {
+            if (kw0 + kk >= p.ks[2]) break;
             float s[NS];
             const int sw = kiln_source(p, 2, ow0 + j, kw0 + kk);
-            kiln_load_source(src, (row + sw) * p.src_c + sc0, sw >= 0 && ow0 + j < p.out[2], s);
+            kiln_load_source(src, (row + sw) * p.src_c + sc0, sw >= 0, s);
 #pragma unroll
             for (int o = 0; o < NO; ++o)
 #pragma unroll
-              for (int r = 0; r < R; ++r) acc[kk][o][r] += g[j][o] * s[kiln_src_index(o, r)];
+              for (int r = 0; r < R; ++r) acc[kk][o][r] += g[o] * s[kiln_src_index(o, r)];
           }
         }
       }
@@ -382,26 +409,35 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{kernel}}(
   const int cell = (threadIdx.y * sb + threadIdx.x) * PER;
   for (int l = 0; l < lanes; ++l) {
     if (lane == l) {
+      // Two loops rather than a test on l an element, which compiles to a branch an element.
+      if (l == 0) {
 #pragma unroll
-      for (int k = 0; k < KT; ++k)
+        for (int k = 0; k < KT; ++k)
 #pragma unroll
-        for (int o = 0; o < NO; ++o)
+          for (int o = 0; o < NO; ++o)
 #pragma unroll
-          for (int r = 0; r < R; ++r) {
-            const int i = cell + (k * NO + o) * R + r;
-            sum[i] = (l == 0 ? 0.0f : sum[i]) + acc[k][o][r];
-          }
+            for (int r = 0; r < R; ++r) sum[cell + (k * NO + o) * R + r] = acc[k][o][r];
+      } else {
+#pragma unroll
+        for (int k = 0; k < KT; ++k)
+#pragma unroll
+          for (int o = 0; o < NO; ++o)
+#pragma unroll
+            for (int r = 0; r < R; ++r) sum[cell + (k * NO + o) * R + r] += acc[k][o][r];
+      }
     }
     __syncthreads();
   }
   if (lane != 0 || !mine) return;
   const long long weights = (long long)p.out_c * p.ksize * CG;
+  // Rolled: it runs once a thread, and unrolled, its NO x R stores (each a branch on `partial`)
+  // were a large part of the grouped shapes' compile time.
   for (int k = 0; k < KT && kw0 + k < p.ks[2]; ++k) {
     const int t = (td * p.ks[1] + th) * p.ks[2] + kw0 + k;
     const int tw = p.reverse ? p.ksize - 1 - t : t;
-#pragma unroll
+#pragma unroll 1
     for (int o = 0; o < NO; ++o) {
-#pragma unroll
+#pragma unroll 1
       for (int r = 0; r < R; ++r) {
         const float v = sum[cell + (k * NO + o) * R + r];
         const long long at = ((long long)(oc0 + o) * p.ksize + tw) * CG + r;
