@@ -83,14 +83,24 @@ struct kiln_grouped {
   int tiles_per_split;   // backward-weight: tiles a block sums
 };
 
-// The staged source of a tile: rows, columns, columns a stride phase, slots a row.
+// The staged source of a tile: rows, columns, columns a stride phase, slots a row; and the
+// rounded-up reciprocal (in 16 fractional bits) of the tile's segments a row (tile_w / 8, 1 to
+// 4), with which s / (tile_w / 8) is exact for s below 2^13 (kiln_segment_row).
 struct kiln_staged {
   int rows, cols, phase_cols, row_slots;
+  unsigned seg_magic;
 };
 __device__ __forceinline__ kiln_staged kiln_staged_of(const kiln_grouped& p) {
   const int rows = (p.tile_h - 1) * SH + KH, cols = (p.tile_w - 1) * SW + KW;
   const int phase_cols = (cols + SW - 1) / SW;
-  return {rows, cols, phase_cols, SW * phase_cols};
+  const unsigned per_row = p.tile_w / 8;
+  return {rows, cols, phase_cols, SW * phase_cols, (65536u + per_row - 1) / per_row};
+}
+
+// The tile row of segment s (8 outputs along a row): a multiply, not a division, as the
+// epilogue and every call's setup need it for every 8 outputs.
+__device__ __forceinline__ int kiln_segment_row(const kiln_staged& st, int s) {
+  return (int)(((unsigned)s * st.seg_magic) >> 16);
 }
 
 // Element offset of 16-byte unit `unit` of staged slot `slot`.
@@ -175,7 +185,7 @@ __device__ __forceinline__ int kiln_tap_slots(const kiln_staged& st, int kh, int
 __device__ __forceinline__ int kiln_segment_slot(const kiln_grouped& p, const kiln_staged& st,
                                                  int s, int i) {
   const int per_row = p.tile_w / 8;
-  const int row = s / per_row, col = (s - row * per_row) * 8 + i;
+  const int row = kiln_segment_row(st, s), col = (s - row * per_row) * 8 + i;
   return row * SH * st.row_slots + col;
 }
 
@@ -232,7 +242,7 @@ __device__ __forceinline__ void kiln_products(const kiln_grouped& p, const kiln_
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int s = 2 * (m0 + 2 * q) + h;
-      const int row = s / per_row, col = (s - row * per_row) * 8 + g;
+      const int row = kiln_segment_row(st, s), col = (s - row * per_row) * 8 + g;
       const int oh = t.oh + row, ow = t.ow + col;
       if (oh >= p.out_h || ow >= p.out_w) continue;
       const int dh = p.out_h0 + oh * p.out_step_h, dw = p.out_w0 + ow * p.out_step_w;
@@ -261,7 +271,7 @@ __device__ __forceinline__ void kiln_weight_sums(const kiln_grouped& p, const ki
   const T* dy = buf + st.rows * st.row_slots * PITCH;
   const int per_row = p.tile_w / 8;
   const int s = 2 * m + (mi >> 1);
-  const int srow = s / per_row, dslot = srow * p.tile_w + (s - srow * per_row) * 8 + r;
+  const int srow = kiln_segment_row(st, s), dslot = srow * p.tile_w + (s - srow * per_row) * 8 + r;
   unsigned a[4];
   kiln_ldmatrix_x4<true>(a, dy + kiln_at(dslot, 2 * j + (mi & 1)));
   // B: the source at a tap, 16 outputs (k) x 8 channels (n), read transposed: matrix mi & 1
