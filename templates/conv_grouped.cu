@@ -292,6 +292,58 @@ __device__ __forceinline__ void kiln_weight_sums(const kiln_grouped& p, const ki
     }
 }
 
+// Unit u of the weights (see kiln_stage_weights); VEC: one 16-byte load.
+template <bool VEC>
+__device__ __forceinline__ void kiln_stage_weight_unit(const T* __restrict__ weight,
+                                                       const kiln_grouped& p, T* ws, int c0,
+                                                       int u) {
+  const int half = u & 1, line = (u >> 1) & 15, block = u >> 5;
+  const int kc = block % KC, jt = block / KC;
+  const int tap = jt % KSIZE, jj = jt / KSIZE;
+  const int wr = p.tap_h0 + tap / KW * p.tap_step_h;
+  const int wc = p.tap_w0 + tap % KW * p.tap_step_w;
+  // B's (n, k) of the unit's first weight.
+  const int n0 = PASS == 1 ? 8 * half : line, k0 = PASS == 1 ? line : 8 * half;
+  const int oc0 = c0 + 16 * jj + n0;
+  const int sc0 = c0 + 16 * jj / SPAN * SPAN + 16 * kc + k0;
+  // weight[wo][wr][wc][wi % CG], wi moving by one along the unit.
+  const int wo = PASS == 1 ? sc0 : oc0, wi0 = PASS == 1 ? oc0 : sc0;
+  const bool tap_ok = wo < p.chans && wr >= 0 && wr < p.w_kh && wc >= 0 && wc < p.w_kw;
+  const T* at = weight + (tap_ok ? (((long long)wo * p.w_kh + wr) * p.w_kw + wc) * CG : 0);
+  unsigned words[4];
+  if constexpr (VEC) {
+    const bool ok = tap_ok && wi0 < p.chans && wi0 / CG == wo / CG;
+    const uint4 x =
+        ok ? *reinterpret_cast<const uint4*>(at + wi0 % CG) : make_uint4(0u, 0u, 0u, 0u);
+    words[0] = x.x;
+    words[1] = x.y;
+    words[2] = x.z;
+    words[3] = x.w;
+  } else {
+    unsigned short v[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const int wi = wi0 + e;
+      const bool ok = tap_ok && wi < p.chans && wi / CG == wo / CG;
+      v[e] = ok ? at[wi % CG].bits : (unsigned short)0;
+    }
+#pragma unroll
+    for (int h = 0; h < 4; ++h) words[h] = v[2 * h] | (unsigned)v[2 * h + 1] << 16;
+  }
+  T* b = ws + block * 256;
+  if constexpr (PASS == 1) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const int n = n0 + e;
+      b[n * 16 + (((line >> 3) ^ ((n >> 2) & 1)) << 3) + (line & 7)].bits =
+          (unsigned short)(words[e / 2] >> (16 * (e & 1)));
+    }
+  } else {
+    *reinterpret_cast<uint4*>(b + line * 16 + ((half ^ ((line >> 2) & 1)) << 3)) =
+        make_uint4(words[0], words[1], words[2], words[3]);
+  }
+}
+
 // Stages a block's weights as B fragments: chunk j, tap, k chunk kc at [((j * KSIZE + tap) * KC
 // + kc) * 256 + n * 16 + k] (the two 8-element halves of row n swapped when n / 4 is odd), the
 // weight between gather output channel c0 + 16 j + n and source channel c0 + (its span) + 16 kc
@@ -301,62 +353,32 @@ __device__ __forceinline__ void kiln_weight_sums(const kiln_grouped& p, const ki
 //
 // A thread takes units of 8 weights that are consecutive in the weight array (its last axis):
 // forward 8 k of B's row n, backward-data 8 n of B's column k. With 16-byte vectors (`vec`: the
-// weight is aligned; CG >= 8 keeps a unit in one group) a unit is one load, else eight issued
-// together; every unit's index work is done once, not once a weight.
+// weight is aligned; CG >= 8 keeps a unit in one group) a unit is one load, else eight; every
+// unit's index work is done once, not once a weight. A thread's units are unrolled so that
+// their loads are in flight at once, except on the fallback for unaligned weights, kept rolled
+// as it costs compile time in every spec and runs only for unaligned weights.
 template <int WEIGHTS>
 __device__ __forceinline__ void kiln_stage_weights(const T* __restrict__ weight,
                                                    const kiln_grouped& p, T* ws, int c0,
                                                    int tid) {
-  constexpr int WUNITS = WEIGHTS / 8;
+  constexpr int WUNITS = WEIGHTS / 8, PER_THREAD = (WUNITS + THREADS - 1) / THREADS;
+  if (CG >= 8 && p.vec) {
 #pragma unroll
-  for (int i = 0; i < (WUNITS + THREADS - 1) / THREADS; ++i) {
-    const int u = tid + i * THREADS;
-    if (WUNITS % THREADS != 0 && u >= WUNITS) break;
-    const int half = u & 1, line = (u >> 1) & 15, block = u >> 5;
-    const int kc = block % KC, jt = block / KC;
-    const int tap = jt % KSIZE, jj = jt / KSIZE;
-    const int wr = p.tap_h0 + tap / KW * p.tap_step_h;
-    const int wc = p.tap_w0 + tap % KW * p.tap_step_w;
-    // B's (n, k) of the unit's first weight.
-    const int n0 = PASS == 1 ? 8 * half : line, k0 = PASS == 1 ? line : 8 * half;
-    const int oc0 = c0 + 16 * jj + n0;
-    const int sc0 = c0 + 16 * jj / SPAN * SPAN + 16 * kc + k0;
-    // weight[wo][wr][wc][wi % CG], wi moving by one along the unit.
-    const int wo = PASS == 1 ? sc0 : oc0, wi0 = PASS == 1 ? oc0 : sc0;
-    const bool tap_ok = wo < p.chans && wr >= 0 && wr < p.w_kh && wc >= 0 && wc < p.w_kw;
-    const T* at = weight + (tap_ok ? (((long long)wo * p.w_kh + wr) * p.w_kw + wc) * CG : 0);
-    unsigned words[4];
-    if (CG >= 8 && p.vec) {
-      const bool ok = tap_ok && wi0 < p.chans && wi0 / CG == wo / CG;
-      const uint4 x =
-          ok ? *reinterpret_cast<const uint4*>(at + wi0 % CG) : make_uint4(0u, 0u, 0u, 0u);
-      words[0] = x.x;
-      words[1] = x.y;
-      words[2] = x.z;
-      words[3] = x.w;
-    } else {
-      unsigned short v[8];
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        const int wi = wi0 + e;
-        const bool ok = tap_ok && wi < p.chans && wi / CG == wo / CG;
-        v[e] = ok ? at[wi % CG].bits : (unsigned short)0;
-      }
-#pragma unroll
-      for (int h = 0; h < 4; ++h) words[h] = v[2 * h] | (unsigned)v[2 * h + 1] << 16;
+    for (int i = 0; i < PER_THREAD; ++i) {
+      const int u = tid + i * THREADS;
+      if (WUNITS % THREADS != 0 && u >= WUNITS) break;
+      kiln_stage_weight_unit<true>(weight, p, ws, c0, u);
     }
-    T* b = ws + block * 256;
-    if constexpr (PASS == 1) {
+  } else if (CG < 8) {
 #pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        const int n = n0 + e;
-        b[n * 16 + (((line >> 3) ^ ((n >> 2) & 1)) << 3) + (line & 7)].bits =
-            (unsigned short)(words[e / 2] >> (16 * (e & 1)));
-      }
-    } else {
-      *reinterpret_cast<uint4*>(b + line * 16 + ((half ^ ((line >> 2) & 1)) << 3)) =
-          make_uint4(words[0], words[1], words[2], words[3]);
+    for (int i = 0; i < PER_THREAD; ++i) {
+      const int u = tid + i * THREADS;
+      if (WUNITS % THREADS != 0 && u >= WUNITS) break;
+      kiln_stage_weight_unit<false>(weight, p, ws, c0, u);
     }
+  } else {
+#pragma unroll 1
+    for (int u = tid; u < WUNITS; u += THREADS) kiln_stage_weight_unit<false>(weight, p, ws, c0, u);
   }
 }
 

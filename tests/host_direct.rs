@@ -325,8 +325,32 @@ fn run_host_grouped(
     g: &Geometry,
     ops: [&[f64]; 2],
 ) -> Vec<f64> {
+    run_host_grouped_aligned(cxx, dtype, pass, g, ops, true)
+}
+
+/// As [`run_host_grouped`], with operands taken as not 16-byte aligned: the kernel copies the
+/// tile and stages the weights an element at a time.
+fn run_host_grouped_unaligned(
+    cxx: &str,
+    dtype: DType,
+    pass: Pass,
+    g: &Geometry,
+    ops: [&[f64]; 2],
+) -> Vec<f64> {
+    run_host_grouped_aligned(cxx, dtype, pass, g, ops, false)
+}
+
+fn run_host_grouped_aligned(
+    cxx: &str,
+    dtype: DType,
+    pass: Pass,
+    g: &Geometry,
+    ops: [&[f64]; 2],
+    aligned: bool,
+) -> Vec<f64> {
     let key = PlanKey {
         arch: grouped::MIN_ARCH,
+        aligned,
         ..host_key(dtype, pass, g)
     };
     let launch = grouped::launch_for(&key, SMS, 227 * 1024).expect("the family takes the case");
@@ -758,6 +782,10 @@ fn check_depthwise_tc(pass: Pass) {
 
 /// The grouped family is 16-bit only.
 fn check_grouped(pass: Pass) {
+    check_grouped_with(pass, 6, run_host_grouped);
+}
+
+fn check_grouped_with(pass: Pass, random: usize, run: Runner) {
     let taken = |c: &common::conv_cases::ConvCase| {
         let g = Geometry::new(&c.x, &c.w, &c.p).unwrap();
         let key = PlanKey {
@@ -770,9 +798,9 @@ fn check_grouped(pass: Pass) {
         .into_iter()
         .filter(taken)
         .map(|c| (c.name.to_string(), c.x, c.w, c.p));
-    let cases: Vec<_> = fixed.chain(random_grouped(pass, 6)).collect();
+    let cases: Vec<_> = fixed.chain(random_grouped(pass, random)).collect();
     let sixteen = [DType::F16, DType::BF16];
-    check_dtypes("host_grouped", pass, &cases, run_host_grouped, &sixteen);
+    check_dtypes("host_grouped", pass, &cases, run, &sixteen);
 }
 
 /// Cases for the `mma.sync` family: k tiles within one tap (channels a multiple of 32) and
@@ -923,6 +951,14 @@ fn grouped_backward_data_matches_the_reference() {
 #[test]
 fn grouped_backward_weight_matches_the_reference() {
     check_grouped(Pass::BackwardWeight);
+}
+
+/// Unaligned operands take the element-at-a-time copies and weight staging (a rolled loop).
+#[test]
+fn grouped_unaligned_operands_match_the_reference() {
+    for pass in [Pass::Forward, Pass::BackwardData] {
+        check_grouped_with(pass, 2, run_host_grouped_unaligned);
+    }
 }
 
 #[test]
