@@ -13,6 +13,7 @@ use common::conv_cases::{random, worst, worst_tf32};
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use kiln::ops::conv::{
     depthwise, direct, grouped,
@@ -75,9 +76,17 @@ fn executable(cxx: &str, spec: &kiln::jit::KernelSpec, defines: &[&str]) -> Path
     if exe.exists() {
         return exe;
     }
-    let kernel = dir.join(format!("kernel-{key}.cu"));
+    // Paths of this call's own: tests run as threads of one process, and two of them may compile
+    // the same source at once (one would rename or rewrite the other's files).
+    static CALLS: AtomicUsize = AtomicUsize::new(0);
+    let call = format!(
+        "{}.{}",
+        std::process::id(),
+        CALLS.fetch_add(1, Ordering::Relaxed)
+    );
+    let kernel = dir.join(format!("kernel-{key}.{call}.cu"));
     std::fs::write(&kernel, &source).unwrap();
-    let partial = dir.join(format!("run-{key}.{}.tmp", std::process::id()));
+    let partial = dir.join(format!("run-{key}.{call}.tmp"));
     // The portable paths (sm_70) unless the defines name an architecture.
     let arch = if defines.iter().any(|d| d.starts_with("KILN_ARCH=")) {
         None
