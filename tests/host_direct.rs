@@ -326,40 +326,18 @@ fn run_host_depthwise_tc(
 /// Runs `pass` of `g` through the host build of the grouped family's kernel: its tensor-core
 /// path (sm_80), with ldmatrix and mma.sync emulated warp by warp. A plan of several launches
 /// (backward-data's stride phases) runs each on an output of NaNs, as the harness starts it:
-/// every element must be written by exactly one launch.
-fn run_host_grouped(
+/// every element must be written by exactly one launch. ALIGNED false takes the operands as not
+/// 16-byte aligned: the kernel copies the tile and stages the weights an element at a time.
+fn run_host_grouped<const ALIGNED: bool>(
     cxx: &str,
     dtype: DType,
     pass: Pass,
     g: &Geometry,
     ops: [&[f64]; 2],
-) -> Vec<f64> {
-    run_host_grouped_aligned(cxx, dtype, pass, g, ops, true)
-}
-
-/// As [`run_host_grouped`], with operands taken as not 16-byte aligned: the kernel copies the
-/// tile and stages the weights an element at a time.
-fn run_host_grouped_unaligned(
-    cxx: &str,
-    dtype: DType,
-    pass: Pass,
-    g: &Geometry,
-    ops: [&[f64]; 2],
-) -> Vec<f64> {
-    run_host_grouped_aligned(cxx, dtype, pass, g, ops, false)
-}
-
-fn run_host_grouped_aligned(
-    cxx: &str,
-    dtype: DType,
-    pass: Pass,
-    g: &Geometry,
-    ops: [&[f64]; 2],
-    aligned: bool,
 ) -> Vec<f64> {
     let key = PlanKey {
         arch: grouped::MIN_ARCH,
-        aligned,
+        aligned: ALIGNED,
         ..host_key(dtype, pass, g)
     };
     let launch = grouped::launch_for(&key, SMS, 227 * 1024).expect("the family takes the case");
@@ -791,7 +769,7 @@ fn check_depthwise_tc(pass: Pass) {
 
 /// The grouped family is 16-bit only.
 fn check_grouped(pass: Pass) {
-    check_grouped_with(pass, 6, run_host_grouped);
+    check_grouped_with(pass, 6, run_host_grouped::<true>);
 }
 
 fn check_grouped_with(pass: Pass, random: usize, run: Runner) {
@@ -966,7 +944,7 @@ fn grouped_backward_weight_matches_the_reference() {
 #[test]
 fn grouped_unaligned_operands_match_the_reference() {
     for pass in [Pass::Forward, Pass::BackwardData] {
-        check_grouped_with(pass, 2, run_host_grouped_unaligned);
+        check_grouped_with(pass, 2, run_host_grouped::<false>);
     }
 }
 
