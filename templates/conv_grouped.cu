@@ -362,23 +362,16 @@ __device__ __forceinline__ void kiln_stage_weights(const T* __restrict__ weight,
                                                    const kiln_grouped& p, T* ws, int c0,
                                                    int tid) {
   constexpr int WUNITS = WEIGHTS / 8, PER_THREAD = (WUNITS + THREADS - 1) / THREADS;
-  if (CG >= 8 && p.vec) {
-#pragma unroll
-    for (int i = 0; i < PER_THREAD; ++i) {
-      const int u = tid + i * THREADS;
-      if (WUNITS % THREADS != 0 && u >= WUNITS) break;
-      kiln_stage_weight_unit<true>(weight, p, ws, c0, u);
-    }
-  } else if (CG < 8) {
-#pragma unroll
-    for (int i = 0; i < PER_THREAD; ++i) {
-      const int u = tid + i * THREADS;
-      if (WUNITS % THREADS != 0 && u >= WUNITS) break;
-      kiln_stage_weight_unit<false>(weight, p, ws, c0, u);
-    }
-  } else {
+  if (CG >= 8 && !p.vec) {
 #pragma unroll 1
     for (int u = tid; u < WUNITS; u += THREADS) kiln_stage_weight_unit<false>(weight, p, ws, c0, u);
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < PER_THREAD; ++i) {
+    const int u = tid + i * THREADS;
+    if (WUNITS % THREADS != 0 && u >= WUNITS) break;
+    kiln_stage_weight_unit<(CG >= 8)>(weight, p, ws, c0, u);
   }
 }
 
