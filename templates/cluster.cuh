@@ -36,12 +36,21 @@ __device__ __forceinline__ unsigned kiln_cluster_map(const void* local, unsigned
 // waited for the next row's loads issued before it. Instead each warp pushes its partial sums
 // into every block's `recv` with st.async, which counts the bytes on the receiving block's
 // mbarrier, and each block waits on its own mbarrier for all CLUSTER x WARPS of them.
+//
+// An exchange is a push (kiln_cluster_push2) and a wait (kiln_cluster_wait2), so that a kernel
+// can push one exchange and do other work, even push the next, before it waits on the first.
+// Exchange n uses set n % SETS. The rule that keeps the sets apart: every warp waits on
+// exchange n before it pushes n + 2. Then a push of n + 4 comes from a warp that has waited on
+// n + 2, which needed every warp of the cluster to push n + 2, which each did only after it had
+// read exchange n's sums: set n % 4 and its mbarrier phase are free again. (The same holds for
+// the mbarrier's arrival, made when the block's thread 0 pushes.)
 template <int CLUSTER, int BLOCK_DIM>
 struct kiln_cluster_sums {
   static constexpr int WARPS = BLOCK_DIM / 32;
-  // Two sets, used by alternate exchanges: [set][rank * WARPS + warp].
-  float2 recv[2][CLUSTER * WARPS];
-  unsigned long long bar[2];
+  static constexpr int SETS = 4;
+  // [set][rank * WARPS + warp].
+  float2 recv[SETS][CLUSTER * WARPS];
+  unsigned long long bar[SETS];
 };
 
 // Sets up `s` (in shared memory); every thread of every block calls it once before the first
@@ -50,7 +59,7 @@ template <int CLUSTER, int BLOCK_DIM>
 __device__ __forceinline__ void kiln_cluster_sums_init(kiln_cluster_sums<CLUSTER, BLOCK_DIM>& s) {
   if (threadIdx.x == 0) {
 #pragma unroll
-    for (int set = 0; set < 2; ++set)
+    for (int set = 0; set < kiln_cluster_sums<CLUSTER, BLOCK_DIM>::SETS; ++set)
       asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(
                        (unsigned)__cvta_generic_to_shared(&s.bar[set]))
                    : "memory");
@@ -59,33 +68,30 @@ __device__ __forceinline__ void kiln_cluster_sums_init(kiln_cluster_sums<CLUSTER
   kiln_cluster_sync();
 }
 
-// Sums a and b over every thread of the cluster, returned to every thread; every thread of
-// every block must call it, `exchange` counting the calls. Every block adds all CLUSTER x WARPS
-// pairs in the same fixed order, so every thread gets the same bits. Exchange n uses set n % 2:
-// set s is written again by exchange n + 2, whose pushes into a block need every warp of the
-// cluster (that block's included) to have pushed exchange n + 1, which each does only after it
-// read exchange n's sums; the same holds for the set's mbarrier phase.
+// Pushes this warp's sums of a and b to every block of the cluster; every thread of every block
+// must call it, `exchange` counting the pushes. Returns the exchange's number, for
+// kiln_cluster_wait2.
 template <int CLUSTER, int BLOCK_DIM>
-__device__ __forceinline__ void kiln_cluster_sum2(float& a, float& b,
+__device__ __forceinline__ int kiln_cluster_push2(float a, float b,
                                                   kiln_cluster_sums<CLUSTER, BLOCK_DIM>& s,
                                                   int& exchange) {
   constexpr int WARPS = BLOCK_DIM / 32;
   constexpr int PAIRS = CLUSTER * WARPS;
+  constexpr int SETS = kiln_cluster_sums<CLUSTER, BLOCK_DIM>::SETS;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int set = exchange & 1;
-  const unsigned parity = (exchange >> 1) & 1;
-  ++exchange;
+  const int n = exchange++;
+  const int set = n % SETS;
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) {
     a += __shfl_xor_sync(0xffffffffu, a, offset);
     b += __shfl_xor_sync(0xffffffffu, b, offset);
   }
-  const unsigned bar = (unsigned)__cvta_generic_to_shared(&s.bar[set]);
   if (threadIdx.x == 0) {
     // This block's one arrival of the phase, expecting every pair's 8 bytes (pushes that came
     // first have already counted theirs down). Relaxed: a release would wait for this thread's
     // loads in flight, as the cluster barrier did.
-    asm volatile("mbarrier.arrive.expect_tx.relaxed.cta.shared::cta.b64 _, [%0], %1;" ::"r"(bar),
+    asm volatile("mbarrier.arrive.expect_tx.relaxed.cta.shared::cta.b64 _, [%0], %1;" ::"r"(
+                     (unsigned)__cvta_generic_to_shared(&s.bar[set])),
                  "r"(PAIRS * 8)
                  : "memory");
   }
@@ -100,6 +106,22 @@ __device__ __forceinline__ void kiln_cluster_sum2(float& a, float& b,
         "f"(a), "f"(b), "r"(remote_bar)
         : "memory");
   }
+  return n;
+}
+
+// Waits for exchange `n` (kiln_cluster_push2's number) and returns its sums over every thread of
+// the cluster in a and b, the same bits in every thread: every block adds all CLUSTER x WARPS
+// pairs in the same fixed order.
+template <int CLUSTER, int BLOCK_DIM>
+__device__ __forceinline__ void kiln_cluster_wait2(kiln_cluster_sums<CLUSTER, BLOCK_DIM>& s, int n,
+                                                   float& a, float& b) {
+  constexpr int WARPS = BLOCK_DIM / 32;
+  constexpr int PAIRS = CLUSTER * WARPS;
+  constexpr int SETS = kiln_cluster_sums<CLUSTER, BLOCK_DIM>::SETS;
+  const int lane = threadIdx.x % 32;
+  const int set = n % SETS;
+  const unsigned parity = (n / SETS) & 1;
+  const unsigned bar = (unsigned)__cvta_generic_to_shared(&s.bar[set]);
   for (unsigned done = 0; !done;) {
     asm volatile(
         "{\n\t.reg .pred p;\n\t"
@@ -127,4 +149,13 @@ __device__ __forceinline__ void kiln_cluster_sum2(float& a, float& b,
   }
   a = sa;
   b = sb;
+}
+
+// An exchange pushed and awaited at once: a and b summed over every thread of the cluster.
+template <int CLUSTER, int BLOCK_DIM>
+__device__ __forceinline__ void kiln_cluster_sum2(float& a, float& b,
+                                                  kiln_cluster_sums<CLUSTER, BLOCK_DIM>& s,
+                                                  int& exchange) {
+  const int n = kiln_cluster_push2(a, b, s, exchange);
+  kiln_cluster_wait2(s, n, a, b);
 }

@@ -6,8 +6,8 @@
 // rows are in flight while one is reduced whatever the registers, and each block keeps the
 // partial sums of dweight and dbias of its own columns over all its rows: one partial row per
 // cluster at the end, which kiln_reduce_cols sums. Row sums are exact two-pass statistics over
-// the whole row, combined through distributed shared memory (kiln_cluster_sum2: no cluster
-// barrier per row).
+// the whole row, combined through distributed shared memory (cluster.cuh: no cluster barrier
+// per row), with PIPELINE each row's exchanges overlapped with the next row's.
 {{> prelude}}
 {{> tma}}
 {{> cluster}}
@@ -24,6 +24,9 @@ constexpr int CLUSTER = {{CLUSTER}};
 // exchanges wait while the other computes (16-bit rows, whose bytes per row are few for the
 // exchanges' latency).
 constexpr bool SMEM_SUMS = {{SMEM_SUMS}};
+// PIPELINE: each row's exchanges overlapped with the next row's (see the row loop). It pays
+// where exchanges are slow, in large clusters, and costs a second read of each staged chunk.
+constexpr bool PIPELINE = {{PIPELINE}};
 static_assert(CLUSTER >= 2 && CLUSTER <= 16, "a cluster of at least two blocks");
 // Elements of a row one block holds: ITEMS vectors of N_READS per thread.
 constexpr int CAPACITY = BLOCK_DIM * ITEMS * N_READS;
@@ -141,72 +144,117 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(BLO
     for (int s = 0; s < STAGES; ++s)
       if (cluster + s * clusters < rows) fetch(cluster + s * clusters, s);
   }
-  // This thread's vectors of a staged chunk as floats (zeros past the chunk: a vector lies
+  // Vector k of this thread in a staged chunk as floats (zeros past the chunk: a vector lies
   // wholly inside it or wholly past it, len being a multiple of N_READS when N_READS > 1).
   typedef kiln_vec<T, N_READS> V;
-  auto unstage = [&](const unsigned char* at_stage, int offset, float(&v)[ITEMS][N_READS]) {
-    const V* staged = reinterpret_cast<const V*>(reinterpret_cast<const T*>(at_stage) + offset);
+  auto unstage = [&](const unsigned char* chunk_at, int offset, int k, float(&v)[N_READS]) {
+    if (inside(k)) {
+      const V r = reinterpret_cast<const V*>(reinterpret_cast<const T*>(chunk_at) + offset)
+          [k * BLOCK_DIM + threadIdx.x];
 #pragma unroll
-    for (int k = 0; k < ITEMS; ++k) {
-      if (inside(k)) {
-        const V r = staged[k * BLOCK_DIM + threadIdx.x];
+      for (int j = 0; j < N_READS; ++j) v[j] = kiln_to_float(r.v[j]);
+    } else {
 #pragma unroll
-        for (int j = 0; j < N_READS; ++j) v[k][j] = kiln_to_float(r.v[j]);
-      } else {
-#pragma unroll
-        for (int j = 0; j < N_READS; ++j) v[k][j] = 0.0f;
-      }
+      for (int j = 0; j < N_READS; ++j) v[j] = 0.0f;
     }
   };
-
-  int turn = 0;
-  for (long long row = cluster; row < rows; row += clusters, ++turn) {
+  // The stage of turn `turn` (row cluster + turn * clusters), once its copies have landed, and
+  // where in it the row's chunks of x and g start (vectorised rows are 16-byte aligned, the op
+  // checks, so their chunks start on a granule).
+  struct Staged {
+    const unsigned char* x;
+    const unsigned char* g;
+    int x_offset, g_offset;
+  };
+  auto staged = [&](long long r, int turn) {
     const int stage = turn % STAGES;
     kiln_mbarrier_wait(&full[stage], (turn / STAGES) & 1);
-    // Vectorised rows are 16-byte aligned (the op checks), so their chunks start on a granule.
-    const int x_offset = N_READS > 1 ? 0 : kiln_granule_offset(x + row * x_row_stride + base);
-    const int g_offset = N_READS > 1 ? 0 : kiln_granule_offset(g + row * g_row_stride + base);
+    const unsigned char* at_stage = smem + stage * 2 * CHUNK_BYTES;
+    return Staged{at_stage, at_stage + CHUNK_BYTES,
+                  N_READS > 1 ? 0 : kiln_granule_offset(x + r * x_row_stride + base),
+                  N_READS > 1 ? 0 : kiln_granule_offset(g + r * g_row_stride + base)};
+  };
+  // Vector k's terms of a row's first exchange, added to a and b: LayerNorm's sums of x and
+  // w * g, RMSNorm's (its only one) of x * x and w * g * x. Zeros past the chunk add nothing.
+  auto add_first = [&](int k, const float(&xk)[N_READS], const float(&gk)[N_READS], float& a,
+                       float& b) {
+    float wk[N_READS];
+    weights(k, wk);
+#pragma unroll
+    for (int j = 0; j < N_READS; ++j) {
+      const float wg = wk[j] * gk[j];
+      a += RMS ? xk[j] * xk[j] : xk[j];
+      b += RMS ? wg * xk[j] : wg;
+    }
+  };
+  // Pushes the first exchange of row r, read from its stage (PIPELINE: the row after the one in
+  // registers).
+  auto push_first_staged = [&](long long r, int turn) {
+    const Staged st = staged(r, turn);
+    float a = 0.0f, b = 0.0f;
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      float xk[N_READS], gk[N_READS];
+      unstage(st.x, st.x_offset, k, xk);
+      unstage(st.g, st.g_offset, k, gk);
+      add_first(k, xk, gk, a, b);
+    }
+    return kiln_cluster_push2(a, b, sums, exchange);
+  };
+
+  // With PIPELINE, rows overlap: a row's last exchange is pushed, then the next row's first
+  // (summed from its stage), and only then is the last awaited, so that each exchange's latency
+  // is spent on the other's work. Every warp still waits on an exchange before it pushes the one
+  // two after it (kiln_cluster_push2's rule): LayerNorm pushes row r + 1's first before waiting
+  // on r's second, and waits on that before row r + 1's second.
+  int first = PIPELINE && cluster < rows ? push_first_staged(cluster, 0) : 0;
+  int turn = 0;
+  for (long long row = cluster; row < rows; row += clusters, ++turn) {
+    const Staged st = staged(row, turn);
     float xv[ITEMS][N_READS], gv[ITEMS][N_READS];
-    unstage(smem + stage * 2 * CHUNK_BYTES, x_offset, xv);
-    unstage(smem + stage * 2 * CHUNK_BYTES + CHUNK_BYTES, g_offset, gv);
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      unstage(st.x, st.x_offset, k, xv[k]);
+      unstage(st.g, st.g_offset, k, gv[k]);
+    }
     // Every thread has its values: the stage takes the row STAGES turns ahead.
     __syncthreads();
     if (threadIdx.x == 0 && row + STAGES * clusters < rows) {
       kiln_bulk_fence();
-      fetch(row + STAGES * clusters, stage);
+      fetch(row + STAGES * clusters, turn % STAGES);
+    }
+    if constexpr (!PIPELINE) {
+      float a = 0.0f, b = 0.0f;
+#pragma unroll
+      for (int k = 0; k < ITEMS; ++k) add_first(k, xv[k], gv[k], a, b);
+      first = kiln_cluster_push2(a, b, sums, exchange);
     }
 
     float mean = 0.0f, c2 = 0.0f;
+    int last = first;  // RMSNorm's one exchange
     if constexpr (!RMS) {
-      float s_x = 0.0f, s_wg = 0.0f;
+      float s_x, s_wg;
+      kiln_cluster_wait2(sums, first, s_x, s_wg);
+      mean = s_x * inv_d;
+      c2 = s_wg * inv_d;
+      float q = 0.0f, t = 0.0f;
 #pragma unroll
       for (int k = 0; k < ITEMS; ++k) {
+        if (!inside(k)) break;  // zeros past d: their c would be -mean
         float wk[N_READS];
         weights(k, wk);
 #pragma unroll
         for (int j = 0; j < N_READS; ++j) {
-          s_x += xv[k][j];
-          s_wg += wk[j] * gv[k][j];
+          const float c = xv[k][j] - mean;
+          q += c * c;
+          t += wk[j] * gv[k][j] * c;
         }
       }
-      kiln_cluster_sum2(s_x, s_wg, sums, exchange);
-      mean = s_x * inv_d;
-      c2 = s_wg * inv_d;
+      last = kiln_cluster_push2(q, t, sums, exchange);
     }
-    float q = 0.0f, t = 0.0f;
-#pragma unroll
-    for (int k = 0; k < ITEMS; ++k) {
-      if (!inside(k)) break;  // zeros past d: their c would be -mean
-      float wk[N_READS];
-      weights(k, wk);
-#pragma unroll
-      for (int j = 0; j < N_READS; ++j) {
-        const float c = xv[k][j] - mean;
-        q += c * c;
-        t += wk[j] * gv[k][j] * c;
-      }
-    }
-    kiln_cluster_sum2(q, t, sums, exchange);
+    if (PIPELINE && row + clusters < rows) first = push_first_staged(row + clusters, turn + 1);
+    float q, t;
+    kiln_cluster_wait2(sums, last, q, t);
     const float rstd = rsqrtf(q * inv_d + eps);
     const float c1 = rstd * t * inv_d;  // mean(wg * xhat)
 

@@ -363,6 +363,21 @@ pub(super) fn vjp_split_layouts(dtype: DType) -> &'static [(usize, usize, bool)]
     }
 }
 
+/// Whether the split-row VJP overlaps each row's exchanges with the next row's (PIPELINE in
+/// norm_vjp_split.cu), which costs a second read of each staged chunk: 16-bit rows in clusters
+/// whose exchanges are slow enough to be worth it. H100, direct mode, same call as without,
+/// all rows pipelined: bf16 RMSNorm (one exchange a row) gained 6-8% in clusters of 4, 8 and
+/// 16 (d 30,000 to 131,072) and lost 9% in clusters of 3 (18,432); LayerNorm (two) gained 3%
+/// and 16% in clusters of 8 and 16 and lost 5-6% in clusters of 3 and 4. f32 rows, twice the
+/// bytes for the same exchanges, lost up to 2%.
+pub(super) fn vjp_split_pipeline(kind: Kind, dtype: DType, cluster: usize) -> bool {
+    dtype.size() == 2
+        && match kind {
+            Kind::RmsNorm => cluster >= 4,
+            Kind::LayerNorm => cluster >= 8,
+        }
+}
+
 /// The split-row VJP for rows of `vectors` vectors, if a cluster's registers hold them: the
 /// first layout of `vjp_split_layouts` that does, with the fewest blocks per cluster (up to the
 /// layout's) whose threads, each holding a power of two of vectors within the layout's elements,
@@ -382,6 +397,7 @@ pub(super) fn vjp_split_spec(
                 items as i32,
                 cluster as i32,
                 smem_sums as i32,
+                vjp_split_pipeline(kind, dtype, cluster) as i32,
             ];
             Some(KernelSpec::new(
                 &VJP_SPLIT,
@@ -579,7 +595,8 @@ pub(super) fn check_chosen(
                 0 => true,
                 1 => items * n_reads <= 8,
                 _ => false,
-            };
+            }
+            && spec.constant("PIPELINE").is_some_and(|p| p == 0 || p == 1);
         if !ok {
             return Err(bad(
                 "spec",

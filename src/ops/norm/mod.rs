@@ -73,7 +73,7 @@ pub static VJP_SPLIT: TemplateDef = TemplateDef {
     name: "norm_vjp_split",
     source: include_str!("../../../templates/norm_vjp_split.cu"),
     kernel: "kiln_norm_vjp_split",
-    const_names: &["RMS", "ITEMS", "CLUSTER", "SMEM_SUMS"],
+    const_names: &["RMS", "ITEMS", "CLUSTER", "SMEM_SUMS", "PIPELINE"],
     arch_specific: false,
     only_arch: Some(SPLIT_ARCH),
 };

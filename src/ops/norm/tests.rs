@@ -55,7 +55,10 @@ fn constants_are_declared() {
         (&VJP, &["RMS", "GROUP", "ITEMS", "STAGES", "RESIDENT"][..]),
         (&FORWARD_SPLIT, &["RMS", "ITEMS", "CLUSTER"][..]),
         (&FORWARD_STAGED, &["RMS", "ITEMS", "CLUSTER"][..]),
-        (&VJP_SPLIT, &["RMS", "ITEMS", "CLUSTER", "SMEM_SUMS"][..]),
+        (
+            &VJP_SPLIT,
+            &["RMS", "ITEMS", "CLUSTER", "SMEM_SUMS", "PIPELINE"][..],
+        ),
     ] {
         for name in names {
             assert!(family.const_names.contains(name), "{} {name}", family.name);
@@ -219,4 +222,24 @@ fn references_agree_with_finite_differences() {
             }
         }
     }
+}
+
+#[test]
+fn the_split_vjp_pipelines_16_bit_rows_in_large_clusters_only() {
+    let gpu = Gpu::for_arch(90);
+    let pipelined = |kind, dtype, d| {
+        let spec = choose_spec(Pass::Vjp, kind, dtype, d, true, gpu);
+        assert!(choose::is_vjp_split(&spec), "{spec}");
+        (
+            spec.constant("CLUSTER").unwrap(),
+            spec.constant("PIPELINE").unwrap() == 1,
+        )
+    };
+    // RMSNorm from clusters of 4, LayerNorm from 8, f32 never.
+    assert_eq!(pipelined(Kind::RmsNorm, DType::BF16, 18432), (3, false));
+    assert_eq!(pipelined(Kind::RmsNorm, DType::F16, 30000), (4, true));
+    assert_eq!(pipelined(Kind::LayerNorm, DType::BF16, 30000), (4, false));
+    assert_eq!(pipelined(Kind::LayerNorm, DType::BF16, 65536), (8, true));
+    assert_eq!(pipelined(Kind::LayerNorm, DType::F16, 131072), (16, true));
+    assert!(!pipelined(Kind::RmsNorm, DType::F32, 131072).1);
 }
