@@ -33,33 +33,39 @@ __device__ __forceinline__ unsigned kiln_cluster_map(const void* local, unsigned
 
 // Sums over a whole cluster without cluster barriers. A cluster barrier's arrive has release
 // semantics: it waits for every earlier load and store of the thread, so a row's barrier also
-// waited for the next row's loads issued before it. Instead each warp pushes its partial sums
-// into every block's `recv` with st.async, which counts the bytes on the receiving block's
+// waited for the next row's loads issued before it. Instead each warp pushes WIDTH values (its
+// sums) into every block's `recv` with st.async, which counts the bytes on the receiving block's
 // mbarrier, and each block waits on its own mbarrier for all CLUSTER x WARPS of them.
 //
-// An exchange is a push (kiln_cluster_push2) and a wait (kiln_cluster_wait2), so that a kernel
+// An exchange is a push (kiln_cluster_push) and a wait (kiln_cluster_wait), so that a kernel
 // can push one exchange and do other work, even push the next, before it waits on the first.
 // Exchange n uses set n % SETS. The rule that keeps the sets apart: every warp waits on
 // exchange n before it pushes n + 2. Then a push of n + 4 comes from a warp that has waited on
 // n + 2, which needed every warp of the cluster to push n + 2, which each did only after it had
-// read exchange n's sums: set n % 4 and its mbarrier phase are free again. (The same holds for
+// read exchange n's values: set n % 4 and its mbarrier phase are free again. (The same holds for
 // the mbarrier's arrival, made when the block's thread 0 pushes.)
-template <int CLUSTER, int BLOCK_DIM>
+template <int CLUSTER, int BLOCK_DIM, int WIDTH = 2>
 struct kiln_cluster_sums {
+  static_assert(WIDTH == 2 || WIDTH == 4, "st.async moves 8 or 16 bytes");
   static constexpr int WARPS = BLOCK_DIM / 32;
+  static constexpr int PAIRS = CLUSTER * WARPS;  // pushes an exchange receives
   static constexpr int SETS = 4;
+  struct alignas(4 * WIDTH) Slot {
+    float v[WIDTH];
+  };
   // [set][rank * WARPS + warp].
-  float2 recv[SETS][CLUSTER * WARPS];
+  Slot recv[SETS][PAIRS];
   unsigned long long bar[SETS];
 };
 
 // Sets up `s` (in shared memory); every thread of every block calls it once before the first
 // exchange, and the cluster barrier at its end keeps pushes off barriers not yet initialised.
-template <int CLUSTER, int BLOCK_DIM>
-__device__ __forceinline__ void kiln_cluster_sums_init(kiln_cluster_sums<CLUSTER, BLOCK_DIM>& s) {
+template <int CLUSTER, int BLOCK_DIM, int WIDTH>
+__device__ __forceinline__ void kiln_cluster_sums_init(
+    kiln_cluster_sums<CLUSTER, BLOCK_DIM, WIDTH>& s) {
   if (threadIdx.x == 0) {
 #pragma unroll
-    for (int set = 0; set < kiln_cluster_sums<CLUSTER, BLOCK_DIM>::SETS; ++set)
+    for (int set = 0; set < kiln_cluster_sums<CLUSTER, BLOCK_DIM, WIDTH>::SETS; ++set)
       asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(
                        (unsigned)__cvta_generic_to_shared(&s.bar[set]))
                    : "memory");
@@ -68,59 +74,56 @@ __device__ __forceinline__ void kiln_cluster_sums_init(kiln_cluster_sums<CLUSTER
   kiln_cluster_sync();
 }
 
-// Pushes this warp's sums of a and b to every block of the cluster; every thread of every block
-// must call it, `exchange` counting the pushes. Returns the exchange's number, for
-// kiln_cluster_wait2.
-template <int CLUSTER, int BLOCK_DIM>
-__device__ __forceinline__ int kiln_cluster_push2(float a, float b,
-                                                  kiln_cluster_sums<CLUSTER, BLOCK_DIM>& s,
-                                                  int& exchange) {
-  constexpr int WARPS = BLOCK_DIM / 32;
-  constexpr int PAIRS = CLUSTER * WARPS;
-  constexpr int SETS = kiln_cluster_sums<CLUSTER, BLOCK_DIM>::SETS;
+// Pushes this warp's WIDTH values v[0..WIDTH) (the same in every lane: sums over the warp) to
+// every block of the cluster; every thread of every block must call it, `exchange` counting the
+// pushes. Returns the exchange's number, for kiln_cluster_wait.
+template <int CLUSTER, int BLOCK_DIM, int WIDTH>
+__device__ __forceinline__ int kiln_cluster_push(const float* v,
+                                                 kiln_cluster_sums<CLUSTER, BLOCK_DIM, WIDTH>& s,
+                                                 int& exchange) {
+  typedef kiln_cluster_sums<CLUSTER, BLOCK_DIM, WIDTH> S;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int n = exchange++;
-  const int set = n % SETS;
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    a += __shfl_xor_sync(0xffffffffu, a, offset);
-    b += __shfl_xor_sync(0xffffffffu, b, offset);
-  }
+  const int set = n % S::SETS;
   if (threadIdx.x == 0) {
-    // This block's one arrival of the phase, expecting every pair's 8 bytes (pushes that came
+    // This block's one arrival of the phase, expecting every warp's bytes (pushes that came
     // first have already counted theirs down). Relaxed: a release would wait for this thread's
     // loads in flight, as the cluster barrier did.
     asm volatile("mbarrier.arrive.expect_tx.relaxed.cta.shared::cta.b64 _, [%0], %1;" ::"r"(
                      (unsigned)__cvta_generic_to_shared(&s.bar[set])),
-                 "r"(PAIRS * 8)
+                 "r"(S::PAIRS * WIDTH * 4)
                  : "memory");
   }
   if (lane < CLUSTER) {
-    // Lane r pushes this warp's pair to block r.
+    // Lane r pushes this warp's values to block r.
     const unsigned me = kiln_cluster_rank();
-    const unsigned slot = kiln_cluster_map(&s.recv[set][me * WARPS + warp], lane);
+    const unsigned slot = kiln_cluster_map(&s.recv[set][me * S::WARPS + warp], lane);
     const unsigned remote_bar = kiln_cluster_map(&s.bar[set], lane);
-    asm volatile(
-        "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];" ::"r"(
-            slot),
-        "f"(a), "f"(b), "r"(remote_bar)
-        : "memory");
+    if constexpr (WIDTH == 2) {
+      asm volatile(
+          "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];" ::
+              "r"(slot),
+          "f"(v[0]), "f"(v[1]), "r"(remote_bar)
+          : "memory");
+    } else {
+      asm volatile(
+          "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, "
+          "[%5];" ::"r"(slot),
+          "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3]), "r"(remote_bar)
+          : "memory");
+    }
   }
   return n;
 }
 
-// Waits for exchange `n` (kiln_cluster_push2's number) and returns its sums over every thread of
-// the cluster in a and b, the same bits in every thread: every block adds all CLUSTER x WARPS
-// pairs in the same fixed order.
-template <int CLUSTER, int BLOCK_DIM>
-__device__ __forceinline__ void kiln_cluster_wait2(kiln_cluster_sums<CLUSTER, BLOCK_DIM>& s, int n,
-                                                   float& a, float& b) {
-  constexpr int WARPS = BLOCK_DIM / 32;
-  constexpr int PAIRS = CLUSTER * WARPS;
-  constexpr int SETS = kiln_cluster_sums<CLUSTER, BLOCK_DIM>::SETS;
-  const int lane = threadIdx.x % 32;
-  const int set = n % SETS;
-  const unsigned parity = (n / SETS) & 1;
+// Waits for exchange `n` (kiln_cluster_push's number) and returns its values: every warp's push,
+// [rank * WARPS + warp].
+template <int CLUSTER, int BLOCK_DIM, int WIDTH>
+__device__ __forceinline__ const typename kiln_cluster_sums<CLUSTER, BLOCK_DIM, WIDTH>::Slot*
+kiln_cluster_wait(kiln_cluster_sums<CLUSTER, BLOCK_DIM, WIDTH>& s, int n) {
+  typedef kiln_cluster_sums<CLUSTER, BLOCK_DIM, WIDTH> S;
+  const int set = n % S::SETS;
+  const unsigned parity = (n / S::SETS) & 1;
   const unsigned bar = (unsigned)__cvta_generic_to_shared(&s.bar[set]);
   for (unsigned done = 0; !done;) {
     asm volatile(
@@ -131,31 +134,108 @@ __device__ __forceinline__ void kiln_cluster_wait2(kiln_cluster_sums<CLUSTER, BL
         : "r"(bar), "r"(parity)
         : "memory");
   }
-  // Lane l adds pairs l, l + 32, ...; then an xor butterfly, whose additions commute, gives
+  return s.recv[set];
+}
+
+// Pushes this warp's sums of a and b over its lanes (kiln_cluster_push).
+template <int CLUSTER, int BLOCK_DIM>
+__device__ __forceinline__ int kiln_cluster_push2(float a, float b,
+                                                  kiln_cluster_sums<CLUSTER, BLOCK_DIM, 2>& s,
+                                                  int& exchange) {
+  const float v[2] = {kiln_warp_sum(a), kiln_warp_sum(b)};
+  return kiln_cluster_push(v, s, exchange);
+}
+
+// Waits for exchange `n` and returns the sums of its first two values over every thread of the
+// cluster (kiln_cluster_push2's a and b) in a and b, the same bits in every thread: every block
+// adds all the pushes in the same fixed order.
+template <int CLUSTER, int BLOCK_DIM, int WIDTH>
+__device__ __forceinline__ void kiln_cluster_wait2(kiln_cluster_sums<CLUSTER, BLOCK_DIM, WIDTH>& s,
+                                                   int n, float& a, float& b) {
+  typedef kiln_cluster_sums<CLUSTER, BLOCK_DIM, WIDTH> S;
+  const typename S::Slot* pushed = kiln_cluster_wait(s, n);
+  // Lane l adds pushes l, l + 32, ...; then an xor butterfly, whose additions commute, gives
   // every lane the same total.
+  const int lane = threadIdx.x % 32;
   float sa = 0.0f, sb = 0.0f;
 #pragma unroll
-  for (int p = lane; p < (PAIRS + 31) / 32 * 32; p += 32) {
-    if (p < PAIRS) {
-      const float2 v = s.recv[set][p];
-      sa += v.x;
-      sb += v.y;
+  for (int p = lane; p < (S::PAIRS + 31) / 32 * 32; p += 32) {
+    if (p < S::PAIRS) {
+      sa += pushed[p].v[0];
+      sb += pushed[p].v[1];
     }
   }
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    sa += __shfl_xor_sync(0xffffffffu, sa, offset);
-    sb += __shfl_xor_sync(0xffffffffu, sb, offset);
-  }
-  a = sa;
-  b = sb;
+  a = kiln_warp_sum(sa);
+  b = kiln_warp_sum(sb);
 }
 
 // An exchange pushed and awaited at once: a and b summed over every thread of the cluster.
 template <int CLUSTER, int BLOCK_DIM>
 __device__ __forceinline__ void kiln_cluster_sum2(float& a, float& b,
-                                                  kiln_cluster_sums<CLUSTER, BLOCK_DIM>& s,
+                                                  kiln_cluster_sums<CLUSTER, BLOCK_DIM, 2>& s,
                                                   int& exchange) {
   const int n = kiln_cluster_push2(a, b, s, exchange);
   kiln_cluster_wait2(s, n, a, b);
+}
+
+// Elements of a split row (kiln_split_chunk elements a block) that warp `warp` of block `rank`
+// holds, where thread t's vector k lies at chunk element (k * BLOCK_DIM + t) * N_READS.
+template <int BLOCK_DIM, int N_READS>
+__device__ __forceinline__ int kiln_split_warp_elements(int d, int chunk, int rank, int warp) {
+  const int len = max(0, min(chunk, d - rank * chunk));
+  const int vectors = len / N_READS;  // a chunk is a multiple of N_READS when N_READS > 1
+  const int rounds = vectors / BLOCK_DIM, rest = vectors - rounds * BLOCK_DIM;
+  return N_READS * (32 * rounds + min(32, max(0, rest - 32 * warp)));
+}
+
+// The elements each warp of the cluster holds of a split row, [rank * WARPS + warp] as
+// kiln_cluster_sums orders pushes, for kiln_cluster_wait_moments: computed once per kernel,
+// visible after the next barrier.
+template <int CLUSTER, int BLOCK_DIM, int N_READS>
+__device__ __forceinline__ void kiln_split_pair_elements(float* elements, int d, int chunk) {
+  constexpr int WARPS = BLOCK_DIM / 32;
+  for (int p = threadIdx.x; p < CLUSTER * WARPS; p += BLOCK_DIM)
+    elements[p] = (float)kiln_split_warp_elements<BLOCK_DIM, N_READS>(d, chunk, p / WARPS,
+                                                                       p % WARPS);
+}
+
+// LayerNorm's statistics in one exchange (two would wait twice a row on the cluster), combined
+// as exact two-pass sums. Each warp pushes its own mean m_w over its n_w elements (0 when it has
+// none) and sums about it: v[1] = sum (x - m_w)^2, and with WIDTH 4 v[2] = sum wg and
+// v[3] = sum wg (x - m_w) for the VJP's w * g. About the row's mean, over every warp w:
+//   sum (x - mean)^2   = sum_w v[1] + n_w (m_w - mean)^2
+//   sum wg (x - mean)  = sum_w v[3] + (m_w - mean) v[2]
+// (the cross term 2 (m_w - mean) sum (x - m_w) is zero up to the rounding of m_w). So no value
+// is a large sum of squares minus a square, as a one-pass E[x^2] - E[x]^2 would be. Waits for
+// exchange n and returns the mean, the centred sum of squares, and with WIDTH 4 sum wg and
+// sum wg (x - mean); the same bits in every thread (every block combines in one fixed order).
+// `elements`: each pushing warp's n_w (kiln_split_pair_elements).
+template <int CLUSTER, int BLOCK_DIM, int WIDTH>
+__device__ __forceinline__ void kiln_cluster_wait_moments(
+    kiln_cluster_sums<CLUSTER, BLOCK_DIM, WIDTH>& s, int n, const float* elements, float inv_d,
+    float& mean, float& m2, float& swg, float& t) {
+  typedef kiln_cluster_sums<CLUSTER, BLOCK_DIM, WIDTH> S;
+  const typename S::Slot* pushed = kiln_cluster_wait(s, n);
+  const int lane = threadIdx.x % 32;
+  float sx = 0.0f, sg = 0.0f;
+#pragma unroll
+  for (int p = lane; p < (S::PAIRS + 31) / 32 * 32; p += 32) {
+    if (p < S::PAIRS) {
+      sx += elements[p] * pushed[p].v[0];
+      if constexpr (WIDTH == 4) sg += pushed[p].v[2];
+    }
+  }
+  mean = kiln_warp_sum(sx) * inv_d;
+  swg = WIDTH == 4 ? kiln_warp_sum(sg) : 0.0f;
+  float q = 0.0f, c = 0.0f;
+#pragma unroll
+  for (int p = lane; p < (S::PAIRS + 31) / 32 * 32; p += 32) {
+    if (p < S::PAIRS) {
+      const float dev = pushed[p].v[0] - mean;
+      q += pushed[p].v[1] + elements[p] * dev * dev;
+      if constexpr (WIDTH == 4) c += pushed[p].v[3] + dev * pushed[p].v[2];
+    }
+  }
+  m2 = kiln_warp_sum(q);
+  t = WIDTH == 4 ? kiln_warp_sum(c) : 0.0f;
 }

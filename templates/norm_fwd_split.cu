@@ -4,8 +4,9 @@
 // of BLOCK_DIM * ITEMS vectors of x held in registers, so x is read once and y written once.
 // The clusters loop over rows (a grid no larger than the GPU holds), loading the next row while
 // the current one is reduced; each block keeps its columns of the weight and bias in shared
-// memory for all its rows. The statistics are exact two-pass sums over the whole row, combined
-// through distributed shared memory without cluster barriers (kiln_cluster_sum2).
+// memory for all its rows. The statistics are exact two-pass sums over the whole row in one
+// exchange a row through distributed shared memory, without cluster barriers (kiln_cluster_sum2;
+// LayerNorm's combined from each warp's, kiln_cluster_wait_moments).
 {{> prelude}}
 {{> norm}}
 {{> cluster}}
@@ -26,12 +27,20 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(BLO
                T* __restrict__ y, long long rows, int d, long long x_row_stride,
                long long w_stride, long long b_stride, int w_vec, int b_vec, float eps) {
   __shared__ kiln_cluster_sums<CLUSTER, BLOCK_DIM> sums;
+  __shared__ float pair_elements[CLUSTER * BLOCK_DIM / 32];  // LayerNorm's warps' n_w
+  if constexpr (!RMS)
+    kiln_split_pair_elements<CLUSTER, BLOCK_DIM, N_READS>(pair_elements, d,
+                                                           BLOCK_DIM * ITEMS * N_READS);
   kiln_cluster_sums_init(sums);
   int exchange = 0;
   const long long cluster = blockIdx.x / CLUSTER, clusters = gridDim.x / CLUSTER;
   const int base = (int)kiln_cluster_rank() * BLOCK_DIM * ITEMS * N_READS;
   const int left = d - base;  // this chunk's elements run to here (none when <= 0)
   const float inv_d = 1.0f / d;
+  // This warp's elements of a row, for LayerNorm's warp means (see kiln_cluster_wait_moments).
+  const int warp_elements = kiln_split_warp_elements<BLOCK_DIM, N_READS>(
+      d, BLOCK_DIM * ITEMS * N_READS, (int)kiln_cluster_rank(), (int)threadIdx.x / 32);
+  const float inv_warp_elements = warp_elements > 0 ? 1.0f / warp_elements : 0.0f;
   auto inside = [&](int k) { return (k * BLOCK_DIM + (int)threadIdx.x) * N_READS < left; };
 
   // The weight and bias of this thread's columns, as floats; each thread writes and reads only
@@ -68,27 +77,35 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(BLO
     float nv[ITEMS][N_READS];
     load(row + clusters, nv);
 
-    float mean = 0.0f;
+    // The row's statistics in one exchange. RMSNorm: the sum of x * x. LayerNorm: each warp's
+    // mean m_w and its sum of (x - m_w)^2, which kiln_cluster_wait_moments turns into the exact
+    // two-pass sum about the row's mean.
+    float m_w = 0.0f;
     if constexpr (!RMS) {
-      float s = 0.0f, unused = 0.0f;
+      float s = 0.0f;
 #pragma unroll
       for (int k = 0; k < ITEMS; ++k)
 #pragma unroll
-        for (int j = 0; j < N_READS; ++j) s += v[k][j];
-      kiln_cluster_sum2(s, unused, sums, exchange);
-      mean = s * inv_d;
+        for (int j = 0; j < N_READS; ++j) s += v[k][j];  // zeros past the chunk add nothing
+      m_w = kiln_warp_sum(s) * inv_warp_elements;
     }
-    float q = 0.0f, unused = 0.0f;
+    float mean = 0.0f, q = 0.0f, unused = 0.0f;
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
-      if (!inside(k)) break;  // zeros past d: their deviation would be -mean
+      if (!RMS && !inside(k)) break;  // zeros past the chunk: their deviation would be -m_w
 #pragma unroll
       for (int j = 0; j < N_READS; ++j) {
-        const float c = v[k][j] - mean;
+        const float c = v[k][j] - m_w;
         q += c * c;
       }
     }
-    kiln_cluster_sum2(q, unused, sums, exchange);
+    if constexpr (RMS) {
+      kiln_cluster_sum2(q, unused, sums, exchange);
+    } else {
+      const float pushed[2] = {m_w, kiln_warp_sum(q)};
+      const int n = kiln_cluster_push(pushed, sums, exchange);
+      kiln_cluster_wait_moments(sums, n, pair_elements, inv_d, mean, q, unused, unused);
+    }
     const float rstd = rsqrtf(q * inv_d + eps);
 
     T* yr = y + row * (long long)d;

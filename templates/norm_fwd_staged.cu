@@ -6,8 +6,8 @@
 // ring of STAGES shared-memory stages filled by bulk copies (bulk.cuh), so STAGES - 1 rows are
 // in flight while one is reduced whatever the registers; the block keeps its columns of the
 // weight and bias in shared memory for all its rows. The statistics are exact two-pass sums over
-// the whole row, combined through distributed shared memory without cluster barriers
-// (kiln_cluster_sum2).
+// the whole row in one exchange a row through distributed shared memory, without cluster barriers
+// (kiln_cluster_sum2; LayerNorm's combined from each warp's, kiln_cluster_wait_moments).
 {{> prelude}}
 {{> tma}}
 {{> cluster}}
@@ -32,12 +32,16 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(BLO
                T* __restrict__ y, long long rows, int d, long long x_row_stride,
                long long w_stride, long long b_stride, int w_vec, int b_vec, float eps) {
   __shared__ kiln_cluster_sums<CLUSTER, BLOCK_DIM> sums;
+  __shared__ float pair_elements[CLUSTER * BLOCK_DIM / 32];  // LayerNorm's warps' n_w
   __shared__ unsigned long long full[STAGES];
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) kiln_mbarrier_init(&full[s], 1);
   }
   // Its cluster barrier also makes the stages' mbarriers visible before the first copy.
+  if constexpr (!RMS)
+    kiln_split_pair_elements<CLUSTER, BLOCK_DIM, N_READS>(pair_elements, d,
+                                                           kiln_split_chunk(d, CLUSTER));
   kiln_cluster_sums_init(sums);
   int exchange = 0;
   const long long cluster = blockIdx.x / CLUSTER, clusters = gridDim.x / CLUSTER;
@@ -45,6 +49,10 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(BLO
   const int base = (int)kiln_cluster_rank() * chunk;
   const int len = min(chunk, d - base);  // this block's elements of a row (none when <= 0)
   const float inv_d = 1.0f / d;
+  // This warp's elements of a row, for LayerNorm's warp means (see kiln_cluster_wait_moments).
+  const int warp_elements = kiln_split_warp_elements<BLOCK_DIM, N_READS>(
+      d, chunk, (int)kiln_cluster_rank(), (int)threadIdx.x / 32);
+  const float inv_warp_elements = warp_elements > 0 ? 1.0f / warp_elements : 0.0f;
   // Vector k of this thread lies at chunk element (k * BLOCK_DIM + threadIdx.x) * N_READS.
   auto at = [&](int k) { return (k * BLOCK_DIM + (int)threadIdx.x) * N_READS; };
 
@@ -110,27 +118,35 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(BLO
       fetch(row + STAGES * clusters, stage);
     }
 
-    float mean = 0.0f;
+    // The row's statistics in one exchange. RMSNorm: the sum of x * x. LayerNorm: each warp's
+    // mean m_w and its sum of (x - m_w)^2, which kiln_cluster_wait_moments turns into the exact
+    // two-pass sum about the row's mean.
+    float m_w = 0.0f;
     if constexpr (!RMS) {
-      float s = 0.0f, unused = 0.0f;
+      float s = 0.0f;
 #pragma unroll
       for (int k = 0; k < ITEMS; ++k)
 #pragma unroll
-        for (int j = 0; j < N_READS; ++j) s += v[k][j];
-      kiln_cluster_sum2(s, unused, sums, exchange);
-      mean = s * inv_d;
+        for (int j = 0; j < N_READS; ++j) s += v[k][j];  // zeros past the chunk add nothing
+      m_w = kiln_warp_sum(s) * inv_warp_elements;
     }
-    float q = 0.0f, unused = 0.0f;
+    float mean = 0.0f, q = 0.0f, unused = 0.0f;
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
-      if (at(k) >= len) break;  // zeros past the chunk: their deviation would be -mean
+      if (!RMS && at(k) >= len) break;  // zeros past the chunk: their deviation would be -m_w
 #pragma unroll
       for (int j = 0; j < N_READS; ++j) {
-        const float c = v[k][j] - mean;
+        const float c = v[k][j] - m_w;
         q += c * c;
       }
     }
-    kiln_cluster_sum2(q, unused, sums, exchange);
+    if constexpr (RMS) {
+      kiln_cluster_sum2(q, unused, sums, exchange);
+    } else {
+      const float pushed[2] = {m_w, kiln_warp_sum(q)};
+      const int n = kiln_cluster_push(pushed, sums, exchange);
+      kiln_cluster_wait_moments(sums, n, pair_elements, inv_d, mean, q, unused, unused);
+    }
     const float rstd = rsqrtf(q * inv_d + eps);
 
     T* yr = y + row * (long long)d + base;

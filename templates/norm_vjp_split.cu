@@ -5,9 +5,10 @@
 // arrive through a ring of shared-memory stages filled by bulk copies (bulk.cuh), so the next
 // rows are in flight while one is reduced whatever the registers, and each block keeps the
 // partial sums of dweight and dbias of its own columns over all its rows: one partial row per
-// cluster at the end, which kiln_reduce_cols sums. Row sums are exact two-pass statistics over
-// the whole row, combined through distributed shared memory (cluster.cuh: no cluster barrier
-// per row), with PIPELINE each row's exchanges overlapped with the next row's.
+// cluster at the end, which kiln_reduce_cols sums. A row's statistics take one exchange through
+// distributed shared memory (cluster.cuh: no cluster barrier per row), LayerNorm's as exact
+// two-pass sums combined from each warp's (kiln_cluster_wait_moments); with PIPELINE each row's
+// exchange overlaps the next row's.
 {{> prelude}}
 {{> tma}}
 {{> cluster}}
@@ -24,7 +25,7 @@ constexpr int CLUSTER = {{CLUSTER}};
 // exchanges wait while the other computes (16-bit rows, whose bytes per row are few for the
 // exchanges' latency).
 constexpr bool SMEM_SUMS = {{SMEM_SUMS}};
-// PIPELINE: each row's exchanges overlapped with the next row's (see the row loop). It pays
+// PIPELINE: each row's exchange overlapped with the next row's (see the row loop). It pays
 // where exchanges are slow, in large clusters, and costs a second read of each staged chunk.
 constexpr bool PIPELINE = {{PIPELINE}};
 static_assert(CLUSTER >= 2 && CLUSTER <= 16, "a cluster of at least two blocks");
@@ -41,13 +42,17 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(BLO
                T* __restrict__ dx, float* __restrict__ partial_w, float* __restrict__ partial_b,
                long long rows, int d, long long x_row_stride, long long g_row_stride,
                long long w_stride, int w_vec, float eps, int /* smem_partials: unused */) {
-  __shared__ kiln_cluster_sums<CLUSTER, BLOCK_DIM> sums;
+  __shared__ kiln_cluster_sums<CLUSTER, BLOCK_DIM, RMS ? 2 : 4> sums;
+  __shared__ float pair_elements[CLUSTER * BLOCK_DIM / 32];  // LayerNorm's warps' n_w
   __shared__ unsigned long long full[STAGES];
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) kiln_mbarrier_init(&full[s], 1);
   }
   // Its cluster barrier also makes the stages' mbarriers visible before the first copy.
+  if constexpr (!RMS)
+    kiln_split_pair_elements<CLUSTER, BLOCK_DIM, N_READS>(pair_elements, d,
+                                                           kiln_split_chunk(d, CLUSTER));
   kiln_cluster_sums_init(sums);
   int exchange = 0;
   const long long cluster = blockIdx.x / CLUSTER, clusters = gridDim.x / CLUSTER;
@@ -174,87 +179,97 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(BLO
                   N_READS > 1 ? 0 : kiln_granule_offset(x + r * x_row_stride + base),
                   N_READS > 1 ? 0 : kiln_granule_offset(g + r * g_row_stride + base)};
   };
-  // Vector k's terms of a row's first exchange, added to a and b: LayerNorm's sums of x and
-  // w * g, RMSNorm's (its only one) of x * x and w * g * x. Zeros past the chunk add nothing.
-  auto add_first = [&](int k, const float(&xk)[N_READS], const float(&gk)[N_READS], float& a,
-                       float& b) {
-    float wk[N_READS];
-    weights(k, wk);
+  // The row's values vector k by vector k: from `st`, the stage of the row after the one in
+  // registers (PIPELINE), or from registers when st is null.
+  float xv[ITEMS][N_READS], gv[ITEMS][N_READS];
+  auto values = [&](const Staged* st, int k, float(&xk)[N_READS], float(&gk)[N_READS]) {
+    if (st) {
+      unstage(st->x, st->x_offset, k, xk);
+      unstage(st->g, st->g_offset, k, gk);
+    } else {
 #pragma unroll
-    for (int j = 0; j < N_READS; ++j) {
-      const float wg = wk[j] * gk[j];
-      a += RMS ? xk[j] * xk[j] : xk[j];
-      b += RMS ? wg * xk[j] : wg;
+      for (int j = 0; j < N_READS; ++j) {
+        xk[j] = xv[k][j];
+        gk[j] = gv[k][j];
+      }
     }
   };
-  // Pushes the first exchange of row r, read from its stage (PIPELINE: the row after the one in
-  // registers).
-  auto push_first_staged = [&](long long r, int turn) {
-    const Staged st = staged(r, turn);
-    float a = 0.0f, b = 0.0f;
+  // This warp's elements of a row, for LayerNorm's warp means (see kiln_cluster_wait_moments).
+  const int warp_elements = kiln_split_warp_elements<BLOCK_DIM, N_READS>(
+      d, chunk, (int)kiln_cluster_rank(), (int)threadIdx.x / 32);
+  const float inv_warp_elements = warp_elements > 0 ? 1.0f / warp_elements : 0.0f;
+  // Pushes a row's one exchange. RMSNorm: the sums of x * x and w * g * x. LayerNorm: the warp's
+  // mean m_w of x, then its sums of (x - m_w)^2, w * g and w * g * (x - m_w), which
+  // kiln_cluster_wait_moments turns into exact two-pass sums about the row's mean.
+  auto push_row = [&](const Staged* st) {
+    float sum = 0.0f, m_w = 0.0f;
+    if constexpr (!RMS) {
+#pragma unroll
+      for (int k = 0; k < ITEMS; ++k) {
+        float xk[N_READS], gk[N_READS];
+        values(st, k, xk, gk);  // zeros past the chunk add nothing
+#pragma unroll
+        for (int j = 0; j < N_READS; ++j) sum += xk[j];
+      }
+      m_w = kiln_warp_sum(sum) * inv_warp_elements;
+    }
+    float q = 0.0f, swg = 0.0f, t = 0.0f;
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
-      float xk[N_READS], gk[N_READS];
-      unstage(st.x, st.x_offset, k, xk);
-      unstage(st.g, st.g_offset, k, gk);
-      add_first(k, xk, gk, a, b);
+      // Zeros past the chunk add nothing to RMSNorm's sums, but LayerNorm's deviation would be
+      // -m_w.
+      if (!RMS && !inside(k)) break;
+      float xk[N_READS], gk[N_READS], wk[N_READS];
+      values(st, k, xk, gk);
+      weights(k, wk);
+#pragma unroll
+      for (int j = 0; j < N_READS; ++j) {
+        const float c = xk[j] - m_w, wg = wk[j] * gk[j];
+        q += c * c;
+        swg += wg;
+        t += wg * c;
+      }
     }
-    return kiln_cluster_push2(a, b, sums, exchange);
+    const float s_q = kiln_warp_sum(q), s_t = kiln_warp_sum(t);
+    const float rms[2] = {s_q, s_t}, layer[4] = {m_w, s_q, kiln_warp_sum(swg), s_t};
+    return kiln_cluster_push(RMS ? rms : layer, sums, exchange);
   };
 
-  // With PIPELINE, rows overlap: a row's last exchange is pushed, then the next row's first
-  // (summed from its stage), and only then is the last awaited, so that each exchange's latency
-  // is spent on the other's work. Every warp still waits on an exchange before it pushes the one
-  // two after it (kiln_cluster_push2's rule): LayerNorm pushes row r + 1's first before waiting
-  // on r's second, and waits on that before row r + 1's second.
-  int first = PIPELINE && cluster < rows ? push_first_staged(cluster, 0) : 0;
+  // With PIPELINE, rows overlap: a row's exchange is pushed, then the next row's (summed from
+  // its stage), and only then is the first awaited, so that each exchange's latency is spent on
+  // the other's work. Every warp still waits on an exchange before it pushes the one two after
+  // it (kiln_cluster_push's rule).
+  int pushed = 0;
+  if (PIPELINE && cluster < rows) {
+    const Staged first = staged(cluster, 0);
+    pushed = push_row(&first);
+  }
   int turn = 0;
   for (long long row = cluster; row < rows; row += clusters, ++turn) {
     const Staged st = staged(row, turn);
-    float xv[ITEMS][N_READS], gv[ITEMS][N_READS];
 #pragma unroll
-    for (int k = 0; k < ITEMS; ++k) {
-      unstage(st.x, st.x_offset, k, xv[k]);
-      unstage(st.g, st.g_offset, k, gv[k]);
-    }
+    for (int k = 0; k < ITEMS; ++k) values(&st, k, xv[k], gv[k]);
     // Every thread has its values: the stage takes the row STAGES turns ahead.
     __syncthreads();
     if (threadIdx.x == 0 && row + STAGES * clusters < rows) {
       kiln_bulk_fence();
       fetch(row + STAGES * clusters, turn % STAGES);
     }
-    if constexpr (!PIPELINE) {
-      float a = 0.0f, b = 0.0f;
-#pragma unroll
-      for (int k = 0; k < ITEMS; ++k) add_first(k, xv[k], gv[k], a, b);
-      first = kiln_cluster_push2(a, b, sums, exchange);
+    const int this_row = PIPELINE ? pushed : push_row(nullptr);
+    if (PIPELINE && row + clusters < rows) {
+      const Staged next = staged(row + clusters, turn + 1);
+      pushed = push_row(&next);
     }
-
-    float mean = 0.0f, c2 = 0.0f;
-    int last = first;  // RMSNorm's one exchange
-    if constexpr (!RMS) {
-      float s_x, s_wg;
-      kiln_cluster_wait2(sums, first, s_x, s_wg);
-      mean = s_x * inv_d;
-      c2 = s_wg * inv_d;
-      float q = 0.0f, t = 0.0f;
-#pragma unroll
-      for (int k = 0; k < ITEMS; ++k) {
-        if (!inside(k)) break;  // zeros past d: their c would be -mean
-        float wk[N_READS];
-        weights(k, wk);
-#pragma unroll
-        for (int j = 0; j < N_READS; ++j) {
-          const float c = xv[k][j] - mean;
-          q += c * c;
-          t += wk[j] * gv[k][j] * c;
-        }
-      }
-      last = kiln_cluster_push2(q, t, sums, exchange);
+    // The row's statistics: mean, the centred sum of squares q, mean(w * g) and the sum of
+    // w * g * (x - mean) (RMSNorm: x itself, mean 0).
+    float mean = 0.0f, q, c2 = 0.0f, t;
+    if constexpr (RMS) {
+      kiln_cluster_wait2(sums, this_row, q, t);
+    } else {
+      float swg;
+      kiln_cluster_wait_moments(sums, this_row, pair_elements, inv_d, mean, q, swg, t);
+      c2 = swg * inv_d;
     }
-    if (PIPELINE && row + clusters < rows) first = push_first_staged(row + clusters, turn + 1);
-    float q, t;
-    kiln_cluster_wait2(sums, last, q, t);
     const float rstd = rsqrtf(q * inv_d + eps);
     const float c1 = rstd * t * inv_d;  // mean(wg * xhat)
 

@@ -118,6 +118,8 @@ struct Case {
     eps: f64,
     /// The value of every row's first element, when set: an outlier far from the row's mean.
     outlier: Option<f64>,
+    /// The mean of x's random values (their spread is 2).
+    offset: f64,
 }
 
 impl Case {
@@ -133,6 +135,7 @@ impl Case {
             x_layout: XLayout::Contiguous,
             eps,
             outlier: None,
+            offset: 0.5,
         }
     }
 }
@@ -141,7 +144,7 @@ impl Case {
 fn run_case(enc: &mut CommandEncoder, c: &Case, seed: u64) -> f64 {
     let (dtype, rows, d) = (c.dtype, c.rows, c.d);
     let mut rng = TestRng::new(seed);
-    let mut x = q(dtype, rng.values(rows * d, 2.0, 0.5));
+    let mut x = q(dtype, rng.values(rows * d, 2.0, c.offset));
     if let Some(v) = c.outlier {
         for row in x.chunks_mut(d) {
             row[0] = q(dtype, vec![v])[0];
@@ -314,6 +317,7 @@ fn weights_bias_and_layouts_in_graph_and_direct_mode() {
                                     x_layout,
                                     eps: EPS,
                                     outlier: None,
+                                    offset: 0.5,
                                 };
                                 let err = run_case(&mut enc, &case, seed);
                                 if err > tolerance(dtype) {
@@ -405,6 +409,39 @@ fn long_rows_match_the_reference() {
                             ));
                         }
                     }
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// Split rows (a cluster of blocks a row on Hopper) whose mean is large against their spread:
+/// LayerNorm's statistics combine each warp's mean and centred sums, and must stay as exact as
+/// a two-pass sum over the whole row. Every dtype, forward and VJP, direct mode.
+#[test]
+fn long_rows_with_a_large_mean_keep_exact_statistics() {
+    let Some(dev) = device("norm_long_mean") else {
+        return;
+    };
+    let mut failures = Vec::new();
+    let mut enc = encoder(&dev, false);
+    for dtype in DType::ALL {
+        for d in [16385, 18432, 30000, 65536] {
+            for offset in [300.0, -1000.0] {
+                let case = Case {
+                    offset,
+                    ..Case::plain(Kind::LayerNorm, dtype, 24, d, EPS)
+                };
+                let err = run_case(&mut enc, &case, d as u64);
+                // f32 as the large-mean checks below: the inputs' own rounding at 1000 is 6e-5.
+                let bound = if dtype == DType::F32 {
+                    5e-3
+                } else {
+                    tolerance(dtype)
+                };
+                if err > bound {
+                    failures.push(format!("{dtype} 24x{d} mean {offset}: {err:.3e}"));
                 }
             }
         }

@@ -267,8 +267,8 @@ pub(super) fn split_chunk(d: usize, blocks: usize) -> usize {
 /// most elements per thread). f32 rows (registers, norm_fwd_split.cu): up to 8 elements (x and
 /// the next row's x in 16 registers), two blocks share each SM; longer rows take up to 16
 /// elements. 16-bit rows (the staged ring, norm_fwd_staged.cu): 16 elements, 16 KiB chunks, each
-/// worth its exchanges (with 8 KiB chunks LayerNorm, two exchanges a row, ran at 45-61% of copy
-/// against 66-80% for RMSNorm's one), in clusters of up to 8 blocks: with Hopper's non-portable
+/// worth its exchange (with 8 KiB chunks LayerNorm, then two exchanges a row, ran at 45-61% of
+/// copy against 66-80% for RMSNorm's one), in clusters of up to 8 blocks: with Hopper's non-portable
 /// 16, compute-sanitizer's synccheck reported "missing init" on the exchange's mbarrier (not
 /// understood yet), so rows past 65,536 elements take the register kernel.
 pub(super) fn split_layouts(dtype: DType) -> &'static [SplitLayout] {
@@ -351,9 +351,9 @@ pub(super) fn vjp_split_stages(dtype: DType, capacity: usize) -> usize {
 /// The split-row VJP's layouts in order of preference: (most blocks per cluster, most elements
 /// per thread, partial sums in shared memory). Rows arrive through the ring of shared-memory
 /// stages, so registers hold only the current row, and a row's time is bound by the latency of
-/// its two exchanges more than by its bytes: 16-bit rows take 16 elements a thread (16 KiB
-/// chunks; 8 KiB ones ran at 44-45% of copy for LayerNorm at 16,385-30,000 elements against
-/// 50-68%), f32 rows 8 or 16. None keeps its partial sums in shared memory now (SMEM_SUMS, which
+/// its exchange more than by its bytes: 16-bit rows take 16 elements a thread (16 KiB chunks;
+/// 8 KiB ones ran at 44-45% of copy for LayerNorm at 16,385-30,000 elements against 50-68%, when
+/// it took two exchanges a row), f32 rows 8 or 16. None keeps its partial sums in shared memory now (SMEM_SUMS, which
 /// let two register-prefetching blocks share an SM, is still built and accepted).
 pub(super) fn vjp_split_layouts(dtype: DType) -> &'static [(usize, usize, bool)] {
     if dtype.size() == 2 {
@@ -363,19 +363,16 @@ pub(super) fn vjp_split_layouts(dtype: DType) -> &'static [(usize, usize, bool)]
     }
 }
 
-/// Whether the split-row VJP overlaps each row's exchanges with the next row's (PIPELINE in
-/// norm_vjp_split.cu), which costs a second read of each staged chunk: 16-bit rows in clusters
-/// whose exchanges are slow enough to be worth it. H100, direct mode, same call as without,
-/// all rows pipelined: bf16 RMSNorm (one exchange a row) gained 6-8% in clusters of 4, 8 and
-/// 16 (d 30,000 to 131,072) and lost 9% in clusters of 3 (18,432); LayerNorm (two) gained 3%
-/// and 16% in clusters of 8 and 16 and lost 5-6% in clusters of 3 and 4. f32 rows, twice the
-/// bytes for the same exchanges, lost up to 2%.
+/// Whether the split-row VJP overlaps each row's exchange with the next row's (PIPELINE in
+/// norm_vjp_split.cu), which costs a second read of each staged chunk: 16-bit RMSNorm rows in
+/// clusters whose exchanges are slow enough to be worth it. H100, direct mode, same call as
+/// without, all rows pipelined: bf16 RMSNorm gained 6-8% in clusters of 4, 8 and 16 (d 30,000 to
+/// 131,072) and lost 9% in clusters of 3 (18,432); f32 rows, twice the bytes for the same
+/// exchanges, lost up to 2%. LayerNorm, whose exchange from a stage takes two passes over it
+/// (the warp's mean, then the sums about it), ran 7-8% slower pipelined than not in clusters of
+/// 4 and 8 and 2% slower in clusters of 16 (bf16, 30,000 to 131,072).
 pub(super) fn vjp_split_pipeline(kind: Kind, dtype: DType, cluster: usize) -> bool {
-    dtype.size() == 2
-        && match kind {
-            Kind::RmsNorm => cluster >= 4,
-            Kind::LayerNorm => cluster >= 8,
-        }
+    dtype.size() == 2 && kind == Kind::RmsNorm && cluster >= 4
 }
 
 /// The split-row VJP for rows of `vectors` vectors, if a cluster's registers hold them: the
