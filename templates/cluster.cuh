@@ -178,25 +178,29 @@ __device__ __forceinline__ void kiln_cluster_sum2(float& a, float& b,
   kiln_cluster_wait2(s, n, a, b);
 }
 
-// Elements of a split row (kiln_split_chunk elements a block) that warp `warp` of block `rank`
-// holds, where thread t's vector k lies at chunk element (k * BLOCK_DIM + t) * N_READS.
-template <int BLOCK_DIM, int N_READS>
-__device__ __forceinline__ int kiln_split_warp_elements(int d, int chunk, int rank, int warp) {
-  const int len = max(0, min(chunk, d - rank * chunk));
-  const int vectors = len / N_READS;  // a chunk is a multiple of N_READS when N_READS > 1
-  const int rounds = vectors / BLOCK_DIM, rest = vectors - rounds * BLOCK_DIM;
-  return N_READS * (32 * rounds + min(32, max(0, rest - 32 * warp)));
-}
-
-// The elements each warp of the cluster holds of a split row, [rank * WARPS + warp] as
-// kiln_cluster_sums orders pushes, for kiln_cluster_wait_moments: computed once per kernel,
-// visible after the next barrier.
+// The elements each warp of the cluster holds of a split row of d, `chunk` elements a block
+// (the last block's fewer, or none), where thread t's vector k lies at chunk element
+// (k * BLOCK_DIM + t) * N_READS: [rank * WARPS + warp] as kiln_cluster_sums orders pushes, for
+// kiln_cluster_wait_moments and kiln_split_own_inv_elements. Computed once per kernel, visible
+// after the next barrier.
 template <int CLUSTER, int BLOCK_DIM, int N_READS>
 __device__ __forceinline__ void kiln_split_pair_elements(float* elements, int d, int chunk) {
   constexpr int WARPS = BLOCK_DIM / 32;
-  for (int p = threadIdx.x; p < CLUSTER * WARPS; p += BLOCK_DIM)
-    elements[p] = (float)kiln_split_warp_elements<BLOCK_DIM, N_READS>(d, chunk, p / WARPS,
-                                                                       p % WARPS);
+  for (int p = threadIdx.x; p < CLUSTER * WARPS; p += BLOCK_DIM) {
+    const int rank = p / WARPS, warp = p % WARPS;
+    const int len = max(0, min(chunk, d - rank * chunk));
+    const int vectors = len / N_READS;  // a chunk is a multiple of N_READS when N_READS > 1
+    const int rounds = vectors / BLOCK_DIM, rest = vectors - rounds * BLOCK_DIM;
+    elements[p] = (float)(N_READS * (32 * rounds + min(32, max(0, rest - 32 * warp))));
+  }
+}
+
+// 1 / n_w for this thread's warp (0 when it holds none of the row), from the table of
+// kiln_split_pair_elements.
+template <int BLOCK_DIM>
+__device__ __forceinline__ float kiln_split_own_inv_elements(const float* elements) {
+  const float n = elements[kiln_cluster_rank() * (BLOCK_DIM / 32) + threadIdx.x / 32];
+  return n > 0.0f ? 1.0f / n : 0.0f;
 }
 
 // LayerNorm's statistics in one exchange (two would wait twice a row on the cluster), combined
@@ -238,4 +242,17 @@ __device__ __forceinline__ void kiln_cluster_wait_moments(
   }
   m2 = kiln_warp_sum(q);
   t = WIDTH == 4 ? kiln_warp_sum(c) : 0.0f;
+}
+
+// The forward's LayerNorm exchange pushed and awaited at once: this warp's mean m_w and sum q of
+// (x - m_w)^2 over its lanes in, the row's mean and its sum of (x - mean)^2 out
+// (kiln_cluster_wait_moments).
+template <int CLUSTER, int BLOCK_DIM>
+__device__ __forceinline__ void kiln_cluster_sum_moments(
+    float m_w, float& q, kiln_cluster_sums<CLUSTER, BLOCK_DIM, 2>& s, int& exchange,
+    const float* elements, float inv_d, float& mean) {
+  const float v[2] = {m_w, kiln_warp_sum(q)};
+  const int n = kiln_cluster_push(v, s, exchange);
+  float unused;
+  kiln_cluster_wait_moments(s, n, elements, inv_d, mean, q, unused, unused);
 }

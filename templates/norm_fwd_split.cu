@@ -37,10 +37,9 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(BLO
   const int base = (int)kiln_cluster_rank() * BLOCK_DIM * ITEMS * N_READS;
   const int left = d - base;  // this chunk's elements run to here (none when <= 0)
   const float inv_d = 1.0f / d;
-  // This warp's elements of a row, for LayerNorm's warp means (see kiln_cluster_wait_moments).
-  const int warp_elements = kiln_split_warp_elements<BLOCK_DIM, N_READS>(
-      d, BLOCK_DIM * ITEMS * N_READS, (int)kiln_cluster_rank(), (int)threadIdx.x / 32);
-  const float inv_warp_elements = warp_elements > 0 ? 1.0f / warp_elements : 0.0f;
+  // 1 / the elements this warp holds of a row, for LayerNorm's warp means.
+  const float inv_warp_elements =
+      RMS ? 0.0f : kiln_split_own_inv_elements<BLOCK_DIM>(pair_elements);
   auto inside = [&](int k) { return (k * BLOCK_DIM + (int)threadIdx.x) * N_READS < left; };
 
   // The weight and bias of this thread's columns, as floats; each thread writes and reads only
@@ -102,9 +101,7 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(BLO
     if constexpr (RMS) {
       kiln_cluster_sum2(q, unused, sums, exchange);
     } else {
-      const float pushed[2] = {m_w, kiln_warp_sum(q)};
-      const int n = kiln_cluster_push(pushed, sums, exchange);
-      kiln_cluster_wait_moments(sums, n, pair_elements, inv_d, mean, q, unused, unused);
+      kiln_cluster_sum_moments(m_w, q, sums, exchange, pair_elements, inv_d, mean);
     }
     const float rstd = rsqrtf(q * inv_d + eps);
 

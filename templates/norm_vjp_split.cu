@@ -194,10 +194,9 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(BLO
       }
     }
   };
-  // This warp's elements of a row, for LayerNorm's warp means (see kiln_cluster_wait_moments).
-  const int warp_elements = kiln_split_warp_elements<BLOCK_DIM, N_READS>(
-      d, chunk, (int)kiln_cluster_rank(), (int)threadIdx.x / 32);
-  const float inv_warp_elements = warp_elements > 0 ? 1.0f / warp_elements : 0.0f;
+  // 1 / the elements this warp holds of a row, for LayerNorm's warp means.
+  const float inv_warp_elements =
+      RMS ? 0.0f : kiln_split_own_inv_elements<BLOCK_DIM>(pair_elements);
   // Pushes a row's one exchange. RMSNorm: the sums of x * x and w * g * x. LayerNorm: the warp's
   // mean m_w of x, then its sums of (x - m_w)^2, w * g and w * g * (x - m_w), which
   // kiln_cluster_wait_moments turns into exact two-pass sums about the row's mean.

@@ -268,9 +268,9 @@ pub(super) fn split_chunk(d: usize, blocks: usize) -> usize {
 /// the next row's x in 16 registers), two blocks share each SM; longer rows take up to 16
 /// elements. 16-bit rows (the staged ring, norm_fwd_staged.cu): 16 elements, 16 KiB chunks, each
 /// worth its exchange (with 8 KiB chunks LayerNorm, then two exchanges a row, ran at 45-61% of
-/// copy against 66-80% for RMSNorm's one), in clusters of up to 8 blocks: with Hopper's non-portable
-/// 16, compute-sanitizer's synccheck reported "missing init" on the exchange's mbarrier (not
-/// understood yet), so rows past 65,536 elements take the register kernel.
+/// copy against 66-80% for RMSNorm's one), in clusters of up to 8 blocks: with Hopper's
+/// non-portable 16, compute-sanitizer's synccheck reported "missing init" on the exchange's
+/// mbarrier (not understood yet), so rows past 65,536 elements take the register kernel.
 pub(super) fn split_layouts(dtype: DType) -> &'static [SplitLayout] {
     static SIXTEEN_BIT: [SplitLayout; 2] = [(&FORWARD_STAGED, 8, 16), (&FORWARD_SPLIT, 16, 16)];
     static F32: [SplitLayout; 2] = [(&FORWARD_SPLIT, 8, 8), (&FORWARD_SPLIT, 16, 16)];
@@ -353,8 +353,9 @@ pub(super) fn vjp_split_stages(dtype: DType, capacity: usize) -> usize {
 /// stages, so registers hold only the current row, and a row's time is bound by the latency of
 /// its exchange more than by its bytes: 16-bit rows take 16 elements a thread (16 KiB chunks;
 /// 8 KiB ones ran at 44-45% of copy for LayerNorm at 16,385-30,000 elements against 50-68%, when
-/// it took two exchanges a row), f32 rows 8 or 16. None keeps its partial sums in shared memory now (SMEM_SUMS, which
-/// let two register-prefetching blocks share an SM, is still built and accepted).
+/// it took two exchanges a row), f32 rows 8 or 16. None keeps its partial sums in shared memory
+/// now (SMEM_SUMS, which let two register-prefetching blocks share an SM, is still built and
+/// accepted).
 pub(super) fn vjp_split_layouts(dtype: DType) -> &'static [(usize, usize, bool)] {
     if dtype.size() == 2 {
         &[(16, 16, false)]
