@@ -41,26 +41,29 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
     // instead of loaded, checked and converted from global memory for every row.
     extern __shared__ V ring[];
     V* params = ring + STAGES * NI * BLOCK_DIM;
-    if constexpr (STAGES > 0) {
+    // Stages the weights and bias (the first group), after the first rows' copies have gone
+    // out, so that their loads wait with rows in flight.
+    auto stage_params = [&]() {
       if (group == 0) {
+        float wv[NI][N_READS], bv[NI][N_READS];
+        const int step = GROUP * N_READS;
+        kiln_load_params<NI, N_READS>(w, w_stride, w_vec, lane * N_READS, step, d, 1.0f, wv);
+        kiln_load_params<NI, N_READS>(RMS ? nullptr : b, b_stride, b_vec, lane * N_READS, step, d,
+                                      0.0f, bv);
 #pragma unroll
         for (int k = 0; k < NI; ++k) {
-          const int i = (k * GROUP + lane) * N_READS;
-          float wv[N_READS], bv[N_READS];
-          kiln_load_param<N_READS>(w, w_stride, w_vec, i, d, 1.0f, wv);
-          kiln_load_param<N_READS>(RMS ? nullptr : b, b_stride, b_vec, i, d, 0.0f, bv);
           V wk, bk;
 #pragma unroll
           for (int j = 0; j < N_READS; ++j) {
-            wk.v[j] = kiln_from_float<T>(wv[j]);
-            bk.v[j] = kiln_from_float<T>(bv[j]);
+            wk.v[j] = kiln_from_float<T>(wv[k][j]);
+            bk.v[j] = kiln_from_float<T>(bv[k][j]);
           }
           params[k * GROUP + lane] = wk;
           if (!RMS) params[(NI + k) * GROUP + lane] = bk;
         }
       }
       __syncthreads();  // staged by the first group, read by every group
-    }
+    };
     // Normalises a row held in registers and writes it.
     auto write = [&](long long row, float(&v)[NI][N_READS], float mean, float rstd) {
       T* yr = y + row * (long long)d;
@@ -103,6 +106,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
       long long row = (long long)blockIdx.x * GROUPS + group;
 #pragma unroll
       for (int s = 0; s < STAGES - 1; ++s) stage(row + s * step, s);
+      stage_params();
       int s = 0;
       for (long long first = row - group; first < rows; first += step, row += step) {
         kiln_cp_async_wait<(STAGES > 2 ? STAGES - 2 : 0)>();  // this row's stage has landed

@@ -42,35 +42,38 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(BLO
       RMS ? 0.0f : kiln_split_own_inv_elements<BLOCK_DIM>(pair_elements);
   auto inside = [&](int k) { return (k * BLOCK_DIM + (int)threadIdx.x) * N_READS < left; };
 
-  // The weight and bias of this thread's columns, as floats; each thread writes and reads only
-  // its own.
-  typedef kiln_vec<float, N_READS> F;
-  extern __shared__ F w_own[];
-  F* b_own = w_own + ITEMS * BLOCK_DIM;
-#pragma unroll
-  for (int k = 0; k < ITEMS; ++k) {
-    const int i = base + (k * BLOCK_DIM + (int)threadIdx.x) * N_READS;
-    float wk[N_READS], bk[N_READS];
-    kiln_load_param<N_READS>(w, w_stride, w_vec, i, d, 1.0f, wk);
-    kiln_load_param<N_READS>(RMS ? nullptr : b, b_stride, b_vec, i, d, 0.0f, bk);
-    F fw, fb;
-#pragma unroll
-    for (int j = 0; j < N_READS; ++j) {
-      fw.v[j] = wk[j];
-      fb.v[j] = bk[j];
-    }
-    w_own[k * BLOCK_DIM + threadIdx.x] = fw;
-    b_own[k * BLOCK_DIM + threadIdx.x] = fb;
-  }
-
   // This chunk of row r (zeros past d, or for rows past the end).
   auto load = [&](long long r, float(&v)[ITEMS][N_READS]) {
     const bool active = r < rows;
     kiln_load_row<ITEMS, N_READS, BLOCK_DIM>(x + (active ? r : 0) * x_row_stride + base, active,
                                             threadIdx.x, left, v);
   };
+  // The first row's loads go out before the weights', so that their latencies overlap.
   float v[ITEMS][N_READS];
   load(cluster, v);
+
+  // The weight and bias of this thread's columns, as floats; each thread writes and reads only
+  // its own.
+  typedef kiln_vec<float, N_READS> F;
+  extern __shared__ F w_own[];
+  F* b_own = w_own + ITEMS * BLOCK_DIM;
+  {
+    float wk[ITEMS][N_READS], bk[ITEMS][N_READS];
+    const int i0 = base + (int)threadIdx.x * N_READS, step = BLOCK_DIM * N_READS;
+    kiln_load_params<ITEMS, N_READS>(w, w_stride, w_vec, i0, step, d, 1.0f, wk);
+    kiln_load_params<ITEMS, N_READS>(RMS ? nullptr : b, b_stride, b_vec, i0, step, d, 0.0f, bk);
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      F fw, fb;
+#pragma unroll
+      for (int j = 0; j < N_READS; ++j) {
+        fw.v[j] = wk[k][j];
+        fb.v[j] = bk[k][j];
+      }
+      w_own[k * BLOCK_DIM + threadIdx.x] = fw;
+      b_own[k * BLOCK_DIM + threadIdx.x] = fb;
+    }
+  }
   for (long long row = cluster; row < rows; row += clusters) {
     // The next row's loads go out before this row's exchanges.
     float nv[ITEMS][N_READS];

@@ -61,21 +61,6 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(BLO
   extern __shared__ __align__(128) unsigned char smem[];
   V* w_own = reinterpret_cast<V*>(smem + STAGES * CHUNK_BYTES);
   V* b_own = w_own + ITEMS * BLOCK_DIM;
-#pragma unroll
-  for (int k = 0; k < ITEMS; ++k) {
-    float wk[N_READS], bk[N_READS];
-    kiln_load_param<N_READS>(w, w_stride, w_vec, base + at(k), base + len, 1.0f, wk);
-    V vw, vb;
-#pragma unroll
-    for (int j = 0; j < N_READS; ++j) vw.v[j] = kiln_from_float<T>(wk[j]);
-    w_own[k * BLOCK_DIM + threadIdx.x] = vw;
-    if constexpr (!RMS) {
-      kiln_load_param<N_READS>(b, b_stride, b_vec, base + at(k), base + len, 0.0f, bk);
-#pragma unroll
-      for (int j = 0; j < N_READS; ++j) vb.v[j] = kiln_from_float<T>(bk[j]);
-      b_own[k * BLOCK_DIM + threadIdx.x] = vb;
-    }
-  }
 
   // Thread 0: row r's chunk into `stage`.
   auto fetch = [&](long long r, int stage) {
@@ -83,10 +68,30 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(BLO
     kiln_bulk_arrive(&full[stage], span.bytes);
     kiln_bulk_copy(smem + stage * CHUNK_BYTES, span, &full[stage]);
   };
+  // The first rows' copies go out before the weights load, so that the weights' latency is
+  // spent with rows in flight.
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int s = 0; s < STAGES; ++s)
       if (cluster + s * clusters < rows) fetch(cluster + s * clusters, s);
+  }
+  {
+    float wk[ITEMS][N_READS], bk[ITEMS][N_READS];
+    const int step = BLOCK_DIM * N_READS;
+    kiln_load_params<ITEMS, N_READS>(w, w_stride, w_vec, base + at(0), step, base + len, 1.0f, wk);
+    kiln_load_params<ITEMS, N_READS>(RMS ? nullptr : b, b_stride, b_vec, base + at(0), step,
+                                     base + len, 0.0f, bk);
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      V vw, vb;
+#pragma unroll
+      for (int j = 0; j < N_READS; ++j) {
+        vw.v[j] = kiln_from_float<T>(wk[k][j]);
+        vb.v[j] = kiln_from_float<T>(bk[k][j]);
+      }
+      w_own[k * BLOCK_DIM + threadIdx.x] = vw;
+      if constexpr (!RMS) b_own[k * BLOCK_DIM + threadIdx.x] = vb;
+    }
   }
 
   int turn = 0;

@@ -103,16 +103,31 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
     extern __shared__ V ring[];  // STAGES stages of x and g, NI * BLOCK_DIM vectors each
     constexpr int STAGE = 2 * NI * BLOCK_DIM;
 
+    auto stage = [&](long long row, int s) {
+      if constexpr (STAGES > 0) {
+        const bool active = row < rows;
+        const long long r = active ? row : 0;
+        kiln_stage_row<NI, N_READS, GROUP, BLOCK_DIM>(x + r * x_row_stride, active, lane, d,
+                                                      ring + s * STAGE);
+        kiln_stage_row<NI, N_READS, GROUP, BLOCK_DIM>(g + r * g_row_stride, active, lane, d,
+                                                      ring + s * STAGE + NI * BLOCK_DIM);
+        kiln_cp_async_commit();
+      }
+    };
+    // The first rows' copies go out before the weights load, so that the weights' latency is
+    // spent with rows in flight.
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) stage((long long)blockIdx.x * GROUPS + group + s * step, s);
     // Each thread owns the same columns in every row: its weights load once, into registers, or
     // for resident rows (whose registers hold the partial sums) into shared memory after the
     // ring, laid out like a stage (T is exact for them: x's dtype, or 1 when there is none),
     // which each thread alone writes and reads.
     float wv[NI][N_READS];
     V* w_staged = ring + STAGES * STAGE;
+    kiln_load_params<NI, N_READS>(w, w_stride, w_vec, lane * N_READS, GROUP * N_READS, d, 1.0f, wv);
+    if constexpr (RESIDENT) {
 #pragma unroll
-    for (int k = 0; k < NI; ++k) {
-      kiln_load_param<N_READS>(w, w_stride, w_vec, (k * GROUP + lane) * N_READS, d, 1.0f, wv[k]);
-      if constexpr (RESIDENT) {
+      for (int k = 0; k < NI; ++k) {
         V wk;
 #pragma unroll
         for (int j = 0; j < N_READS; ++j) wk.v[j] = kiln_from_float<T>(wv[k][j]);
@@ -149,19 +164,6 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
         for (int j = 0; j < N_READS; ++j) wk[j] = wv[k][j];
       }
     };
-    auto stage = [&](long long row, int s) {
-      if constexpr (STAGES > 0) {
-        const bool active = row < rows;
-        const long long r = active ? row : 0;
-        kiln_stage_row<NI, N_READS, GROUP, BLOCK_DIM>(x + r * x_row_stride, active, lane, d,
-                                                      ring + s * STAGE);
-        kiln_stage_row<NI, N_READS, GROUP, BLOCK_DIM>(g + r * g_row_stride, active, lane, d,
-                                                      ring + s * STAGE + NI * BLOCK_DIM);
-        kiln_cp_async_commit();
-      }
-    };
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) stage((long long)blockIdx.x * GROUPS + group + s * step, s);
     int s = 0;
     for (long long base = (long long)blockIdx.x * GROUPS; base < rows; base += step) {
       const long long row = base + group;

@@ -73,15 +73,6 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(BLO
   F* w_own = reinterpret_cast<F*>(smem + STAGES * 2 * CHUNK_BYTES);
   F* dw_own = w_own + ITEMS * BLOCK_DIM;
   F* db_own = dw_own + ITEMS * BLOCK_DIM;
-#pragma unroll
-  for (int k = 0; k < ITEMS; ++k) {
-    float wk[N_READS];
-    kiln_load_param<N_READS>(w, w_stride, w_vec, base + at(k), base + len, 1.0f, wk);
-    F f;
-#pragma unroll
-    for (int j = 0; j < N_READS; ++j) f.v[j] = wk[j];
-    w_own[k * BLOCK_DIM + threadIdx.x] = f;
-  }
   auto weights = [&](int k, float(&wk)[N_READS]) {
     const F f = w_own[k * BLOCK_DIM + threadIdx.x];
 #pragma unroll
@@ -148,6 +139,20 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(BLO
 #pragma unroll
     for (int s = 0; s < STAGES; ++s)
       if (cluster + s * clusters < rows) fetch(cluster + s * clusters, s);
+  }
+  // The weights load after the first rows' copies have gone out, so that their latency is spent
+  // with rows in flight.
+  {
+    float wk[ITEMS][N_READS];
+    kiln_load_params<ITEMS, N_READS>(w, w_stride, w_vec, base + at(0), BLOCK_DIM * N_READS,
+                                     base + len, 1.0f, wk);
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      F f;
+#pragma unroll
+      for (int j = 0; j < N_READS; ++j) f.v[j] = wk[k][j];
+      w_own[k * BLOCK_DIM + threadIdx.x] = f;
+    }
   }
   // Vector k of this thread in a staged chunk as floats (zeros past the chunk: a vector lies
   // wholly inside it or wholly past it, len being a multiple of N_READS when N_READS > 1).

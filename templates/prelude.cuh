@@ -265,3 +265,47 @@ __device__ __forceinline__ void kiln_load_param(const T* p, long long stride, bo
     for (int k = 0; k < N; ++k) out[k] = (i + k < n) ? kiln_to_float(p[(i + k) * stride]) : 0.0f;
   }
 }
+
+// NI vectors of kiln_load_param, vector k at element i0 + k * step, for a kernel's prologue.
+// The branches on p and vec are taken once for all NI, so that every load goes out before the
+// first is waited for: a branch per vector made each load wait for the one before (the 16-bit
+// split forward's 16 scalar weights and 16 biases of a thread took 32 memory latencies in turn,
+// with no row in flight).
+template <int NI, int N, typename T>
+__device__ __forceinline__ void kiln_load_params(const T* p, long long stride, bool vec, int i0,
+                                                 int step, int n, float missing,
+                                                 float (&out)[NI][N]) {
+  if (p == nullptr) {
+#pragma unroll
+    for (int k = 0; k < NI; ++k)
+#pragma unroll
+      for (int j = 0; j < N; ++j) out[k][j] = missing;
+  } else if (vec) {
+    // Whole vectors first (every vector, when n is a multiple of N, as the ops make it), then
+    // any vector the end of the row cuts, element by element.
+#pragma unroll
+    for (int k = 0; k < NI; ++k) {
+      const int i = i0 + k * step;
+      kiln_vec<T, N> v{};
+      if (i + N <= n) v = *reinterpret_cast<const kiln_vec<T, N>*>(p + i);
+#pragma unroll
+      for (int j = 0; j < N; ++j) out[k][j] = kiln_to_float(v.v[j]);
+    }
+#pragma unroll
+    for (int k = 0; k < NI; ++k) {
+      const int i = i0 + k * step;
+      if (i < n && i + N > n) {
+#pragma unroll
+        for (int j = 0; j < N; ++j) out[k][j] = i + j < n ? kiln_to_float(p[i + j]) : 0.0f;
+      }
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < NI; ++k)
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        const int i = i0 + k * step + j;
+        out[k][j] = i < n ? kiln_to_float(p[i * stride]) : 0.0f;
+      }
+  }
+}
