@@ -117,7 +117,8 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
     // The first rows' copies go out before the weights load, so that the weights' latency is
     // spent with rows in flight.
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) stage((long long)blockIdx.x * GROUPS + group + s * step, s);
+    for (int s = 0; s < STAGES - 1; ++s)
+      stage((long long)blockIdx.x * GROUPS + group + s * step, s);
     // Each thread owns the same columns in every row: its weights load once, into registers, or
     // for resident rows (whose registers hold the partial sums) into shared memory after the
     // ring, laid out like a stage (T is exact for them: x's dtype, or 1 when there is none),

@@ -269,8 +269,7 @@ __device__ __forceinline__ void kiln_load_param(const T* p, long long stride, bo
 // NI vectors of kiln_load_param, vector k at element i0 + k * step, for a kernel's prologue.
 // The branches on p and vec are taken once for all NI, so that every load goes out before the
 // first is waited for: a branch per vector made each load wait for the one before (the 16-bit
-// split forward's 16 scalar weights and 16 biases of a thread took 32 memory latencies in turn,
-// with no row in flight).
+// split forward's 16 scalar weights and 16 biases of a thread took 32 memory latencies in turn).
 template <int NI, int N, typename T>
 __device__ __forceinline__ void kiln_load_params(const T* p, long long stride, bool vec, int i0,
                                                  int step, int n, float missing,
