@@ -97,9 +97,14 @@ const STEM: &str = "stem";
 /// stride 2), from MobileNetV2, EfficientNet, ConvNeXt, ResNeXt-50 (32x4d), ViT and ResNet.
 fn class_layers() -> Vec<Layer> {
     vec![
-        // MobileNetV2: 144 channels, 3x3 at 56x56, and its stride-2 block.
+        // MobileNetV2: 144 channels, 3x3 at 56x56, and its stride-2 block; its other stride-1
+        // 3x3 layers, from 32 channels at 112x112 to 960 at 7x7.
         class_layer(DEPTHWISE, 64, 144, &[56, 56], 144, 3, 1, 1, 144),
         class_layer(DEPTHWISE, 64, 144, &[56, 56], 144, 3, 2, 1, 144),
+        class_layer(DEPTHWISE, 64, 32, &[112, 112], 32, 3, 1, 1, 32),
+        class_layer(DEPTHWISE, 64, 192, &[28, 28], 192, 3, 1, 1, 192),
+        class_layer(DEPTHWISE, 64, 576, &[14, 14], 576, 3, 1, 1, 576),
+        class_layer(DEPTHWISE, 64, 960, &[7, 7], 960, 3, 1, 1, 960),
         // EfficientNet: 5x5 at 28x28 (240 channels) and 14x14 (672).
         class_layer(DEPTHWISE, 64, 240, &[28, 28], 240, 5, 1, 2, 240),
         class_layer(DEPTHWISE, 64, 672, &[14, 14], 672, 5, 1, 2, 672),

@@ -365,6 +365,7 @@ fn matrix(graphs: bool) {
     let mut failures = Vec::new();
     let (mut checked, mut on_hopper, mut on_direct, mut on_stem) = (0, 0, 0, 0);
     let (mut on_depthwise, mut on_depthwise_tc, mut on_grouped) = (0, 0, 0);
+    let mut on_depthwise_rows = 0;
     let path = Config::from_env().unwrap().conv_path;
     for (ci, c) in cases().iter().enumerate() {
         for dtype in DType::ALL {
@@ -391,16 +392,22 @@ fn matrix(graphs: bool) {
                 on_grouped += grouped as usize;
                 on_direct += direct as usize;
                 on_stem += stem as usize;
-                let depthwise_tc = depthwise
-                    && depthwise::launch_for(
-                        &key,
-                        dev.info().multiprocessors as usize,
-                        dev.shared_limit(),
-                    )
-                    .is_some_and(|l| l.shape.tensor);
-                on_depthwise_tc += depthwise_tc as usize;
-                let expected = if depthwise_tc {
+                let variant = depthwise
+                    .then(|| {
+                        depthwise::launch_for(
+                            &key,
+                            dev.info().multiprocessors as usize,
+                            dev.shared_limit(),
+                        )
+                    })
+                    .flatten()
+                    .map(|l| l.shape.variant);
+                on_depthwise_tc += (variant == Some(depthwise::Variant::Tensor)) as usize;
+                on_depthwise_rows += (variant == Some(depthwise::Variant::Rows)) as usize;
+                let expected = if variant == Some(depthwise::Variant::Tensor) {
                     "conv_depthwise_tc"
+                } else if variant == Some(depthwise::Variant::Rows) {
+                    "conv_depthwise_rows"
                 } else if depthwise {
                     "conv_depthwise"
                 } else if grouped {
@@ -431,7 +438,8 @@ fn matrix(graphs: bool) {
     }
     eprintln!(
         "conv matrix ({}): {checked} checks ({on_hopper} on the Hopper path, {on_depthwise} on \
-         the depthwise family ({on_depthwise_tc} on its tensor cores), {on_grouped} on the grouped family, \
+         the depthwise family ({on_depthwise_tc} on its tensor cores, {on_depthwise_rows} on its \
+         streamed rows), {on_grouped} on the grouped family, \
          {on_direct} on the direct family, {on_stem} on the stem family), {} failed",
         if graphs { "graph" } else { "direct" },
         failures.len()

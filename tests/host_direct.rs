@@ -259,8 +259,8 @@ fn run_host_stem(cxx: &str, dtype: DType, pass: Pass, g: &Geometry, ops: [&[f64]
 }
 
 /// Runs `launch` of the depthwise family (`pass` of `g`) through the host build of its kernel:
-/// the FMA stencil, or the tensor-core kernel (sm_80) with ldmatrix and mma.sync emulated warp
-/// by warp.
+/// the FMA stencil, the streamed rows (copies made at once), or the tensor-core kernel (sm_80)
+/// with ldmatrix and mma.sync emulated warp by warp.
 fn run_depthwise_launch(
     cxx: &str,
     dtype: DType,
@@ -272,13 +272,13 @@ fn run_depthwise_launch(
     let spec = depthwise::spec(dtype, pass, launch.shape);
     let entry = format!("KILN_ENTRY={}", spec.template.kernel);
     let mut defines = vec![entry.as_str(), "KILN_PROBLEM=kiln_depthwise"];
-    if launch.shape.tensor {
+    if launch.shape.variant == depthwise::Variant::Tensor {
         defines.push("KILN_ARCH=800");
     }
     let exe = executable(cxx, &spec, &defines);
     let host = HostLaunch {
         grid: launch.grid,
-        block: (32, depthwise::THREADS as u32 / 32, 1),
+        block: launch.block,
         shared: launch.shared,
         problem: problem_bytes(&launch.problem),
         splits: launch.splits,
@@ -307,7 +307,31 @@ fn depthwise_tc_launch(dtype: DType, pass: Pass, g: &Geometry) -> Option<depthwi
         arch: depthwise::TENSOR_ARCH,
         ..host_key(dtype, pass, g)
     };
-    depthwise::launch_for(&key, SMS, 227 * 1024).filter(|l| l.shape.tensor)
+    depthwise::launch_for(&key, SMS, 227 * 1024)
+        .filter(|l| l.shape.variant == depthwise::Variant::Tensor)
+}
+
+/// The depthwise family's streamed-rows launch of `pass` of `g` (sm_80), or None where that
+/// kernel does not take it.
+fn depthwise_rows_launch(dtype: DType, pass: Pass, g: &Geometry) -> Option<depthwise::Launch> {
+    let key = PlanKey {
+        arch: depthwise::ROWS_ARCH,
+        ..host_key(dtype, pass, g)
+    };
+    depthwise::launch_for(&key, SMS, 227 * 1024)
+        .filter(|l| l.shape.variant == depthwise::Variant::Rows)
+}
+
+/// Runs `pass` of `g` through the host build of the depthwise family's streamed rows.
+fn run_host_depthwise_rows(
+    cxx: &str,
+    dtype: DType,
+    pass: Pass,
+    g: &Geometry,
+    ops: [&[f64]; 2],
+) -> Vec<f64> {
+    let launch = depthwise_rows_launch(dtype, pass, g).expect("the rows kernel takes the case");
+    run_depthwise_launch(cxx, dtype, pass, g, ops, launch)
 }
 
 /// Runs `pass` of `g` through the host build of the depthwise family's tensor-core kernel.
@@ -592,6 +616,36 @@ fn random_depthwise(pass: Pass, n: usize) -> Vec<Case> {
     out
 }
 
+/// `n` random layers the depthwise rows kernel takes (seeded): 2-D, one output channel a group,
+/// stride 1, kernels of 2-3 rows and 1-3 columns, channels in vectors of 4 (one to several
+/// 64-vector chunks), rows and columns from 1, uneven padding and flip.
+fn random_depthwise_rows(seed: u64, n: usize) -> Vec<Case> {
+    let mut rng = TestRng::new(0x70a5 + seed);
+    let mut pick = |lo: usize, hi: usize| lo + (rng.next_f64() * (hi - lo + 1) as f64) as usize;
+    let mut out = Vec::new();
+    while out.len() < n {
+        let c = 4 * if pick(0, 3) == 0 {
+            pick(60, 70)
+        } else {
+            pick(1, 12)
+        };
+        let k = [pick(2, 3), pick(1, 3)];
+        let x = vec![pick(1, 2), pick(1, 19), pick(1, 40), c];
+        let w = vec![c, k[0], k[1], 1];
+        let lo = [pick(0, 2), pick(0, 2)];
+        let hi = [pick(0, 2), pick(0, 2)];
+        let p = ConvParams::default()
+            .groups(c)
+            .padding_lo(&lo)
+            .padding_hi(&hi)
+            .flip(pick(0, 2) == 0);
+        if Geometry::new(&x, &w, &p).is_ok() {
+            out.push((format!("random depthwise rows {x:?} {w:?} {p:?}"), x, w, p));
+        }
+    }
+    out
+}
+
 /// `n` random grouped layers the grouped family takes for `pass` (seeded): 1-D and 2-D, every
 /// group width, channel counts over several 64-channel blocks or one partial (some without
 /// 16-byte copies), kernels up to 3 a side, strides up to 2, uneven padding and flip.
@@ -767,6 +821,22 @@ fn check_depthwise_tc(pass: Pass) {
     );
 }
 
+/// The depthwise rows kernel: the fixed depthwise cases it takes and random ones, every dtype.
+fn check_depthwise_rows(pass: Pass) {
+    let taken = |x: &[usize], w: &[usize], p: &ConvParams| {
+        let g = Geometry::new(x, w, p).unwrap();
+        depthwise_rows_launch(DType::F32, pass, &g).is_some()
+    };
+    let fixed = common::conv_cases::depthwise()
+        .into_iter()
+        .filter(|c| taken(&c.x, &c.w, &c.p))
+        .map(|c| (c.name.to_string(), c.x, c.w, c.p));
+    let random = random_depthwise_rows(pass as u64, 8);
+    assert!(random.iter().all(|(_, x, w, p)| taken(x, w, p)));
+    let cases: Vec<_> = fixed.chain(random).collect();
+    check_cases("host_depthwise_rows", pass, &cases, run_host_depthwise_rows);
+}
+
 /// The grouped family is 16-bit only.
 fn check_grouped(pass: Pass) {
     check_grouped_with(pass, 6, run_host_grouped::<true>);
@@ -913,6 +983,16 @@ fn igemm_one_tf32_product_meets_tf32s_bound_and_not_f32s() {
         );
         eprintln!("host_igemm_tf32 {label}: {past_f32} cases past f32's bound, none past TF32's");
     }
+}
+
+#[test]
+fn depthwise_rows_forward_matches_the_reference() {
+    check_depthwise_rows(Pass::Forward);
+}
+
+#[test]
+fn depthwise_rows_backward_data_matches_the_reference() {
+    check_depthwise_rows(Pass::BackwardData);
 }
 
 #[test]

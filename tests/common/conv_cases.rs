@@ -199,6 +199,12 @@ pub fn depthwise() -> Vec<ConvCase> {
             d().groups(16).padding(&[1]),
         ),
         ConvCase::new(
+            "depthwise 2x3, 520 channels in chunks, uneven padding",
+            &[2, 9, 11, 520],
+            &[520, 2, 3, 1],
+            d().groups(520).padding_lo(&[1, 2]).padding_hi(&[0, 0]),
+        ),
+        ConvCase::new(
             "depthwise 3x3 flip, rows of 150 in two tiles, uneven padding, 24 channels",
             &[1, 5, 150, 24],
             &[24, 3, 3, 1],

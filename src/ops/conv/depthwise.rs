@@ -14,6 +14,14 @@
 //! `mma.sync` takes 16 such segments; a block works on 16 channels, turning its staged pixels
 //! into one plane per channel for `ldmatrix` and its outputs back into pixels.
 //!
+//! From sm_80 on, forward and backward-data at stride 1 with one output channel a group,
+//! kernels of 2-3 rows and up to 3 columns, and channels in whole 4-channel vectors run on
+//! streamed rows (`templates/conv_depthwise_rows.cu`), every dtype: a block takes a chunk of
+//! channels and a band of columns and walks a segment of rows down the image, copying each
+//! source row once into a ring of shared buffers a few rows ahead of the one it computes; a
+//! thread computes 4 channels (one 8- or 16-byte vector) of a few columns, its window read from
+//! the ring and added into one row of accumulators for each tap row.
+//!
 //! It takes kernels up to [`MAX_KERNEL`] taps a side, strides up to [`MAX_STRIDE`] (1 for
 //! backward-data) and no dilation; strided backward-data goes to the grouped family (16-bit,
 //! stride phases) or the direct family, as do the other depthwise layers. Specs are
@@ -47,8 +55,27 @@ pub static DEPTHWISE_TC: TemplateDef = TemplateDef {
     arch_specific: false,
     only_arch: None,
 };
+/// The streamed-rows variant (`templates/conv_depthwise_rows.cu`): forward and backward-data at
+/// stride 1, one output channel a group, kernels of 2-3 rows and up to 3 columns, from sm_80 on.
+pub static DEPTHWISE_ROWS: TemplateDef = TemplateDef {
+    name: "conv_depthwise_rows",
+    source: include_str!("../../../templates/conv_depthwise_rows.cu"),
+    kernel: "kiln_conv_depthwise_rows",
+    const_names: &["PASS", "KH", "KW", "TW"],
+    arch_specific: false,
+    only_arch: None,
+};
 /// The first architecture whose `mma.sync` m16n8k16 takes both 16-bit types.
 pub const TENSOR_ARCH: u32 = 80;
+/// The first architecture the rows kernel runs on: its ring needs `cp.async` to keep copies in
+/// flight (older targets would copy a row at once, and the stencil is measured there).
+pub const ROWS_ARCH: u32 = 80;
+/// Channels a thread of the rows kernel takes (the template's V) and source rows its ring holds
+/// (DEPTH).
+const ROWS_V: usize = 4;
+const ROWS_DEPTH: usize = 4;
+/// Channel vectors a rows block takes at most (its blockDim.x).
+const ROWS_MAX_VECTORS: usize = 64;
 /// Channels a tensor-core block works on, and the outputs of one MMA row (a segment).
 const TENSOR_CHANNELS: usize = 16;
 const SEGMENT: usize = 8;
@@ -81,10 +108,22 @@ pub struct Shape {
     pub kernel: [usize; 2],
     pub stride: [usize; 2],
     /// Outputs a warp computes at a time: `out_tile[0]` rows of `out_tile[1]` (the tensor-core
-    /// kernel: one segment of 8).
+    /// kernel: one segment of 8; the rows kernel: a thread's columns of a row).
     pub out_tile: [usize; 2],
-    /// Whether the tensor-core kernel runs it.
-    pub tensor: bool,
+    /// Which kernel runs it.
+    pub variant: Variant,
+}
+
+/// The family's kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Variant {
+    /// The FMA stencil over shared-memory tiles (`conv_depthwise.cu`): every case the family
+    /// takes.
+    Stencil,
+    /// Tensor cores (`conv_depthwise_tc.cu`): 16-bit forward and stride-1 backward-data.
+    Tensor,
+    /// Streamed rows (`conv_depthwise_rows.cu`): stride 1, kernels up to 3x3.
+    Rows,
 }
 
 impl Shape {
@@ -105,7 +144,7 @@ impl Shape {
             kernel: [g.kernel[1], g.kernel[2]],
             stride: [g.stride[1], g.stride[2]],
             out_tile,
-            tensor: false,
+            variant: Variant::Stencil,
         }
     }
 
@@ -113,7 +152,16 @@ impl Shape {
     fn tensor(g: &Geometry) -> Shape {
         Shape {
             out_tile: [1, SEGMENT],
-            tensor: true,
+            variant: Variant::Tensor,
+            ..Shape::of(g)
+        }
+    }
+
+    /// The rows kernel's shape for `g` in `dtype`.
+    fn rows(g: &Geometry, dtype: DType) -> Shape {
+        Shape {
+            out_tile: [1, rows_columns(dtype)],
+            variant: Variant::Rows,
             ..Shape::of(g)
         }
     }
@@ -138,8 +186,26 @@ impl Shape {
 }
 
 pub fn spec(dtype: DType, pass: Pass, s: Shape) -> KernelSpec {
+    if s.variant == Variant::Rows {
+        return KernelSpec::new(
+            &DEPTHWISE_ROWS,
+            dtype,
+            THREADS,
+            1,
+            &[
+                pass as i32,
+                s.kernel[0] as i32,
+                s.kernel[1] as i32,
+                s.out_tile[1] as i32,
+            ],
+        );
+    }
     KernelSpec::new(
-        if s.tensor { &DEPTHWISE_TC } else { &DEPTHWISE },
+        if s.variant == Variant::Tensor {
+            &DEPTHWISE_TC
+        } else {
+            &DEPTHWISE
+        },
         dtype,
         THREADS,
         1,
@@ -158,8 +224,9 @@ pub fn spec(dtype: DType, pass: Pass, s: Shape) -> KernelSpec {
 
 /// The common 2-D depthwise layers `kiln warm` compiles for `arch`: square 3x3, 5x5 and 7x7
 /// kernels at strides 1 and 2 (MobileNet, EfficientNet, ConvNeXt), and channel multiplier 2 at
-/// stride 1 for 3x3 and 5x5; backward-data at stride 1. From sm_80 on, the 16-bit forward and
-/// backward-data at stride 1 and multiplier 1 are the tensor-core kernel's.
+/// stride 1 for 3x3 and 5x5; backward-data at stride 1. From sm_80 on, forward and
+/// backward-data at stride 1 and multiplier 1 are the rows kernel's for 3x3 and the
+/// tensor-core kernel's (16-bit) for the larger kernels.
 pub fn specs(arch: u32) -> Vec<KernelSpec> {
     let mut shapes = Vec::new();
     for k in [3, 5, 7] {
@@ -175,21 +242,23 @@ pub fn specs(arch: u32) -> Vec<KernelSpec> {
                 if pass == Pass::BackwardData && s > 1 {
                     continue;
                 }
-                let tensor = arch >= TENSOR_ARCH
-                    && dtype != DType::F32
-                    && pass != Pass::BackwardWeight
-                    && mg == 1
-                    && s == 1;
+                let fast = arch >= TENSOR_ARCH && pass != Pass::BackwardWeight && mg == 1 && s == 1;
+                let variant = match (fast, k, dtype) {
+                    (true, 3, _) => Variant::Rows,
+                    (true, _, DType::F16 | DType::BF16) => Variant::Tensor,
+                    _ => Variant::Stencil,
+                };
                 let shape = Shape {
                     mg,
                     kernel: [k, k],
                     stride: [s, s],
-                    out_tile: match (tensor, s) {
-                        (true, _) => [1, SEGMENT],
-                        (false, 1) => [4, 4],
+                    out_tile: match (variant, s) {
+                        (Variant::Rows, _) => [1, rows_columns(dtype)],
+                        (Variant::Tensor, _) => [1, SEGMENT],
+                        (_, 1) => [4, 4],
                         _ => [2, 4],
                     },
-                    tensor,
+                    variant,
                 };
                 out.push(spec(dtype, pass, shape));
             }
@@ -215,6 +284,177 @@ fn takes_tensor(key: &PlanKey) -> bool {
         && (g.cin * key.dtype.size()) % 16 == 0
         && image(g.input, g.cin)
         && image(g.output, g.cout)
+}
+
+/// Whether the rows kernel takes `key` (which the family takes): forward or backward-data on
+/// sm_80 on, one output channel a group, stride 1, kernels of 2-3 rows and up to 3 columns,
+/// channels in whole vectors of [`ROWS_V`] and aligned operands, and offsets within one image of
+/// either operand that fit 32 bits.
+fn takes_rows(key: &PlanKey) -> bool {
+    let g = &key.geometry;
+    let image = |e: [usize; 3], c: usize| e.iter().product::<usize>() * c <= i32::MAX as usize;
+    key.arch >= ROWS_ARCH
+        && key.pass != Pass::BackwardWeight
+        && g.cout == g.groups
+        && g.stride[1] == 1
+        && g.stride[2] == 1
+        && (2..=3).contains(&g.kernel[1])
+        && g.kernel[2] <= 3
+        && key.aligned
+        && g.cin % ROWS_V == 0
+        && image(g.input, g.cin)
+        && image(g.output, g.cout)
+}
+
+/// Output columns a thread of the rows kernel computes (the template's TW): four in 16-bit;
+/// two in f32, whose windows take twice the registers.
+fn rows_columns(dtype: DType) -> usize {
+    if dtype == DType::F32 {
+        2
+    } else {
+        4
+    }
+}
+
+/// How the rows kernel walks a layer: a block's channel vectors (blockDim.x) and column groups
+/// (blockDim.y), chunks of channels and bands of columns, and rows a segment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct RowsWalk {
+    vectors: usize,
+    groups: usize,
+    chunks: usize,
+    bands: usize,
+    segment: usize,
+    shared: usize,
+}
+
+/// The rows kernel's walk of an output of `out` (rows, columns) extents and `channels`
+/// channels, `batch` images, on `sms` multiprocessors with `limit` bytes of shared memory a
+/// block; None where no block fits. A block of V-channel vectors x column groups (at most
+/// [`THREADS`], the widest chunk of channels that fits, columns split evenly into bands); then
+/// the segment length with the least modelled time: each wave of blocks takes its segment's
+/// source rows plus the ring's first rows in flight, at the pace of one 16-warp SM (the launch
+/// bound allows 128 registers: 16 warps an SM), slower in proportion where more warps share an
+/// SM. Narrower chunks (more blocks) are tried where the layer has few.
+fn choose_rows(
+    dtype: DType,
+    kernel: [usize; 2],
+    out: [usize; 2],
+    channels: usize,
+    batch: usize,
+    sms: usize,
+    limit: usize,
+) -> Option<RowsWalk> {
+    let vectors_all = channels / ROWS_V;
+    let tw = rows_columns(dtype);
+    let column_groups = out[1].div_ceil(tw);
+    let fewest_chunks = vectors_all.div_ceil(ROWS_MAX_VECTORS);
+    // (walk, cost, thread slots)
+    let mut best: Option<(RowsWalk, usize, usize)> = None;
+    for chunks in [fewest_chunks, 2 * fewest_chunks, 4 * fewest_chunks] {
+        let vectors = vectors_all.div_ceil(chunks);
+        if chunks > fewest_chunks && vectors < 8 {
+            break;
+        }
+        let chunks = vectors_all.div_ceil(vectors);
+        let most = (THREADS as usize / vectors).clamp(1, column_groups);
+        let bands = column_groups.div_ceil(most);
+        let groups = column_groups.div_ceil(bands);
+        let warps = (vectors * groups).div_ceil(32);
+        let cols = groups * tw + kernel[1] - 1;
+        let shared = ROWS_DEPTH * cols * vectors * ROWS_V * dtype.size();
+        if shared > limit {
+            continue;
+        }
+        let per_sm = (16 / warps).min((limit + 1024) / (shared + 1024)).max(1);
+        let slots = chunks * vectors * bands * groups;
+        for segments in 1..=out[0] {
+            let segment = out[0].div_ceil(segments);
+            if out[0].div_ceil(segment) != segments {
+                continue; // the same segments as a shorter one
+            }
+            let blocks = batch * segments * bands * chunks;
+            let waves = blocks.div_ceil(per_sm * sms);
+            let resident = per_sm.min(blocks.div_ceil(sms)) * warps;
+            let cost = waves * (segment + kernel[0] - 1 + ROWS_DEPTH - 1) * resident.max(16);
+            let better = match best {
+                None => true,
+                Some((_, c, s)) => (cost, slots) < (c, s),
+            };
+            if better {
+                let walk = RowsWalk {
+                    vectors,
+                    groups,
+                    chunks,
+                    bands,
+                    segment,
+                    shared,
+                };
+                best = Some((walk, cost, slots));
+            }
+        }
+    }
+    best.map(|(w, ..)| w)
+}
+
+/// The rows kernel's launch of `key` (which it takes), or None where no block fits.
+fn rows_launch(key: &PlanKey, sms: usize, limit: usize) -> Option<Launch> {
+    let g = &key.geometry;
+    let pass = key.pass;
+    let (out, src) = match pass {
+        Pass::BackwardData => (g.input, g.output),
+        _ => (g.output, g.input),
+    };
+    let shape = Shape::rows(g, key.dtype);
+    let walk = choose_rows(
+        key.dtype,
+        shape.kernel,
+        [out[1], out[2]],
+        g.cin,
+        g.batch,
+        sms.max(1),
+        limit,
+    )?;
+    let tile = [walk.segment, walk.groups * shape.out_tile[1]];
+    let tiles_h = out[1].div_ceil(tile[0]);
+    let tiles = g.batch * tiles_h * walk.bands;
+    if tiles > i32::MAX as usize || walk.chunks > 65535 {
+        return None;
+    }
+    let off = |d: usize| match pass {
+        Pass::BackwardData => g.pad_lo[d] as i64 - (g.kernel[d] as i64 - 1),
+        _ => -(g.pad_lo[d] as i64),
+    };
+    let problem = Problem {
+        batch: g.batch as i32,
+        src_h: src[1] as i32,
+        src_w: src[2] as i32,
+        src_c: g.cin as i32,
+        out_h: out[1] as i32,
+        out_w: out[2] as i32,
+        out_c: g.cin as i32,
+        off_h: off(1) as i32,
+        off_w: off(2) as i32,
+        tile_h: tile[0] as i32,
+        tile_w: tile[1] as i32,
+        tiles_h: tiles_h as i32,
+        tiles_w: walk.bands as i32,
+        tiles: tiles as i32,
+        chunks: walk.chunks as i32,
+        reverse: (g.flip != (pass == Pass::BackwardData)) as i32,
+        vec_src: 1,
+        vec_dy: 0,
+        tiles_per_split: 0,
+    };
+    Some(Launch {
+        pass,
+        shape,
+        problem,
+        grid: (tiles as u32, walk.chunks as u32, 1),
+        block: (walk.vectors as u32, walk.groups as u32, 1),
+        shared: walk.shared,
+        splits: 1,
+    })
 }
 
 /// Why the family does not take `key`, or None.
@@ -267,6 +507,7 @@ pub struct Launch {
     pub shape: Shape,
     pub problem: Problem,
     pub grid: (u32, u32, u32),
+    pub block: (u32, u32, u32),
     pub shared: usize,
     pub splits: usize,
 }
@@ -276,7 +517,7 @@ pub struct Launch {
 /// for backward-weight the cotangent) as they are in memory; backward-weight reuses them for
 /// its warps' sums.
 pub fn shared_bytes(dtype: DType, pass: Pass, s: Shape, tile: [usize; 2]) -> usize {
-    if s.tensor {
+    if s.variant == Variant::Tensor {
         return tensor_shared_bytes(s, tile);
     }
     let (per, planes) = s.staged(pass);
@@ -439,6 +680,11 @@ pub fn launch_for(key: &PlanKey, sms: usize, limit: usize) -> Option<Launch> {
         _ => -(g.pad_lo[d] as i64),
     };
     let sms = sms.max(1);
+    if takes_rows(key) {
+        if let Some(launch) = rows_launch(key, sms, limit) {
+            return Some(launch);
+        }
+    }
     let extents = [out[1], out[2]];
     // The tensor-core kernel where it takes the layer and a tile fits, else the FMA stencil.
     let tensor = takes_tensor(key)
@@ -468,7 +714,8 @@ pub fn launch_for(key: &PlanKey, sms: usize, limit: usize) -> Option<Launch> {
         return None;
     }
     // The tensor-core kernel divides tile indices by tiles_w and tiles_h as multiplies.
-    if shape.tensor && tiles.saturating_mul(tiles_w.max(tiles_h)) >= 1 << 32 {
+    let tensor = shape.variant == Variant::Tensor;
+    if tensor && tiles.saturating_mul(tiles_w.max(tiles_h)) >= 1 << 32 {
         return None;
     }
     let vec = |c: usize| key.aligned && (c * dtype.size()) % 16 == 0;
@@ -490,7 +737,7 @@ pub fn launch_for(key: &PlanKey, sms: usize, limit: usize) -> Option<Launch> {
         chunks: chunks as i32,
         // Backward-data walks the taps backwards: its weight tap is reversed unless flipped.
         reverse: (g.flip != (pass == Pass::BackwardData)) as i32,
-        vec_src: (shape.tensor || vec(src_c)) as i32,
+        vec_src: (tensor || vec(src_c)) as i32,
         vec_dy: (pass == Pass::BackwardWeight && vec(out_c)) as i32,
         tiles_per_split: per_split as i32,
     };
@@ -499,6 +746,7 @@ pub fn launch_for(key: &PlanKey, sms: usize, limit: usize) -> Option<Launch> {
         shape,
         problem,
         grid: (blocks_x as u32, chunks as u32, 1),
+        block: (LANES as u32, WARPS as u32, 1),
         shared: shared_bytes(dtype, pass, shape, tile),
         splits,
     })
@@ -509,7 +757,7 @@ impl Launch {
     /// the loaded kernel: registers may hold fewer blocks than shared memory); other launches
     /// keep theirs.
     pub fn fill(&mut self, sms: usize, per_sm: usize) {
-        if !self.shape.tensor {
+        if self.shape.variant != Variant::Tensor {
             return;
         }
         let blocks = sms.max(1) * per_sm.max(1);
@@ -589,16 +837,17 @@ mod tests {
 
     #[test]
     fn tensor_cores_take_16_bit_stride_1_columns_with_whole_vectors() {
+        // 5x5: the rows kernel takes 3x3 where the tensor-core kernel would.
         let tensor = |dtype, pass, c: usize, mg, stride: [usize; 2], arch| {
             let p = ConvParams::default()
                 .groups(c)
                 .strides(&stride)
-                .padding(&[1]);
+                .padding(&[2]);
             let k = PlanKey {
                 arch,
-                ..key(dtype, pass, &[2, 30, 70, c], &[c * mg, 3, 3, 1], &p)
+                ..key(dtype, pass, &[2, 30, 70, c], &[c * mg, 5, 5, 1], &p)
             };
-            launch_for(&k, 132, H100_SHARED).unwrap().shape.tensor
+            launch_for(&k, 132, H100_SHARED).unwrap().shape.variant == Variant::Tensor
         };
         for dtype in [DType::F16, DType::BF16] {
             for pass in [Pass::Forward, Pass::BackwardData] {
@@ -628,14 +877,103 @@ mod tests {
     }
 
     #[test]
+    fn rows_take_stride_1_kernels_up_to_3x3_with_whole_vectors() {
+        let variant = |dtype, pass, c: usize, mg, k: [usize; 2], stride: usize, arch, aligned| {
+            let p = ConvParams::default()
+                .groups(c)
+                .strides(&[stride])
+                .padding(&[1]);
+            let k = PlanKey {
+                arch,
+                aligned,
+                ..key(dtype, pass, &[2, 30, 70, c], &[c * mg, k[0], k[1], 1], &p)
+            };
+            launch_for(&k, 132, H100_SHARED).unwrap().shape.variant
+        };
+        for dtype in DType::ALL {
+            for pass in [Pass::Forward, Pass::BackwardData] {
+                let rows = |c, mg, k, stride, arch, aligned| {
+                    variant(dtype, pass, c, mg, k, stride, arch, aligned) == Variant::Rows
+                };
+                for k in [[3, 3], [2, 3], [3, 1], [2, 2]] {
+                    assert!(rows(24, 1, k, 1, 90, true), "{k:?}");
+                }
+                assert!(rows(24, 1, [3, 3], 1, 80, true));
+                assert!(!rows(24, 1, [3, 3], 1, 75, true), "before sm_80");
+                assert!(
+                    !rows(22, 1, [3, 3], 1, 90, true),
+                    "channels not in vectors of 4"
+                );
+                assert!(!rows(24, 1, [3, 3], 1, 90, false), "unaligned operands");
+                assert!(
+                    !rows(24, 2, [3, 3], 1, 90, true),
+                    "a channel multiplier of 2"
+                );
+                assert!(!rows(24, 1, [5, 5], 1, 90, true), "5x5");
+                assert!(!rows(24, 1, [1, 3], 1, 90, true), "one kernel row");
+            }
+            assert!(variant(dtype, Pass::Forward, 24, 1, [3, 3], 2, 90, true) != Variant::Rows);
+            assert!(
+                variant(dtype, Pass::BackwardWeight, 24, 1, [3, 3], 1, 90, true) != Variant::Rows
+            );
+        }
+    }
+
+    #[test]
+    fn rows_launches_cover_the_output_within_the_block_and_shared_memory() {
+        let sizes = [
+            [2, 1],
+            [3, 5],
+            [7, 7],
+            [14, 14],
+            [28, 28],
+            [56, 56],
+            [112, 112],
+            [9, 300],
+        ];
+        for dtype in DType::ALL {
+            for pass in [Pass::Forward, Pass::BackwardData] {
+                for c in [4, 32, 144, 576, 1000] {
+                    for size in sizes {
+                        for (batch, sms) in [(1, 132), (64, 132), (3, 4)] {
+                            let p = ConvParams::default().groups(c).padding(&[1]);
+                            let x = [batch, size[0], size[1], c];
+                            let kk = key(dtype, pass, &x, &[c, 3, 3, 1], &p);
+                            let l = launch_for(&kk, sms, H100_SHARED).unwrap();
+                            assert_eq!(l.shape.variant, Variant::Rows, "{kk:?}");
+                            let pr = l.problem;
+                            let (vectors, groups, _) = l.block;
+                            assert!(vectors * groups <= THREADS as u32, "{kk:?}");
+                            // Every channel vector, column and row is some block's.
+                            assert!(l.grid.1 * vectors * ROWS_V as u32 >= c as u32, "{kk:?}");
+                            assert!((l.grid.1 - 1) * vectors * (ROWS_V as u32) < c as u32);
+                            assert_eq!(pr.tile_w as u32, groups * l.shape.out_tile[1] as u32);
+                            assert!(pr.tiles_w * pr.tile_w >= pr.out_w, "{kk:?}");
+                            assert!(pr.tiles_h * pr.tile_h >= pr.out_h, "{kk:?}");
+                            assert!((pr.tiles_h - 1) * pr.tile_h < pr.out_h, "{kk:?}");
+                            assert_eq!(l.grid.0 as i32, batch as i32 * pr.tiles_h * pr.tiles_w);
+                            // The ring: DEPTH rows of the band's columns and halo.
+                            let cols = pr.tile_w as usize + 2;
+                            let ring = ROWS_DEPTH * cols * vectors as usize * ROWS_V * dtype.size();
+                            assert_eq!(l.shared, ring);
+                            assert!(l.shared <= H100_SHARED);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
     fn tensor_tiles_fit_the_staging_threads_and_shared_memory() {
         for width in [1, 7, 14, 56, 112, 120, 121, 224, 1000] {
-            for k in [1, 3, 5, 7] {
+            // (3x3 is the rows kernel's.)
+            for k in [1, 5, 7] {
                 let p = ConvParams::default().groups(32).padding(&[k / 2]);
                 let x = [4, 9, width, 32];
                 let kk = key(DType::F16, Pass::Forward, &x, &[32, k, k, 1], &p);
                 let l = launch_for(&kk, 132, H100_SHARED).unwrap();
-                assert!(l.shape.tensor, "{kk:?}");
+                assert_eq!(l.shape.variant, Variant::Tensor, "{kk:?}");
                 let pr = l.problem;
                 assert!(pr.tile_w as usize <= MAX_TENSOR_TILE_W && pr.tile_w % 8 == 0);
                 assert!(pr.tiles_w * pr.tile_w >= pr.out_w && pr.tiles_h * pr.tile_h >= pr.out_h);

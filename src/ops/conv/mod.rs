@@ -573,14 +573,13 @@ fn launch(enc: &mut CommandEncoder, plan: &Plan, a: &Array, b: &Array, out: &Arr
             }
         }
         Kind::Depthwise(l) => {
-            let block = (32, plan.threads / 32, 1);
             let split = partial.as_ref();
             launch_gather(
                 enc,
                 plan,
                 l.pass,
                 l.grid,
-                block,
+                l.block,
                 l.problem,
                 out,
                 split,

@@ -825,18 +825,15 @@ fn build_depthwise(
     spec: KernelSpec,
     mut launch: depthwise::Launch,
 ) -> Result<Plan> {
-    if launch.shape.tensor {
+    let (x, y, z) = launch.block;
+    let threads = x * y * z;
+    if launch.shape.variant == depthwise::Variant::Tensor {
         let kernel = device.kernel(&spec)?;
         kernel.allow_shared(launch.shared)?;
-        let per_sm = kernel.blocks_per_sm(depthwise::THREADS as u32, launch.shared)?;
+        let per_sm = kernel.blocks_per_sm(threads, launch.shared)?;
         launch.fill(device.info().multiprocessors as usize, per_sm);
     }
-    let geometry = (
-        launch.grid,
-        depthwise::THREADS as u32,
-        launch.shared,
-        launch.splits,
-    );
+    let geometry = (launch.grid, threads, launch.shared, launch.splits);
     build_gather(device, key, spec, geometry, Kind::Depthwise(launch))
 }
 

@@ -1,0 +1,155 @@
+// Depthwise convolution by streamed rows: forward, and backward-data, at stride 1 with one
+// output channel a group and kernels up to 3x3. Same problem as conv_depthwise.cu (struct
+// kiln_depthwise), which takes every other case.
+//
+// Such a layer reads each source value KH x KW times and multiplies it once a read, so what
+// bounds it is keeping enough bytes in flight and few instructions an output. A block takes a
+// chunk of blockDim.x * V channels (V a thread, one 8- or 16-byte vector) and a band of
+// blockDim.y * TW output columns, and walks a segment of output rows down the image. Each
+// source row is copied once into a ring of DEPTH shared buffers (cp.async, DEPTH - 1 rows
+// ahead of the row being computed, so copies are in flight without holding registers); each
+// thread reads its window of TW + KW - 1 columns from the ring and adds it into KH rows of
+// accumulators, one for each output row the source row meets. That ring of accumulators is
+// indexed at compile time: the walk is unrolled by KH. An output row is stored when its last
+// tap row has been added.
+//
+//   PASS 0 forward:       out = output, src = input.
+//   PASS 1 backward-data: out = input gradient, src = cotangent: the forward with the taps
+//                         walked backwards (off = pad - (k - 1)).
+//
+// The problem's tile fields describe the walk: tile_h output rows a segment, tile_w output
+// columns a band, tiles_h segments and tiles_w bands an image; the grid is (batch * tiles_h *
+// tiles_w, chunks), one block a segment of a band.
+{{> prelude}}
+
+typedef {{dtype}} T;
+constexpr int PASS = {{PASS}};
+constexpr int KH = {{KH}}, KW = {{KW}};
+constexpr int TW = {{TW}};        // output columns a thread
+constexpr int V = 4;              // channels a thread
+constexpr int DEPTH = 4;          // source rows in the ring: DEPTH - 1 in flight
+constexpr int THREADS = {{block_dim}};  // the most a block has (blockDim.x * blockDim.y)
+constexpr int WIN = TW + KW - 1;  // source columns a thread reads a row
+constexpr int KSIZE = KH * KW;
+constexpr int VBYTES = V * (int)sizeof(T);
+static_assert(VBYTES == 8 || VBYTES == 16, "a thread's channels are one 8- or 16-byte copy");
+static_assert(PASS == 0 || PASS == 1, "forward and backward-data");
+
+// Mirrors ops::conv::depthwise::Problem (repr(C)).
+struct kiln_depthwise {
+  int batch;
+  int src_h, src_w, src_c;  // the source's extents and channels (src_c == out_c)
+  int out_h, out_w, out_c;  // the gather's output
+  int off_h, off_w;         // source position of output 0 at tap 0
+  int tile_h, tile_w;       // output rows a segment, output columns a band
+  int tiles_h, tiles_w;     // segments and bands an image
+  int tiles;                // batch * tiles_h * tiles_w (the grid along x)
+  int chunks;               // blocks of blockDim.x * V channels (the grid along y)
+  int reverse;              // the weight's tap is KSIZE - 1 - t
+  int vec_src;              // unused: the plan takes only whole, aligned vectors
+  int vec_dy;               // unused
+  int tiles_per_split;      // unused
+};
+
+// Shared memory: DEPTH buffers of (tile_w + KW - 1) columns x (blockDim.x * V) channels of T.
+// Block: (channel vectors, column groups); grid: (tiles, chunks).
+extern "C" __global__ void __launch_bounds__(THREADS, 2) {{kernel}}(
+    const T* __restrict__ src, const T* __restrict__ weight, T* __restrict__ out,
+    float* __restrict__ partial, kiln_depthwise p) {
+  (void)partial;
+  extern __shared__ float4 kiln_w4[];  // 16-byte aligned (the host harness's name for it too)
+  T* ring = reinterpret_cast<T*>(kiln_w4);
+  const int tx = threadIdx.x, ty = threadIdx.y, groups = blockDim.y;
+  const int chans = blockDim.x * V;  // channels a staged column
+  const int cols = p.tile_w + KW - 1;
+  const int band = blockIdx.x % p.tiles_w, rest = blockIdx.x / p.tiles_w;
+  const int seg = rest % p.tiles_h, n = rest / p.tiles_h;
+  const int c = blockIdx.y * chans + tx * V;  // the thread's first channel
+  const bool has_c = c < p.out_c;             // the plan keeps out_c a multiple of V
+  const int ow = band * p.tile_w + ty * TW;   // the thread's first output column
+  const int iw0 = band * p.tile_w + p.off_w;  // the band's first source column
+  const int oh0 = seg * p.tile_h;
+  const int rows = min(p.tile_h, p.out_h - oh0);
+  const int steps = rows + KH - 1;  // source rows the segment reads
+  const T* image = src + (long long)n * p.src_h * p.src_w * p.src_c + c;
+
+  // Copies source row `s` of the segment into its ring buffer (zeros outside the source): this
+  // thread copies its channel vector of columns ty, ty + groups, ... Always commits a group, so
+  // that the waits below count rows.
+  auto issue = [&](int s) {
+    if (s < steps) {
+      const int ih = oh0 + p.off_h + s;
+      const bool row_ok = has_c && (unsigned)ih < (unsigned)p.src_h;
+      T* dst = ring + (s % DEPTH) * cols * chans + tx * V;
+      const T* row = image + (long long)ih * p.src_w * p.src_c;
+      for (int q = ty; q < cols; q += groups) {
+        const int iw = iw0 + q;
+        const bool ok = row_ok && (unsigned)iw < (unsigned)p.src_w;
+        kiln_cp_async<VBYTES, true>(dst + q * chans, ok ? row + (long long)iw * p.src_c : src, ok);
+      }
+    }
+    kiln_cp_async_commit();
+  };
+#pragma unroll
+  for (int s = 0; s < DEPTH - 1; ++s) issue(s);
+
+  // The thread's weights as f32, taps in walking order (reversed for a flipped walk).
+  float wt[KSIZE][V];
+#pragma unroll
+  for (int v = 0; v < V; ++v)
+#pragma unroll
+    for (int t = 0; t < KSIZE; ++t) {
+      const int tap = p.reverse ? KSIZE - 1 - t : t;
+      wt[t][v] = has_c ? kiln_to_float(weight[(long long)(c + v) * KSIZE + tap]) : 0.0f;
+    }
+
+  T* dst = out + (long long)n * p.out_h * p.out_w * p.out_c + c;
+  // acc[r]: output row oh0 + s - kh where (s - kh) % KH == r.
+  float acc[KH][TW][V];
+  for (int s0 = 0; s0 < steps; s0 += KH) {
+#pragma unroll
+    for (int u = 0; u < KH; ++u) {
+      const int s = s0 + u;
+      if (s >= steps) break;
+      // Row s has landed for every thread, and every thread is done with the buffer the next
+      // copy overwrites (row s - 1's).
+      kiln_cp_async_wait<DEPTH - 2>();
+      __syncthreads();
+      issue(s + DEPTH - 1);
+      const T* row = ring + (s % DEPTH) * cols * chans + tx * V + ty * TW * chans;
+      // Output row oh0 + s begins at tap row 0.
+#pragma unroll
+      for (int j = 0; j < TW; ++j)
+#pragma unroll
+        for (int v = 0; v < V; ++v) acc[u][j][v] = 0.0f;
+#pragma unroll
+      for (int q = 0; q < WIN; ++q) {
+        const kiln_vec<T, V> raw = *reinterpret_cast<const kiln_vec<T, V>*>(row + q * chans);
+        float x[V];
+#pragma unroll
+        for (int v = 0; v < V; ++v) x[v] = kiln_to_float(raw.v[v]);
+#pragma unroll
+        for (int kh = 0; kh < KH; ++kh) {
+          const int r = (u - kh + KH) % KH;
+#pragma unroll
+          for (int j = 0; j < TW; ++j) {
+            const int kw = q - j;
+            if (kw < 0 || kw >= KW) continue;
+#pragma unroll
+            for (int v = 0; v < V; ++v) acc[r][j][v] += wt[kh * KW + kw][v] * x[v];
+          }
+        }
+      }
+      // Output row oh0 + s - (KH - 1) has had its last tap row.
+      const int done = s - (KH - 1);
+      if (has_c && done >= 0 && done < rows) {
+        const int r = (u + 1) % KH;
+        T* line = dst + (long long)(oh0 + done) * p.out_w * p.out_c;
+#pragma unroll
+        for (int j = 0; j < TW; ++j)
+          if (ow + j < p.out_w) kiln_store_vec<V>(line + (long long)(ow + j) * p.out_c, 0, acc[r][j]);
+      }
+    }
+  }
+  kiln_cp_async_wait<0>();
+}
