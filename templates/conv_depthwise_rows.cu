@@ -1,21 +1,27 @@
-// Depthwise convolution by streamed rows: forward, and backward-data, at stride 1 with one
-// output channel a group and kernels up to 3x3. Same problem as conv_depthwise.cu (struct
-// kiln_depthwise), which takes every other case.
+// Depthwise convolution by streamed rows: every pass at stride 1 with one output channel a
+// group and kernels up to 3x3. Same problem as conv_depthwise.cu (struct kiln_depthwise), which
+// takes every other case.
 //
 // Such a layer reads each source value KH x KW times and multiplies it once a read, so what
 // bounds it is keeping enough bytes in flight and few instructions an output. A block takes a
 // chunk of blockDim.x * V channels (V a thread, one 8- or 16-byte vector) and a band of
 // blockDim.y * TW output columns, and walks a segment of output rows down the image. Each
-// source row is copied once into a ring of DEPTH shared buffers (cp.async, DEPTH - 1 rows
-// ahead of the row being computed, so copies are in flight without holding registers); each
+// source row is copied once into a ring of DEPTH shared buffers (cp.async, AHEAD rows ahead
+// of the row being computed, so copies are in flight without holding registers); each
 // thread reads its window of TW + KW - 1 columns from the ring and adds it into KH rows of
 // accumulators, one for each output row the source row meets. That ring of accumulators is
 // indexed at compile time: the walk is unrolled by KH. An output row is stored when its last
 // tap row has been added.
 //
-//   PASS 0 forward:       out = output, src = input.
-//   PASS 1 backward-data: out = input gradient, src = cotangent: the forward with the taps
-//                         walked backwards (off = pad - (k - 1)).
+//   PASS 0 forward:         out = output, src = input.
+//   PASS 1 backward-data:   out = input gradient, src = cotangent: the forward with the taps
+//                           walked backwards (off = pad - (k - 1)).
+//   PASS 2 backward-weight: src = input, other = cotangent (out_h, out_w: its extents), each
+//                           cotangent row copied beside the source row of the same index; a
+//                           source row meets the KH cotangent rows it pairs with, and each thread
+//                           sums every tap over its columns and rows. The block adds its column
+//                           groups in order and writes one f32 partial a block along x (the
+//                           split sum adds them up), or the gradient itself where it is alone.
 //
 // The problem's tile fields describe the walk: tile_h output rows a segment, tile_w output
 // columns a band, tiles_h segments and tiles_w bands an image; the grid is (batch * tiles_h *
@@ -27,13 +33,16 @@ constexpr int PASS = {{PASS}};
 constexpr int KH = {{KH}}, KW = {{KW}};
 constexpr int TW = {{TW}};        // output columns a thread
 constexpr int V = 4;              // channels a thread
-constexpr int DEPTH = 4;          // source rows in the ring: DEPTH - 1 in flight
+constexpr int AHEAD = 3;          // source rows in flight while one is computed
+// Rows the ring holds: those in flight, the one computed and, for backward-weight, the KH - 1
+// cotangent rows before it that the computed source row still meets.
+constexpr int DEPTH = AHEAD + (PASS == 2 ? KH : 1);
 constexpr int THREADS = {{block_dim}};  // the most a block has (blockDim.x * blockDim.y)
 constexpr int WIN = TW + KW - 1;  // source columns a thread reads a row
 constexpr int KSIZE = KH * KW;
 constexpr int VBYTES = V * (int)sizeof(T);
 static_assert(VBYTES == 8 || VBYTES == 16, "a thread's channels are one 8- or 16-byte copy");
-static_assert(PASS == 0 || PASS == 1, "forward and backward-data");
+static_assert(PASS >= 0 && PASS <= 2, "forward, backward-data, backward-weight");
 
 // Mirrors ops::conv::depthwise::Problem (repr(C)).
 struct kiln_depthwise {
@@ -51,12 +60,96 @@ struct kiln_depthwise {
   int tiles_per_split;      // unused
 };
 
-// Shared memory: DEPTH buffers of (tile_w + KW - 1) columns x (blockDim.x * V) channels of T.
+// Backward-weight's walk of a block's segment (the kernel's copies of its first AHEAD rows
+// issued): at step s, source row s meets cotangent rows s - kh (tap row kh) of the segment;
+// sum[kh * KW + kw][v] adds source column j + kw times cotangent column j over the thread's TW
+// columns. Then the block's column groups are added in order (through shared memory, once the
+// ring is done) into one partial a block along x, or the gradient where there is one block.
+template <typename Issue>
+__device__ __forceinline__ void kiln_rows_backward_weight(const kiln_depthwise& p, T* ring,
+                                                          const T* dy_ring, int cols, int chans,
+                                                          int rows, int steps, Issue& issue,
+                                                          T* __restrict__ out,
+                                                          float* __restrict__ partial) {
+  const int tx = threadIdx.x, ty = threadIdx.y, groups = blockDim.y;
+  float sum[KSIZE][V];
+#pragma unroll
+  for (int t = 0; t < KSIZE; ++t)
+#pragma unroll
+    for (int v = 0; v < V; ++v) sum[t][v] = 0.0f;
+  for (int s0 = 0; s0 < steps; s0 += KH) {
+#pragma unroll
+    for (int u = 0; u < KH; ++u) {
+      const int s = s0 + u;
+      if (s >= steps) break;
+      kiln_cp_async_wait<AHEAD - 1>();
+      __syncthreads();
+      issue(s + AHEAD);
+      // The cotangent rows source row s meets (zeros outside the segment).
+      float g[KH][TW][V];
+#pragma unroll
+      for (int kh = 0; kh < KH; ++kh) {
+        const int r = s - kh;
+        const bool live = r >= 0 && r < rows;
+        const T* dy = dy_ring + ((r + DEPTH) % DEPTH) * p.tile_w * chans + tx * V + ty * TW * chans;
+#pragma unroll
+        for (int j = 0; j < TW; ++j) {
+          kiln_vec<T, V> raw{};
+          if (live) raw = *reinterpret_cast<const kiln_vec<T, V>*>(dy + j * chans);
+#pragma unroll
+          for (int v = 0; v < V; ++v) g[kh][j][v] = live ? kiln_to_float(raw.v[v]) : 0.0f;
+        }
+      }
+      const T* row = ring + (s % DEPTH) * cols * chans + tx * V + ty * TW * chans;
+#pragma unroll
+      for (int q = 0; q < TW + KW - 1; ++q) {
+        const kiln_vec<T, V> raw = *reinterpret_cast<const kiln_vec<T, V>*>(row + q * chans);
+        float x[V];
+#pragma unroll
+        for (int v = 0; v < V; ++v) x[v] = kiln_to_float(raw.v[v]);
+#pragma unroll
+        for (int kh = 0; kh < KH; ++kh)
+#pragma unroll
+          for (int j = 0; j < TW; ++j) {
+            const int kw = q - j;
+            if (kw < 0 || kw >= KW) continue;
+#pragma unroll
+            for (int v = 0; v < V; ++v) sum[kh * KW + kw][v] += x[v] * g[kh][j][v];
+          }
+      }
+    }
+  }
+  // The ring is done: it becomes the column groups' sums, [group][tap][channel].
+  kiln_cp_async_wait<0>();
+  __syncthreads();
+  float* sums = reinterpret_cast<float*>(ring);
+#pragma unroll
+  for (int t = 0; t < KSIZE; ++t)
+#pragma unroll
+    for (int v = 0; v < V; ++v) sums[(ty * KSIZE + t) * chans + tx * V + v] = sum[t][v];
+  __syncthreads();
+  const int threads = blockDim.x * groups;
+  const int c0 = blockIdx.y * chans;
+  for (int e = ty * blockDim.x + tx; e < KSIZE * chans; e += threads) {
+    const int t = e / chans, k = e - t * chans;
+    if (c0 + k >= p.out_c) continue;
+    float v = 0.0f;
+    for (int w = 0; w < groups; ++w) v += sums[(w * KSIZE + t) * chans + k];
+    const long long at = (long long)(c0 + k) * KSIZE + (p.reverse ? KSIZE - 1 - t : t);
+    if (partial)
+      partial[(long long)blockIdx.x * p.out_c * KSIZE + at] = v;
+    else
+      out[at] = kiln_from_float<T>(v);
+  }
+}
+
+// Shared memory: DEPTH buffers of (tile_w + KW - 1) columns x (blockDim.x * V) channels of T;
+// for backward-weight then DEPTH buffers of tile_w cotangent columns, the whole reused at the
+// end for the column groups' sums (blockDim.y x KSIZE x channels f32).
 // Block: (channel vectors, column groups); grid: (tiles, chunks).
 extern "C" __global__ void __launch_bounds__(THREADS, 2) {{kernel}}(
-    const T* __restrict__ src, const T* __restrict__ weight, T* __restrict__ out,
+    const T* __restrict__ src, const T* __restrict__ other, T* __restrict__ out,
     float* __restrict__ partial, kiln_depthwise p) {
-  (void)partial;
   extern __shared__ float4 kiln_w4[];  // 16-byte aligned (the host harness's name for it too)
   T* ring = reinterpret_cast<T*>(kiln_w4);
   const int tx = threadIdx.x, ty = threadIdx.y, groups = blockDim.y;
@@ -72,6 +165,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) {{kernel}}(
   const int rows = min(p.tile_h, p.out_h - oh0);
   const int steps = rows + KH - 1;  // source rows the segment reads
   const T* image = src + (long long)n * p.src_h * p.src_w * p.src_c + c;
+  // Backward-weight: the cotangent's ring, its image and first column.
+  T* dy_ring = ring + DEPTH * cols * chans;
+  const T* dy_image = other + (long long)n * p.out_h * p.out_w * p.out_c + c;
+  const int dw0 = band * p.tile_w;
 
   // Copies source row `s` of the segment into its ring buffer (zeros outside the source): this
   // thread copies its channel vector of columns ty, ty + groups, ... Always commits a group, so
@@ -87,13 +184,31 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) {{kernel}}(
         const bool ok = row_ok && (unsigned)iw < (unsigned)p.src_w;
         kiln_cp_async<VBYTES, true>(dst + q * chans, ok ? row + (long long)iw * p.src_c : src, ok);
       }
+      if (PASS == 2) {
+        // Cotangent row s of the segment, zeros past its last row and column.
+        const int oh = oh0 + s;
+        const bool dy_ok = has_c && s < rows;
+        T* dy_dst = dy_ring + (s % DEPTH) * p.tile_w * chans + tx * V;
+        const T* dy_row = dy_image + (long long)oh * p.out_w * p.out_c;
+        for (int q = ty; q < p.tile_w; q += groups) {
+          const int w = dw0 + q;
+          const bool ok = dy_ok && w < p.out_w;
+          kiln_cp_async<VBYTES, true>(dy_dst + q * chans, ok ? dy_row + (long long)w * p.out_c : other,
+                                      ok);
+        }
+      }
     }
     kiln_cp_async_commit();
   };
 #pragma unroll
-  for (int s = 0; s < DEPTH - 1; ++s) issue(s);
+  for (int s = 0; s < AHEAD; ++s) issue(s);
+  if constexpr (PASS == 2) {
+    kiln_rows_backward_weight(p, ring, dy_ring, cols, chans, rows, steps, issue, out, partial);
+    return;
+  }
 
   // The thread's weights as f32, taps in walking order (reversed for a flipped walk).
+  const T* weight = other;
   float wt[KSIZE][V];
 #pragma unroll
   for (int v = 0; v < V; ++v)
@@ -113,9 +228,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) {{kernel}}(
       if (s >= steps) break;
       // Row s has landed for every thread, and every thread is done with the buffer the next
       // copy overwrites (row s - 1's).
-      kiln_cp_async_wait<DEPTH - 2>();
+      kiln_cp_async_wait<AHEAD - 1>();
       __syncthreads();
-      issue(s + DEPTH - 1);
+      issue(s + AHEAD);
       const T* row = ring + (s % DEPTH) * cols * chans + tx * V + ty * TW * chans;
       // Output row oh0 + s begins at tap row 0.
 #pragma unroll

@@ -312,14 +312,18 @@ fn depthwise_tc_launch(dtype: DType, pass: Pass, g: &Geometry) -> Option<depthwi
 }
 
 /// The depthwise family's streamed-rows launch of `pass` of `g` (sm_80), or None where that
-/// kernel does not take it.
+/// kernel does not take it; backward-weight on any walk, however few outputs its blocks sum
+/// (the plan leaves layers whose blocks sum few to the stencil).
 fn depthwise_rows_launch(dtype: DType, pass: Pass, g: &Geometry) -> Option<depthwise::Launch> {
     let key = PlanKey {
         arch: depthwise::ROWS_ARCH,
         ..host_key(dtype, pass, g)
     };
-    depthwise::launch_for(&key, SMS, 227 * 1024)
-        .filter(|l| l.shape.variant == depthwise::Variant::Rows)
+    let taken = depthwise::unsupported(kiln::env::ConvPath::Auto, &key).is_none()
+        && depthwise::takes_rows(&key);
+    taken
+        .then(|| depthwise::rows_launch(&key, SMS, 227 * 1024, true))
+        .flatten()
 }
 
 /// Runs `pass` of `g` through the host build of the depthwise family's streamed rows.
@@ -993,6 +997,11 @@ fn depthwise_rows_forward_matches_the_reference() {
 #[test]
 fn depthwise_rows_backward_data_matches_the_reference() {
     check_depthwise_rows(Pass::BackwardData);
+}
+
+#[test]
+fn depthwise_rows_backward_weight_matches_the_reference() {
+    check_depthwise_rows(Pass::BackwardWeight);
 }
 
 #[test]
