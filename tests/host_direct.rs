@@ -787,17 +787,23 @@ fn check_stem(pass: Pass) {
 }
 
 fn check_depthwise(pass: Pass) {
-    let taken = |c: &common::conv_cases::ConvCase| {
-        let g = Geometry::new(&c.x, &c.w, &c.p).unwrap();
+    let taken = |x: &[usize], w: &[usize], p: &ConvParams| {
+        let g = Geometry::new(x, w, p).unwrap();
         let key = host_key(DType::F32, pass, &g);
         depthwise::unsupported(kiln::env::ConvPath::Auto, &key).is_none()
     };
-    let fixed = common::conv_cases::depthwise()
-        .into_iter()
-        .filter(taken)
-        .map(|c| (c.name.to_string(), c.x, c.w, c.p));
-    let cases: Vec<_> = fixed.chain(random_depthwise(pass, 6)).collect();
+    let fixed = fixed_depthwise(taken);
+    let cases: Vec<_> = fixed.into_iter().chain(random_depthwise(pass, 6)).collect();
     check_cases("host_depthwise", pass, &cases, run_host_depthwise);
+}
+
+/// The fixed depthwise cases a kernel takes (`taken` of their operands' shapes and params).
+fn fixed_depthwise(taken: impl Fn(&[usize], &[usize], &ConvParams) -> bool) -> Vec<Case> {
+    common::conv_cases::depthwise()
+        .into_iter()
+        .filter(|c| taken(&c.x, &c.w, &c.p))
+        .map(|c| (c.name.to_string(), c.x, c.w, c.p))
+        .collect()
 }
 
 /// The depthwise tensor-core kernel: the fixed and random depthwise cases it takes, 16-bit.
@@ -806,15 +812,12 @@ fn check_depthwise_tc(pass: Pass) {
         let g = Geometry::new(x, w, p).unwrap();
         depthwise_tc_launch(DType::F16, pass, &g).is_some()
     };
-    let fixed = common::conv_cases::depthwise()
-        .into_iter()
-        .filter(|c| taken(&c.x, &c.w, &c.p))
-        .map(|c| (c.name.to_string(), c.x, c.w, c.p));
+    let fixed = fixed_depthwise(taken);
     let random = random_depthwise(pass, 40)
         .into_iter()
         .filter(|(_, x, w, p)| taken(x, w, p))
         .take(6);
-    let cases: Vec<_> = fixed.chain(random).collect();
+    let cases: Vec<_> = fixed.into_iter().chain(random).collect();
     let sixteen = [DType::F16, DType::BF16];
     check_dtypes(
         "host_depthwise_tc",
@@ -831,13 +834,9 @@ fn check_depthwise_rows(pass: Pass) {
         let g = Geometry::new(x, w, p).unwrap();
         depthwise_rows_launch(DType::F32, pass, &g).is_some()
     };
-    let fixed = common::conv_cases::depthwise()
-        .into_iter()
-        .filter(|c| taken(&c.x, &c.w, &c.p))
-        .map(|c| (c.name.to_string(), c.x, c.w, c.p));
     let random = random_depthwise_rows(pass as u64, 8);
     assert!(random.iter().all(|(_, x, w, p)| taken(x, w, p)));
-    let cases: Vec<_> = fixed.chain(random).collect();
+    let cases: Vec<_> = fixed_depthwise(taken).into_iter().chain(random).collect();
     check_cases("host_depthwise_rows", pass, &cases, run_host_depthwise_rows);
 }
 

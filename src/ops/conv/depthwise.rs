@@ -21,7 +21,8 @@
 //! into a ring of shared buffers a few rows ahead of the one it computes; a thread computes 4
 //! channels (one 8- or 16-byte vector) of a few columns, its window read from the ring and
 //! added into one row of accumulators for each tap row (backward-weight: the cotangent rows are
-//! copied beside, and each thread sums every tap; one f32 partial a block along x).
+//! copied beside, and each thread sums every tap; one f32 partial a block along x; where its
+//! blocks would sum few outputs, the stencil takes the layer instead).
 //!
 //! It takes kernels up to [`MAX_KERNEL`] taps a side, strides up to [`MAX_STRIDE`] (1 for
 //! backward-data) and no dilation; strided backward-data goes to the grouped family (16-bit,
@@ -244,14 +245,17 @@ pub fn specs(arch: u32) -> Vec<KernelSpec> {
                 if pass == Pass::BackwardData && s > 1 {
                     continue;
                 }
-                let fast = arch >= TENSOR_ARCH && mg == 1 && s == 1;
                 let gather = pass != Pass::BackwardWeight;
+                let one_channel_stride_1 = mg == 1 && s == 1;
+                let rows = arch >= ROWS_ARCH && one_channel_stride_1 && k == 3;
+                let tensor =
+                    arch >= TENSOR_ARCH && one_channel_stride_1 && gather && dtype != DType::F32;
                 // Backward-weight of small images stays on the stencil: both are listed.
-                let variants: &[Variant] = match (fast, k, dtype) {
-                    (true, 3, _) if gather => &[Variant::Rows],
-                    (true, 3, _) => &[Variant::Rows, Variant::Stencil],
-                    (true, _, DType::F16 | DType::BF16) if gather => &[Variant::Tensor],
-                    _ => &[Variant::Stencil],
+                let variants: &[Variant] = match (rows, tensor) {
+                    (true, _) if gather => &[Variant::Rows],
+                    (true, _) => &[Variant::Rows, Variant::Stencil],
+                    (false, true) => &[Variant::Tensor],
+                    (false, false) => &[Variant::Stencil],
                 };
                 for &variant in variants {
                     let shape = Shape {
@@ -294,9 +298,8 @@ fn takes_tensor(key: &PlanKey) -> bool {
 }
 
 /// Whether the rows kernel takes `key` (which the family takes): sm_80 on, one output channel
-/// a group, stride 1, kernels of 2-3 rows and up to 3 columns, channels in whole vectors of
-/// [`ROWS_V`] and aligned operands, and offsets within one image of either operand that fit 32
-/// bits.
+/// a group, stride 1, kernels of 2-3 rows and up to 3 columns, channels in whole vectors of 4
+/// and aligned operands, and offsets within one image of either operand that fit 32 bits.
 pub fn takes_rows(key: &PlanKey) -> bool {
     let g = &key.geometry;
     let image = |e: [usize; 3], c: usize| e.iter().product::<usize>() * c <= i32::MAX as usize;
@@ -545,7 +548,7 @@ pub struct Problem {
     pub tiles_per_split: i32,
 }
 
-/// A plan's launch: the problem, the grid, dynamic shared memory, and the splits of
+/// A plan's launch: the problem, the grid and block, dynamic shared memory, and the splits of
 /// backward-weight's sum (one f32 partial a block along x).
 #[derive(Clone, Copy, Debug)]
 pub struct Launch {
