@@ -24,7 +24,9 @@
 //! the end); PyTorch with CUDA events. `--sweep` times every tile (and split) kiln has on each shape and
 //! marks the plan's choice. `--only TEXT` keeps the rows whose "dtype pass" contains TEXT (e.g.
 //! `--only "f32 backward_weight"`), `--no-anchor` skips PyTorch: both for comparing kernel
-//! variants quickly, not for the targets.
+//! variants quickly, not for the targets. `--layer N,C,H,W,K,R,S,stride,pad[,gG]` (repeatable;
+//! the rows' own format, 2-D) times just the layers given, held to no target: for layers the
+//! suites do not have.
 
 mod common;
 
@@ -91,6 +93,8 @@ const DEPTHWISE: &str = "depthwise";
 const GROUPED: &str = "grouped";
 const PATCH: &str = "patch";
 const STEM: &str = "stem";
+/// The suite of `--layer` arguments: held to no target.
+const GIVEN: &str = "given layers";
 
 /// The class suite: depthwise (3x3, 5x5, 7x7; channel multipliers 1 and 2), grouped (4 to 32
 /// channels a group), patch embeddings (14x14 and 16x16) and stems (3 channels, 7x7 and 3x3 at
@@ -129,6 +133,39 @@ fn class_layers() -> Vec<Layer> {
         class_layer(STEM, 64, 3, &[224, 224], 64, 7, 2, 3, 1),
         class_layer(STEM, 64, 3, &[224, 224], 32, 3, 2, 1, 1),
     ]
+}
+
+/// The layers of every `--layer N,C,H,W,K,R,S,stride,pad[,gG]` argument (2-D, the rows' format),
+/// held to no class's targets; an error names an argument that does not parse.
+fn given_layers(args: &[String]) -> Result<Vec<Layer>, String> {
+    let mut out = Vec::new();
+    for (i, a) in args.iter().enumerate() {
+        if a != "--layer" {
+            continue;
+        }
+        let text = args
+            .get(i + 1)
+            .ok_or("needs N,C,H,W,K,R,S,stride,pad[,gG]")?;
+        let fields: Vec<&str> = text.split(',').collect();
+        let groups = match fields.get(9) {
+            Some(g) => g.strip_prefix('g').and_then(|g| g.parse().ok()),
+            None => Some(1),
+        };
+        let v: Vec<usize> = fields
+            .iter()
+            .take(9)
+            .filter_map(|f| f.parse().ok())
+            .collect();
+        match (&v[..], groups, fields.len()) {
+            (&[n, c, h, w, k, r, s, stride, pad], Some(groups), 9 | 10) => {
+                let mut l = class_layer("", n, c, &[h, w], k, r, stride, pad, groups);
+                l.kernel = vec![r, s];
+                out.push(l);
+            }
+            _ => return Err(format!("{text:?} is not N,C,H,W,K,R,S,stride,pad[,gG]")),
+        }
+    }
+    Ok(out)
 }
 
 /// The class suite's stems, the seven shapes' (batch 32), and stems neither has (3x3 to 64
@@ -637,6 +674,17 @@ fn main() {
     if suite_arg == "stems" {
         suites.push(("stems", stem_layers(), &DType::ALL));
     }
+    let given = match given_layers(&args) {
+        Ok(layers) => layers,
+        Err(e) => {
+            eprintln!("--layer: {e}");
+            std::process::exit(2);
+        }
+    };
+    if !given.is_empty() {
+        suites.clear();
+        suites.push((GIVEN, given, &DType::ALL));
+    }
     // One class of the class suite: `--suite depthwise`, `grouped` or `patch`.
     if [DEPTHWISE, GROUPED, PATCH].contains(&suite_arg) {
         let layers = class_layers()
@@ -780,6 +828,7 @@ fn run_suite(
         let gm = (sum / n as f64).exp();
         // (geometric mean, every layer, share of copy) each pass is held to.
         let (target, floor, copy_floor) = match (class, models, dtype) {
+            _ if suite == GIVEN => (0.0, 0.0, 0.0),
             (DEPTHWISE, _, _) => (0.0, 1.0, 0.6),
             (GROUPED | PATCH, _, _) => (0.0, 1.0, 0.0),
             (STEM, _, _) => (0.0, 0.8, 0.0),

@@ -337,13 +337,16 @@ struct RowsWalk {
     shared: usize,
 }
 
-/// What a backward-weight walk must reach for the plan to run it on the rows kernel rather than
-/// the stencil (whose persistent blocks fill the GPU at any size): each block sums at least 512
-/// outputs a channel (rows of its segment times columns of its band), so that its pipeline's
-/// start and its f32 partial are a small part of it, and the blocks fill two thirds of the
-/// GPU's 16-warp slots at once. H100, 3x3 layers: walks of 32-392 outputs a block ran at
-/// 0.59-0.92x the stencil, and one of 784 whose blocks held a third of the slots at 0.70x;
-/// walks past both floors at 0.94-1.26x.
+/// What a backward-weight layer and walk must be for the plan to run it on the rows kernel
+/// rather than the stencil (persistent blocks of 32 channels, which fill the GPU at any size):
+/// a channel count that leaves some of the stencil's lanes idle (not a multiple of 32: with
+/// every lane busy its long per-block sums beat the rows' per-block partials); each block
+/// summing at least 512 outputs a channel (rows of its segment times columns of its band), so
+/// that its pipeline's start and its f32 partial are a small part of it; and the blocks filling
+/// two thirds of the GPU's 16-warp slots at once. H100, 3x3 layers, rows / stencil: walks of
+/// 32-392 outputs a block 0.59-0.92x, one of 784 whose blocks held a third of the slots 0.70x;
+/// past both floors, 8, 24, 40, 120 and 144 channels 1.00-2.31x, and 32, 96 and 480 channels
+/// 0.89-0.98x in 16-bit and for two of three layers in f32.
 const ROWS_WEIGHT_OUTPUTS: usize = 512;
 const ROWS_WEIGHT_FILL: (usize, usize) = (2, 3);
 
@@ -355,9 +358,9 @@ const ROWS_WEIGHT_FILL: (usize, usize) = (2, 3);
 /// plus the ring's first rows in flight, at the pace of one 16-warp SM (the launch bound allows
 /// 128 registers: 16 warps an SM), slower in proportion where more warps share an SM;
 /// backward-weight adds the f32 partials each block along x writes and the split sum reads, in
-/// steps of what the GPU's threads copy in one, and unless `any_walk` takes only walks past the
-/// floors of [`ROWS_WEIGHT_OUTPUTS`] and [`ROWS_WEIGHT_FILL`]. Narrower chunks (more blocks) are
-/// tried where the layer has few.
+/// steps of what the GPU's threads copy in one, and unless `any_walk` takes only channel counts
+/// and walks past the floors of [`ROWS_WEIGHT_OUTPUTS`] and [`ROWS_WEIGHT_FILL`]. Narrower chunks
+/// (more blocks) are tried where the layer has few.
 fn choose_rows(key: &PlanKey, sms: usize, limit: usize, any_walk: bool) -> Option<RowsWalk> {
     let g = &key.geometry;
     let (pass, dtype) = (key.pass, key.dtype);
@@ -372,6 +375,9 @@ fn choose_rows(key: &PlanKey, sms: usize, limit: usize, any_walk: bool) -> Optio
     let vectors_all = channels / ROWS_V;
     let tw = rows_columns(dtype);
     let weight = pass == Pass::BackwardWeight;
+    if weight && !any_walk && channels % LANES == 0 {
+        return None; // every lane of the stencil busy: it sums faster
+    }
     let depth = ROWS_AHEAD + if weight { kernel[0] } else { 1 };
     // Bytes the GPU's threads copy in one step (source and cotangent windows).
     let step_bytes = sms * 16 * 32 * tw * ROWS_V * dtype.size() * 2;
@@ -968,6 +974,9 @@ mod tests {
                     launch_for(&k, 132, H100_SHARED).unwrap().shape.variant == Variant::Rows
                 };
                 assert_eq!(small(960), pass != Pass::BackwardWeight);
+                // Channels in whole 32-lane blocks keep backward-weight on the stencil.
+                let whole = rows(128, 1, [3, 3], 1, 90, true);
+                assert_eq!(whole, pass != Pass::BackwardWeight, "128 channels");
             }
             assert!(variant(dtype, Pass::Forward, 144, 1, [3, 3], 2, 90, true) != Variant::Rows);
         }
