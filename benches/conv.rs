@@ -674,17 +674,6 @@ fn main() {
     if suite_arg == "stems" {
         suites.push(("stems", stem_layers(), &DType::ALL));
     }
-    let given = match given_layers(&args) {
-        Ok(layers) => layers,
-        Err(e) => {
-            eprintln!("--layer: {e}");
-            std::process::exit(2);
-        }
-    };
-    if !given.is_empty() {
-        suites.clear();
-        suites.push((GIVEN, given, &DType::ALL));
-    }
     // One class of the class suite: `--suite depthwise`, `grouped` or `patch`.
     if [DEPTHWISE, GROUPED, PATCH].contains(&suite_arg) {
         let layers = class_layers()
@@ -692,6 +681,18 @@ fn main() {
             .filter(|l| l.class == suite_arg)
             .collect();
         suites.push(("layer classes", layers, &DType::ALL));
+    }
+    let given = match given_layers(&args) {
+        Ok(layers) => layers,
+        Err(e) => {
+            eprintln!("--layer: {e}");
+            std::process::exit(2);
+        }
+    };
+    // `--layer`: those layers instead of any suite.
+    if !given.is_empty() {
+        suites.clear();
+        suites.push((GIVEN, given, &DType::ALL));
     }
     let copy = copy_gbs(&mut enc);
     println!(
