@@ -3,20 +3,29 @@
 //! contains TEXT, compiled for TARGET with the OPTIONs added; prints each spec's time, registers
 //! and cubin size, then the median and total.
 use kiln::jit::{Jit, Target};
+use kiln::Error;
 use std::time::Instant;
 
-fn main() {
+fn main() -> kiln::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if args.len() < 3 {
         eprintln!("usage: compile_time TARGET TEXT EVERY [OPTION ...]");
         std::process::exit(2);
     }
-    let target: Target = args[0].parse().unwrap();
+    let target: Target = args[0].parse()?;
     let only = &args[1];
-    let every: usize = args[2].parse().unwrap();
+    let every: usize = match args[2].parse() {
+        Ok(n) if n > 0 => n,
+        _ => {
+            return Err(Error::InvalidArgument {
+                arg: "EVERY",
+                reason: format!("{:?} is not a count of 1 or more", args[2]),
+            })
+        }
+    };
     let extra = &args[3..];
-    let jit = Jit::new(kiln::env::Config::from_env().unwrap());
-    let nvrtc = jit.nvrtc().unwrap();
+    let jit = Jit::new(kiln::env::Config::from_env()?);
+    let nvrtc = jit.nvrtc()?;
     let specs: Vec<_> = kiln::ops::registered_specs()
         .into_iter()
         .filter(|s| s.to_string().contains(only.as_str()) && s.builds_for(target.arch))
@@ -24,16 +33,14 @@ fn main() {
         .collect();
     let mut times = Vec::new();
     for spec in specs {
-        let target = jit.resolve_target(&spec, target).unwrap();
-        let parts = jit.key_parts(&spec, target).unwrap();
+        let target = jit.resolve_target(&spec, target)?;
+        let parts = jit.key_parts(&spec, target)?;
         let mut options = parts.options.clone();
         options.push(target.nvrtc_option());
         options.push("--ptxas-options=-v".into());
         options.extend(extra.iter().cloned());
         let start = Instant::now();
-        let out = nvrtc
-            .compile("r", &parts.source, &parts.name_expressions, &options, false)
-            .unwrap();
+        let out = nvrtc.compile("r", &parts.source, &parts.name_expressions, &options, false)?;
         let ms = start.elapsed().as_secs_f64() * 1e3;
         let (log, size) = match out {
             Ok(o) => (o.log, o.image.len()),
@@ -58,7 +65,11 @@ fn main() {
         );
         times.push(ms);
     }
-    times.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    if times.is_empty() {
+        println!("no registered spec for {target} contains {only:?}");
+        return Ok(());
+    }
+    times.sort_by(f64::total_cmp);
     let total: f64 = times.iter().sum();
     println!(
         "specs {}  median {:.1} ms  max {:.1} ms  total {:.1} s",
@@ -67,4 +78,5 @@ fn main() {
         times[times.len() - 1],
         total / 1e3
     );
+    Ok(())
 }

@@ -5,12 +5,12 @@
 //! family's f32 (`KILN_ALLOW_TF32`) specs, which `kiln warm` leaves to first use.
 use kiln::jit::{Jit, Target};
 
-fn main() {
-    let mut args = std::env::args().skip(1);
-    let target: Target = args.next().unwrap_or("sm_90".into()).parse().unwrap();
+fn main() -> kiln::Result<()> {
+    let mut args = std::env::args().skip(1).filter(|a| !a.starts_with("--"));
+    let target: Target = args.next().unwrap_or("sm_90".into()).parse()?;
     let only = args.next().unwrap_or("norm_".into());
-    let jit = Jit::new(kiln::env::Config::from_env().unwrap());
-    let nvrtc = jit.nvrtc().unwrap();
+    let jit = Jit::new(kiln::env::Config::from_env()?);
+    let nvrtc = jit.nvrtc()?;
     let specs = if std::env::args().any(|a| a == "--candidates") {
         use kiln::ops::norm::{tuning, Kind, Pass};
         let mut all = Vec::new();
@@ -45,14 +45,12 @@ fn main() {
         if !spec.builds_for(target.arch) {
             continue;
         }
-        let target = jit.resolve_target(&spec, target).unwrap();
-        let parts = jit.key_parts(&spec, target).unwrap();
+        let target = jit.resolve_target(&spec, target)?;
+        let parts = jit.key_parts(&spec, target)?;
         let mut options = parts.options.clone();
         options.push(target.nvrtc_option());
         options.push("--ptxas-options=-v".into());
-        let out = nvrtc
-            .compile("r", &parts.source, &parts.name_expressions, &options, false)
-            .unwrap();
+        let out = nvrtc.compile("r", &parts.source, &parts.name_expressions, &options, false)?;
         let log = match out {
             Ok(o) => o.log,
             Err(f) => f.log,
@@ -64,4 +62,5 @@ fn main() {
             .collect();
         println!("{spec}\n    {}", info.join("\n    "));
     }
+    Ok(())
 }
