@@ -99,6 +99,12 @@ impl TestRng {
         bits as f64 / (1u64 << 52) as f64 - 1.0
     }
 
+    /// A whole number from `lo` to `hi` (both included), each about equally likely.
+    pub fn pick(&mut self, lo: usize, hi: usize) -> usize {
+        let unit = (self.next_f64() + 1.0) / 2.0; // [0, 1)
+        (lo + (unit * (hi - lo + 1) as f64) as usize).min(hi)
+    }
+
     pub fn values(&mut self, n: usize, scale: f64, offset: f64) -> Vec<f64> {
         (0..n).map(|_| self.next_f64() * scale + offset).collect()
     }

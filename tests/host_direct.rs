@@ -505,7 +505,7 @@ fn run_host_igemm_tf32(
 /// shape, strides, paddings, both dilations and flip, small enough to emulate quickly.
 fn random_cases(seed: u64, n: usize) -> Vec<Case> {
     let mut rng = TestRng::new(0x5eed + seed);
-    let mut pick = |lo: usize, hi: usize| lo + (rng.next_f64() * (hi - lo + 1) as f64) as usize;
+    let mut pick = |lo: usize, hi: usize| rng.pick(lo, hi);
     let mut out = Vec::new();
     while out.len() < n {
         let (cg, mg) = direct::GROUP_SHAPES[pick(0, direct::GROUP_SHAPES.len() - 1)];
@@ -550,7 +550,7 @@ type Runner = fn(&str, DType, Pass, &Geometry, [&[f64]; 2]) -> Vec<f64>;
 /// padding, flip, any output channel count (over two 64-channel blocks at times).
 fn random_stems(seed: u64, n: usize) -> Vec<Case> {
     let mut rng = TestRng::new(0x57e3 + seed);
-    let mut pick = |lo: usize, hi: usize| lo + (rng.next_f64() * (hi - lo + 1) as f64) as usize;
+    let mut pick = |lo: usize, hi: usize| rng.pick(lo, hi);
     let mut out = Vec::new();
     while out.len() < n {
         let c = pick(1, stem::MAX_CHANNELS);
@@ -575,7 +575,7 @@ fn random_stems(seed: u64, n: usize) -> Vec<Case> {
 /// backward-data), uneven padding and flip.
 fn random_depthwise(pass: Pass, n: usize) -> Vec<Case> {
     let mut rng = TestRng::new(0xde97 + pass as u64);
-    let mut pick = |lo: usize, hi: usize| lo + (rng.next_f64() * (hi - lo + 1) as f64) as usize;
+    let mut pick = |lo: usize, hi: usize| rng.pick(lo, hi);
     let most_stride = if pass == Pass::BackwardData { 1 } else { 2 };
     let mut out = Vec::new();
     while out.len() < n {
@@ -625,7 +625,7 @@ fn random_depthwise(pass: Pass, n: usize) -> Vec<Case> {
 /// 64-vector chunks), rows and columns from 1, uneven padding and flip.
 fn random_depthwise_rows(seed: u64, n: usize) -> Vec<Case> {
     let mut rng = TestRng::new(0x70a5 + seed);
-    let mut pick = |lo: usize, hi: usize| lo + (rng.next_f64() * (hi - lo + 1) as f64) as usize;
+    let mut pick = |lo: usize, hi: usize| rng.pick(lo, hi);
     let mut out = Vec::new();
     while out.len() < n {
         let c = 4 * if pick(0, 3) == 0 {
@@ -655,7 +655,7 @@ fn random_depthwise_rows(seed: u64, n: usize) -> Vec<Case> {
 /// 16-byte copies), kernels up to 3 a side, strides up to 2, uneven padding and flip.
 fn random_grouped(pass: Pass, n: usize) -> Vec<Case> {
     let mut rng = TestRng::new(0x9a0c + pass as u64);
-    let mut pick = |lo: usize, hi: usize| lo + (rng.next_f64() * (hi - lo + 1) as f64) as usize;
+    let mut pick = |lo: usize, hi: usize| rng.pick(lo, hi);
     let most_stride = grouped::MAX_STRIDE;
     let mut out = Vec::new();
     while out.len() < n {
