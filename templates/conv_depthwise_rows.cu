@@ -1,13 +1,15 @@
 // Depthwise convolution by streamed rows: every pass at stride 1 with one output channel a
-// group and kernels up to 3x3. Same problem as conv_depthwise.cu (struct kiln_depthwise), which
+// group and kernels up to 7x7. Same problem as conv_depthwise.cu (struct kiln_depthwise), which
 // takes every other case.
 //
 // Such a layer reads each source value KH x KW times and multiplies it once a read, so what
 // bounds it is keeping enough bytes in flight and few instructions an output. A block takes a
-// chunk of blockDim.x * V channels (V a thread, one 8- or 16-byte vector) and a band of
+// chunk of blockDim.x * V channels (V a thread: a vector of 4 for kernels up to 3x3, one
+// channel for larger ones, whose KH x KW weights a channel then fit in registers) and a band of
 // blockDim.y * TW output columns, and walks a segment of output rows down the image. Each
-// source row is copied once into a ring of DEPTH shared buffers (cp.async, AHEAD rows ahead
-// of the row being computed, so copies are in flight without holding registers); each
+// source row is copied once into a ring of DEPTH shared buffers (cp.async in granules of CG
+// channels, AHEAD rows ahead of the row being computed, so copies are in flight without
+// holding registers); each
 // thread reads its window of TW + KW - 1 columns from the ring and adds it into KH rows of
 // accumulators, one for each output row the source row meets. That ring of accumulators is
 // indexed at compile time: the walk is unrolled by KH. An output row is stored when its last
@@ -32,7 +34,9 @@ typedef {{dtype}} T;
 constexpr int PASS = {{PASS}};
 constexpr int KH = {{KH}}, KW = {{KW}};
 constexpr int TW = {{TW}};        // output columns a thread
-constexpr int V = 4;              // channels a thread
+constexpr int V = {{V}};          // channels a thread
+// Channels a copy moves: the thread's vector where it is one (8 or 16 bytes), else 16 bytes.
+constexpr int CG = V == 4 ? 4 : 16 / (int)sizeof(T);
 constexpr int AHEAD = 3;          // source rows in flight while one is computed
 // Rows the ring holds: those in flight, the one computed and, for backward-weight, the KH - 1
 // cotangent rows before it that the computed source row still meets.
@@ -40,8 +44,9 @@ constexpr int DEPTH = AHEAD + (PASS == 2 ? KH : 1);
 constexpr int THREADS = {{block_dim}};  // the most a block has (blockDim.x * blockDim.y)
 constexpr int WIN = TW + KW - 1;  // source columns a thread reads a row
 constexpr int KSIZE = KH * KW;
-constexpr int VBYTES = V * (int)sizeof(T);
-static_assert(VBYTES == 8 || VBYTES == 16, "a thread's channels are one 8- or 16-byte copy");
+constexpr int CBYTES = CG * (int)sizeof(T);
+static_assert(V == 1 || V == 4, "a thread takes one channel or a vector of 4");
+static_assert(CBYTES == 8 || CBYTES == 16, "a copy moves 8 or 16 bytes");
 static_assert(PASS >= 0 && PASS <= 2, "forward, backward-data, backward-weight");
 
 // Mirrors ops::conv::depthwise::Problem (repr(C)).
@@ -55,7 +60,7 @@ struct kiln_depthwise {
   int tiles;                // batch * tiles_h * tiles_w (the grid along x)
   int chunks;               // blocks of blockDim.x * V channels (the grid along y)
   int reverse;              // the weight's tap is KSIZE - 1 - t
-  int vec_src;              // unused: the plan takes only whole, aligned vectors
+  int vec_src;              // unused: the plan takes only whole, aligned copies
   int vec_dy;               // unused
   int tiles_per_split;      // unused
 };
@@ -164,36 +169,42 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) {{kernel}}(
   const int oh0 = seg * p.tile_h;
   const int rows = min(p.tile_h, p.out_h - oh0);
   const int steps = rows + KH - 1;  // source rows the segment reads
-  const T* image = src + (long long)n * p.src_h * p.src_w * p.src_c + c;
+  // The copies: granule `cg` (CG channels) of columns q_first, q_first + q_step, ... A thread
+  // with a vector of 4 copies its own channels (cg = tx, q_first = ty, q_step = groups).
+  const int tid = ty * blockDim.x + tx, granules = chans / CG;
+  const int cg = tid % granules, q_first = tid / granules;
+  const int q_step = blockDim.x * groups / granules;
+  const int cc = blockIdx.y * chans + cg * CG;  // the granule's first channel
+  const bool has_cc = cc < p.out_c;             // the plan keeps out_c a multiple of CG
+  const T* image = src + (long long)n * p.src_h * p.src_w * p.src_c + cc;
   // Backward-weight: the cotangent's ring, its image and first column.
   T* dy_ring = ring + DEPTH * cols * chans;
-  const T* dy_image = other + (long long)n * p.out_h * p.out_w * p.out_c + c;
+  const T* dy_image = other + (long long)n * p.out_h * p.out_w * p.out_c + cc;
   const int dw0 = band * p.tile_w;
 
-  // Copies source row `s` of the segment into its ring buffer (zeros outside the source): this
-  // thread copies its channel vector of columns ty, ty + groups, ... Always commits a group, so
-  // that the waits below count rows.
+  // Copies source row `s` of the segment into its ring buffer (zeros outside the source).
+  // Always commits a group, so that the waits below count rows.
   auto issue = [&](int s) {
     if (s < steps) {
       const int ih = oh0 + p.off_h + s;
-      const bool row_ok = has_c && (unsigned)ih < (unsigned)p.src_h;
-      T* dst = ring + (s % DEPTH) * cols * chans + tx * V;
+      const bool row_ok = has_cc && (unsigned)ih < (unsigned)p.src_h;
+      T* dst = ring + (s % DEPTH) * cols * chans + cg * CG;
       const T* row = image + (long long)ih * p.src_w * p.src_c;
-      for (int q = ty; q < cols; q += groups) {
+      for (int q = q_first; q < cols; q += q_step) {
         const int iw = iw0 + q;
         const bool ok = row_ok && (unsigned)iw < (unsigned)p.src_w;
-        kiln_cp_async<VBYTES, true>(dst + q * chans, ok ? row + (long long)iw * p.src_c : src, ok);
+        kiln_cp_async<CBYTES, true>(dst + q * chans, ok ? row + (long long)iw * p.src_c : src, ok);
       }
       if (PASS == 2) {
         // Cotangent row s of the segment, zeros past its last row and column.
         const int oh = oh0 + s;
-        const bool dy_ok = has_c && s < rows;
-        T* dy_dst = dy_ring + (s % DEPTH) * p.tile_w * chans + tx * V;
+        const bool dy_ok = has_cc && s < rows;
+        T* dy_dst = dy_ring + (s % DEPTH) * p.tile_w * chans + cg * CG;
         const T* dy_row = dy_image + (long long)oh * p.out_w * p.out_c;
-        for (int q = ty; q < p.tile_w; q += groups) {
+        for (int q = q_first; q < p.tile_w; q += q_step) {
           const int w = dw0 + q;
           const bool ok = dy_ok && w < p.out_w;
-          kiln_cp_async<VBYTES, true>(dy_dst + q * chans, ok ? dy_row + (long long)w * p.out_c : other,
+          kiln_cp_async<CBYTES, true>(dy_dst + q * chans, ok ? dy_row + (long long)w * p.out_c : other,
                                       ok);
         }
       }

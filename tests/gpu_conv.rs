@@ -164,6 +164,14 @@ fn cases() -> Vec<Case> {
             d().groups(3),
         ),
         case("batch 1, output 1x1", &[1, 5, 5, 8], &[6, 5, 5, 8], d()),
+        // Large enough that backward-weight runs on the depthwise rows kernel too (one channel
+        // a thread, the last chunk partial).
+        case(
+            "depthwise 7x7, 40 channels, 56x56 batch 32",
+            &[32, 56, 56, 40],
+            &[40, 7, 7, 1],
+            d().groups(40).padding(&[3]),
+        ),
         case(
             "output 1 after stride",
             &[3, 4, 4, 16],

@@ -312,15 +312,16 @@ fn depthwise_tc_launch(dtype: DType, pass: Pass, g: &Geometry) -> Option<depthwi
 }
 
 /// The depthwise family's streamed-rows launch of `pass` of `g` (sm_80), or None where that
-/// kernel does not take it; backward-weight on any walk, however few outputs its blocks sum
-/// (the plan leaves layers whose blocks sum few to the stencil).
+/// kernel cannot run it (whether or not the plan would choose it); backward-weight on any walk,
+/// however few outputs its blocks sum (the plan leaves layers whose blocks sum few to the
+/// stencil).
 fn depthwise_rows_launch(dtype: DType, pass: Pass, g: &Geometry) -> Option<depthwise::Launch> {
     let key = PlanKey {
         arch: depthwise::ROWS_ARCH,
         ..host_key(dtype, pass, g)
     };
     let taken = depthwise::unsupported(kiln::env::ConvPath::Auto, &key).is_none()
-        && depthwise::takes_rows(&key);
+        && depthwise::rows_fit(&key);
     taken
         .then(|| depthwise::rows_launch(&key, SMS, 227 * 1024, true))
         .flatten()
@@ -621,23 +622,32 @@ fn random_depthwise(pass: Pass, n: usize) -> Vec<Case> {
 }
 
 /// `n` random layers the depthwise rows kernel takes (seeded): 2-D, one output channel a group,
-/// stride 1, kernels of 2-3 rows and 1-3 columns, channels in vectors of 4 (one to several
-/// 64-vector chunks), rows and columns from 1, uneven padding and flip.
+/// stride 1, half of them kernels of 2-3 rows and 1-3 columns with channels in vectors of 4
+/// (one to several 64-vector chunks), half kernels of 2-7 rows and 1-7 columns with channels
+/// in 16-byte copies (one channel a thread, one to several 32-channel chunks); rows and columns
+/// from 1, uneven padding and flip.
 fn random_depthwise_rows(seed: u64, n: usize) -> Vec<Case> {
     let mut rng = TestRng::new(0x70a5 + seed);
     let mut pick = |lo: usize, hi: usize| rng.pick(lo, hi);
     let mut out = Vec::new();
     while out.len() < n {
-        let c = 4 * if pick(0, 3) == 0 {
-            pick(60, 70)
+        let small = out.len() % 2 == 0;
+        let (c, k) = if small {
+            let c = 4 * if pick(0, 3) == 0 {
+                pick(60, 70)
+            } else {
+                pick(1, 12)
+            };
+            (c, [pick(2, 3), pick(1, 3)])
         } else {
-            pick(1, 12)
+            (8 * pick(1, 12), [pick(2, 7), pick(1, 7)])
         };
-        let k = [pick(2, 3), pick(1, 3)];
-        let x = vec![pick(1, 2), pick(1, 19), pick(1, 40), c];
+        let lo = [pick(0, k[0] - 1), pick(0, k[1] - 1)];
+        let hi = [pick(0, k[0] - 1), pick(0, k[1] - 1)];
+        // Images at least as large as the padded kernel needs (one output row and column).
+        let least = |d: usize| (k[d] + 1).saturating_sub(1 + lo[d] + hi[d]).max(1);
+        let x = vec![pick(1, 2), pick(least(0), 19), pick(least(1), 40), c];
         let w = vec![c, k[0], k[1], 1];
-        let lo = [pick(0, 2), pick(0, 2)];
-        let hi = [pick(0, 2), pick(0, 2)];
         let p = ConvParams::default()
             .groups(c)
             .padding_lo(&lo)
@@ -828,13 +838,16 @@ fn check_depthwise_tc(pass: Pass) {
     );
 }
 
-/// The depthwise rows kernel: the fixed depthwise cases it takes and random ones, every dtype.
+/// The depthwise rows kernel: the fixed depthwise cases it takes (in every dtype) and random
+/// ones, every dtype.
 fn check_depthwise_rows(pass: Pass) {
     let taken = |x: &[usize], w: &[usize], p: &ConvParams| {
         let g = Geometry::new(x, w, p).unwrap();
-        depthwise_rows_launch(DType::F32, pass, &g).is_some()
+        DType::ALL
+            .iter()
+            .all(|&dtype| depthwise_rows_launch(dtype, pass, &g).is_some())
     };
-    let random = random_depthwise_rows(pass as u64, 8);
+    let random = random_depthwise_rows(pass as u64, 12);
     assert!(random.iter().all(|(_, x, w, p)| taken(x, w, p)));
     let cases: Vec<_> = fixed_depthwise(taken).into_iter().chain(random).collect();
     check_cases("host_depthwise_rows", pass, &cases, run_host_depthwise_rows);

@@ -205,6 +205,15 @@ pub fn depthwise() -> Vec<ConvCase> {
             d().groups(520).padding_lo(&[1, 2]).padding_hi(&[0, 0]),
         ),
         ConvCase::new(
+            "depthwise 5x5 flip, 104 channels in chunks of 32, uneven padding",
+            &[2, 11, 37, 104],
+            &[104, 5, 5, 1],
+            d().groups(104)
+                .flip(true)
+                .padding_lo(&[2, 1])
+                .padding_hi(&[1, 3]),
+        ),
+        ConvCase::new(
             "depthwise 3x3 flip, rows of 150 in two tiles, uneven padding, 24 channels",
             &[1, 5, 150, 24],
             &[24, 3, 3, 1],

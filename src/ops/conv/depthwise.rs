@@ -14,15 +14,17 @@
 //! `mma.sync` takes 16 such segments; a block works on 16 channels, turning its staged pixels
 //! into one plane per channel for `ldmatrix` and its outputs back into pixels.
 //!
-//! From sm_80 on, every pass at stride 1 with one output channel a group, kernels of 2-3 rows
-//! and up to 3 columns, and channels in whole 4-channel vectors runs on streamed rows
+//! From sm_80 on, every pass at stride 1 with one output channel a group, kernels of 2-7 rows
+//! and up to 7 columns, aligned operands and channels in whole copies runs on streamed rows
 //! (`templates/conv_depthwise_rows.cu`), every dtype: a block takes a chunk of channels and a
 //! band of columns and walks a segment of rows down the image, copying each source row once
 //! into a ring of shared buffers a few rows ahead of the one it computes; a thread computes 4
-//! channels (one 8- or 16-byte vector) of a few columns, its window read from the ring and
+//! channels (one 8- or 16-byte vector; kernels up to 3x3) or one channel (larger kernels, whose
+//! 25-49 weights then fit in registers) of a few columns, its window read from the ring and
 //! added into one row of accumulators for each tap row (backward-weight: the cotangent rows are
 //! copied beside, and each thread sums every tap; one f32 partial a block along x; where its
-//! blocks would sum few outputs, the stencil takes the layer instead).
+//! blocks would sum few outputs, the stencil takes the layer instead). The tensor-core kernel
+//! keeps the 16-bit layers with one kernel row (1-D) or a row stride of 2.
 //!
 //! It takes kernels up to [`MAX_KERNEL`] taps a side, strides up to [`MAX_STRIDE`] (1 for
 //! backward-data) and no dilation; strided backward-data goes to the grouped family (16-bit,
@@ -63,7 +65,7 @@ pub static DEPTHWISE_ROWS: TemplateDef = TemplateDef {
     name: "conv_depthwise_rows",
     source: include_str!("../../../templates/conv_depthwise_rows.cu"),
     kernel: "kiln_conv_depthwise_rows",
-    const_names: &["PASS", "KH", "KW", "TW"],
+    const_names: &["PASS", "KH", "KW", "TW", "V"],
     arch_specific: false,
     only_arch: None,
 };
@@ -72,12 +74,18 @@ pub const TENSOR_ARCH: u32 = 80;
 /// The first architecture the rows kernel runs on: its ring needs `cp.async` to keep copies in
 /// flight (older targets would copy a row at once, and the stencil is measured there).
 pub const ROWS_ARCH: u32 = 80;
-/// Channels a thread of the rows kernel takes (the template's V) and source rows in flight
-/// while one is computed (AHEAD: its ring holds AHEAD + 1 rows, AHEAD + KH for backward-weight).
-const ROWS_V: usize = 4;
+/// Source rows the rows kernel has in flight while one is computed (AHEAD: its ring holds
+/// AHEAD + 1 rows, AHEAD + KH for backward-weight).
 const ROWS_AHEAD: usize = 3;
-/// Channel vectors a rows block takes at most (its blockDim.x).
+/// Channels a rows block takes along x: at most 64 vectors of 4 (kernels up to 3x3); 32 single
+/// channels (larger kernels), or all of fewer.
 const ROWS_MAX_VECTORS: usize = 64;
+const ROWS_MAX_CHANNELS: usize = 32;
+/// The tallest 16-bit image (gathered rows) the rows kernel takes with kernels past 3x3. H100,
+/// 5x5 and 7x7 layers, rows / the tensor-core kernel, forward and backward-data: images of 7x7
+/// 1.09-1.39x (768 and 1,152 channels), 14x14 to 56x56 0.70-0.94x but one (120 channels at
+/// 28x28, 1.06-1.10x); backward-weight against the stencil 0.74-0.84x.
+pub const ROWS_SMALL_IMAGE: usize = 7;
 /// Channels a tensor-core block works on, and the outputs of one MMA row (a segment).
 const TENSOR_CHANNELS: usize = 16;
 const SEGMENT: usize = 8;
@@ -124,7 +132,7 @@ pub enum Variant {
     Stencil,
     /// Tensor cores (`conv_depthwise_tc.cu`): 16-bit forward and stride-1 backward-data.
     Tensor,
-    /// Streamed rows (`conv_depthwise_rows.cu`): stride 1, kernels up to 3x3, every pass.
+    /// Streamed rows (`conv_depthwise_rows.cu`): stride 1, kernels up to 7x7, every pass.
     Rows,
 }
 
@@ -162,7 +170,7 @@ impl Shape {
     /// The rows kernel's shape for `g` in `dtype`.
     fn rows(g: &Geometry, dtype: DType) -> Shape {
         Shape {
-            out_tile: [1, rows_columns(dtype)],
+            out_tile: [1, rows_columns(dtype, [g.kernel[1], g.kernel[2]])],
             variant: Variant::Rows,
             ..Shape::of(g)
         }
@@ -199,6 +207,7 @@ pub fn spec(dtype: DType, pass: Pass, s: Shape) -> KernelSpec {
                 s.kernel[0] as i32,
                 s.kernel[1] as i32,
                 s.out_tile[1] as i32,
+                rows_vector(s.kernel) as i32,
             ],
         );
     }
@@ -226,10 +235,11 @@ pub fn spec(dtype: DType, pass: Pass, s: Shape) -> KernelSpec {
 
 /// The common 2-D depthwise layers `kiln warm` compiles for `arch`: square 3x3, 5x5 and 7x7
 /// kernels at strides 1 and 2 (MobileNet, EfficientNet, ConvNeXt), and channel multiplier 2 at
-/// stride 1 for 3x3 and 5x5; backward-data at stride 1. From sm_80 on, forward and
-/// backward-data at stride 1 and multiplier 1 are the rows kernel's for 3x3 and the tensor-core
-/// kernel's (16-bit) for the larger kernels; 3x3 backward-weight is listed on both the rows
-/// kernel (large images) and the stencil.
+/// stride 1 for 3x3 and 5x5; backward-data at stride 1. From sm_80 on, at stride 1 and
+/// multiplier 1, forward and backward-data are the rows kernel's (16-bit 5x5 and 7x7: the
+/// tensor-core kernel's, and for 5x5 the rows kernel's too, which takes 7x7 images), and
+/// backward-weight is listed
+/// on both the rows kernel (large images) and the stencil (16-bit 5x5 and 7x7: the stencil).
 pub fn specs(arch: u32) -> Vec<KernelSpec> {
     let mut shapes = Vec::new();
     for k in [3, 5, 7] {
@@ -247,13 +257,21 @@ pub fn specs(arch: u32) -> Vec<KernelSpec> {
                 }
                 let gather = pass != Pass::BackwardWeight;
                 let one_channel_stride_1 = mg == 1 && s == 1;
-                let rows = arch >= ROWS_ARCH && one_channel_stride_1 && k == 3;
+                // Kernels past 3x3 take the rows kernel in f32, and in 16-bit 5x5 for images of
+                // 7x7 (forward and backward-data): both it and the tensor-core kernel are listed.
+                let larger = k > 3;
+                let sixteen = dtype != DType::F32;
+                let small_image_ok = gather && k * k <= 25;
+                let rows = arch >= ROWS_ARCH
+                    && one_channel_stride_1
+                    && (!larger || !sixteen || small_image_ok);
                 let tensor =
-                    arch >= TENSOR_ARCH && one_channel_stride_1 && gather && dtype != DType::F32;
+                    arch >= TENSOR_ARCH && one_channel_stride_1 && gather && sixteen && larger;
                 // Backward-weight of small images stays on the stencil: both are listed.
                 let variants: &[Variant] = match (rows, tensor) {
-                    (true, _) if gather => &[Variant::Rows],
-                    (true, _) => &[Variant::Rows, Variant::Stencil],
+                    (true, true) => &[Variant::Tensor, Variant::Rows],
+                    (true, false) if gather => &[Variant::Rows],
+                    (true, false) => &[Variant::Rows, Variant::Stencil],
                     (false, true) => &[Variant::Tensor],
                     (false, false) => &[Variant::Stencil],
                 };
@@ -263,7 +281,7 @@ pub fn specs(arch: u32) -> Vec<KernelSpec> {
                         kernel: [k, k],
                         stride: [s, s],
                         out_tile: match (variant, s) {
-                            (Variant::Rows, _) => [1, rows_columns(dtype)],
+                            (Variant::Rows, _) => [1, rows_columns(dtype, [k, k])],
                             (Variant::Tensor, _) => [1, SEGMENT],
                             (_, 1) => [4, 4],
                             _ => [2, 4],
@@ -297,28 +315,65 @@ fn takes_tensor(key: &PlanKey) -> bool {
         && image(g.output, g.cout)
 }
 
-/// Whether the rows kernel takes `key` (which the family takes): sm_80 on, one output channel
-/// a group, stride 1, kernels of 2-3 rows and up to 3 columns, channels in whole vectors of 4
-/// and aligned operands, and offsets within one image of either operand that fit 32 bits.
+/// Whether the plan runs `key` (which the family takes) on the rows kernel, where it can
+/// ([`rows_fit`]): kernels up to 3x3 always; larger ones (one channel a thread) in f32 and, in
+/// 16-bit, only the forward and backward-data of images of at most [`ROWS_SMALL_IMAGE`] rows:
+/// elsewhere in 16-bit the tensor-core kernel and the stencil are faster.
 pub fn takes_rows(key: &PlanKey) -> bool {
     let g = &key.geometry;
+    let gathered_rows = match key.pass {
+        Pass::BackwardData => g.input[1],
+        _ => g.output[1],
+    };
+    let small_image = gathered_rows <= ROWS_SMALL_IMAGE && g.kernel[1] * g.kernel[2] <= 25;
+    let larger_ok = key.dtype == DType::F32 || key.pass != Pass::BackwardWeight && small_image;
+    rows_fit(key) && (rows_vector([g.kernel[1], g.kernel[2]]) == 4 || larger_ok)
+}
+
+/// Whether the rows kernel can run `key` (which the family takes): sm_80 on, one output channel
+/// a group, stride 1, kernels of 2-7 rows and up to 7 columns, aligned operands and channels in
+/// whole copies, and offsets within one image of either operand that fit 32 bits.
+pub fn rows_fit(key: &PlanKey) -> bool {
+    let g = &key.geometry;
+    let kernel = [g.kernel[1], g.kernel[2]];
     let image = |e: [usize; 3], c: usize| e.iter().product::<usize>() * c <= i32::MAX as usize;
     key.arch >= ROWS_ARCH
         && g.cout == g.groups
         && g.stride[1] == 1
         && g.stride[2] == 1
-        && (2..=3).contains(&g.kernel[1])
-        && g.kernel[2] <= 3
+        && (2..=MAX_KERNEL).contains(&kernel[0])
+        && kernel[1] <= MAX_KERNEL
         && key.aligned
-        && g.cin % ROWS_V == 0
+        && g.cin % rows_granule(key.dtype, kernel) == 0
         && image(g.input, g.cin)
         && image(g.output, g.cout)
 }
 
-/// Output columns a thread of the rows kernel computes (the template's TW): four in 16-bit;
-/// two in f32, whose windows take twice the registers.
-fn rows_columns(dtype: DType) -> usize {
-    if dtype == DType::F32 {
+/// Channels a thread of the rows kernel takes (the template's V): a vector of 4 for kernels
+/// up to 3x3; one channel for larger ones, so that a thread's weights (49 for 7x7) stay in
+/// registers as f32 beside its rows of accumulators.
+fn rows_vector(kernel: [usize; 2]) -> usize {
+    if kernel[0] <= 3 && kernel[1] <= 3 {
+        4
+    } else {
+        1
+    }
+}
+
+/// Channels one copy of the rows kernel moves (the template's CG): the thread's vector of 4,
+/// else 16 bytes. Channel counts and chunks are whole copies.
+fn rows_granule(dtype: DType, kernel: [usize; 2]) -> usize {
+    match rows_vector(kernel) {
+        4 => 4,
+        _ => 16 / dtype.size(),
+    }
+}
+
+/// Output columns a thread of the rows kernel computes (the template's TW): with vectors of 4,
+/// four in 16-bit and two in f32, whose windows take twice the registers; with one channel,
+/// four.
+fn rows_columns(dtype: DType, kernel: [usize; 2]) -> usize {
+    if dtype == DType::F32 && rows_vector(kernel) == 4 {
         2
     } else {
         4
@@ -356,7 +411,10 @@ const ROWS_WEIGHT_FILL: (usize, usize) = (2, 3);
 /// widest chunk of channels that fits, columns split evenly into bands); then the segment
 /// length with the least modelled time: each wave of blocks takes its segment's source rows
 /// plus the ring's first rows in flight, at the pace of one 16-warp SM (the launch bound allows
-/// 128 registers: 16 warps an SM), slower in proportion where more warps share an SM;
+/// 128 registers: 16 warps an SM), slower in proportion where more warps share an SM (with one
+/// channel a thread, whose rows take 25-49 FMAs an output, where more than 8 do: H100, 512
+/// channels of 7x7 with a 7x7 kernel, f32, one segment of 8 warps an SM 6.0 TFLOP/s against
+/// 4.7 for two of 16);
 /// backward-weight adds the f32 partials each block along x writes and the split sum reads, in
 /// steps of what the GPU's threads copy in one, and unless `any_walk` takes only channel counts
 /// and walks past the floors of [`ROWS_WEIGHT_OUTPUTS`] and [`ROWS_WEIGHT_FILL`]. Narrower chunks
@@ -372,23 +430,39 @@ fn choose_rows(key: &PlanKey, sms: usize, limit: usize, any_walk: bool) -> Optio
     };
     let out = [extents[1], extents[2]];
     let (channels, batch) = (g.cin, g.batch);
-    let vectors_all = channels / ROWS_V;
-    let tw = rows_columns(dtype);
+    let v = rows_vector(kernel);
+    // Channel vectors a chunk is made of: whole copies, at most the block's x.
+    let per_copy = rows_granule(dtype, kernel) / v;
+    let most_vectors = if v == 4 {
+        ROWS_MAX_VECTORS
+    } else {
+        ROWS_MAX_CHANNELS
+    };
+    let vectors_all = channels / v;
+    let tw = rows_columns(dtype, kernel);
     let weight = pass == Pass::BackwardWeight;
     if weight && !any_walk && channels % LANES == 0 {
         return None; // every lane of the stencil busy: it sums faster
     }
     let depth = ROWS_AHEAD + if weight { kernel[0] } else { 1 };
     // Bytes the GPU's threads copy in one step (source and cotangent windows).
-    let step_bytes = sms * 16 * 32 * tw * ROWS_V * dtype.size() * 2;
+    let step_bytes = sms * 16 * 32 * tw * v * dtype.size() * 2;
     let taps = kernel[0] * kernel[1];
     let column_groups = out[1].div_ceil(tw);
-    let fewest_chunks = vectors_all.div_ceil(ROWS_MAX_VECTORS);
+    let fewest_chunks = vectors_all.div_ceil(most_vectors);
     // (walk, cost, thread slots)
     let mut best: Option<(RowsWalk, usize, usize)> = None;
     for chunks in [fewest_chunks, 2 * fewest_chunks, 4 * fewest_chunks] {
-        let vectors = vectors_all.div_ceil(chunks);
-        if chunks > fewest_chunks && vectors < 8 {
+        let vectors = if v == 1 {
+            // Whole warps of channels: with fewer, a warp's lanes of different column groups
+            // read the same shared-memory banks.
+            vectors_all
+                .next_multiple_of(per_copy)
+                .min(ROWS_MAX_CHANNELS)
+        } else {
+            vectors_all.div_ceil(chunks)
+        };
+        if chunks > fewest_chunks && (vectors < 8 || v == 1) {
             break;
         }
         let chunks = vectors_all.div_ceil(vectors);
@@ -397,7 +471,7 @@ fn choose_rows(key: &PlanKey, sms: usize, limit: usize, any_walk: bool) -> Optio
         let groups = column_groups.div_ceil(bands);
         let warps = (vectors * groups).div_ceil(32);
         let cols = groups * tw + kernel[1] - 1;
-        let chans = vectors * ROWS_V;
+        let chans = vectors * v;
         // The source ring, backward-weight's cotangent ring and its column groups' f32 sums
         // (which reuse the rings).
         let rings = depth * (cols + if weight { groups * tw } else { 0 }) * chans * dtype.size();
@@ -423,7 +497,8 @@ fn choose_rows(key: &PlanKey, sms: usize, limit: usize, any_walk: bool) -> Optio
             }
             let waves = blocks.div_ceil(per_sm * sms);
             let resident = per_sm.min(blocks.div_ceil(sms)) * warps;
-            let mut cost = waves * (segment + kernel[0] - 1 + ROWS_AHEAD) * resident.max(16);
+            let pace = resident.max(if v == 1 { 8 } else { 16 });
+            let mut cost = waves * (segment + kernel[0] - 1 + ROWS_AHEAD) * pace;
             if weight {
                 let splits = batch * segments * bands;
                 let partials = if splits > 1 {
@@ -453,7 +528,7 @@ fn choose_rows(key: &PlanKey, sms: usize, limit: usize, any_walk: bool) -> Optio
     best.map(|(w, ..)| w)
 }
 
-/// The rows kernel's launch of `key` (which it takes: [`launch_for`] decides), or None where no
+/// The rows kernel's launch of `key` (which it can run: [`rows_fit`]), or None where no
 /// block fits or, for backward-weight, no walk is past the plan's floors (`any_walk`, for the
 /// tests: any walk will do).
 pub fn rows_launch(key: &PlanKey, sms: usize, limit: usize, any_walk: bool) -> Option<Launch> {
@@ -892,7 +967,8 @@ mod tests {
 
     #[test]
     fn tensor_cores_take_16_bit_stride_1_columns_with_whole_vectors() {
-        // 5x5: the rows kernel takes 3x3 where the tensor-core kernel would.
+        // One kernel row of 5: the rows kernel takes kernels of 2-7 rows where the tensor-core
+        // kernel would.
         let tensor = |dtype, pass, c: usize, mg, stride: [usize; 2], arch| {
             let p = ConvParams::default()
                 .groups(c)
@@ -900,7 +976,7 @@ mod tests {
                 .padding(&[2]);
             let k = PlanKey {
                 arch,
-                ..key(dtype, pass, &[2, 30, 70, c], &[c * mg, 5, 5, 1], &p)
+                ..key(dtype, pass, &[2, 30, 70, c], &[c * mg, 1, 5, 1], &p)
             };
             launch_for(&k, 132, H100_SHARED).unwrap().shape.variant == Variant::Tensor
         };
@@ -932,7 +1008,7 @@ mod tests {
     }
 
     #[test]
-    fn rows_take_stride_1_kernels_up_to_3x3_with_whole_vectors() {
+    fn rows_take_stride_1_kernels_up_to_7x7_with_whole_copies() {
         let variant = |dtype, pass, c: usize, mg, k: [usize; 2], stride: usize, arch, aligned| {
             let p = ConvParams::default()
                 .groups(c)
@@ -953,6 +1029,23 @@ mod tests {
                 for k in [[3, 3], [2, 3], [3, 1], [2, 2]] {
                     assert!(rows(144, 1, k, 1, 90, true), "{k:?}");
                 }
+                // Kernels past 3x3: f32; 16-bit only for images of 7x7, not backward-weight.
+                let f32 = dtype == DType::F32;
+                for k in [[5, 5], [7, 7], [3, 7], [7, 1]] {
+                    assert_eq!(rows(144, 1, k, 1, 90, true), f32, "{k:?}");
+                }
+                let small_image = |c, k: usize| {
+                    let p = ConvParams::default().groups(c).padding(&[k / 2]);
+                    let kk = key(dtype, pass, &[64, 7, 7, c], &[c, k, k, 1], &p);
+                    launch_for(&kk, 132, H100_SHARED).unwrap().shape.variant == Variant::Rows
+                };
+                let gather = pass != Pass::BackwardWeight;
+                // (Backward-weight of 7x7 images stays on the stencil in f32 too: its blocks
+                // would sum at most 49 outputs a channel.)
+                assert_eq!(small_image(1152, 5), gather, "1152 channels 7x7");
+                // One channel a thread copies 16 bytes at once.
+                assert_eq!(small_image(1156, 7), f32 && gather, "1156 channels 7x7");
+                assert!(!small_image(1154, 7), "1154 channels 7x7");
                 assert!(rows(144, 1, [3, 3], 1, 80, true));
                 assert!(!rows(144, 1, [3, 3], 1, 75, true), "before sm_80");
                 assert!(
@@ -964,7 +1057,6 @@ mod tests {
                     !rows(144, 2, [3, 3], 1, 90, true),
                     "a channel multiplier of 2"
                 );
-                assert!(!rows(144, 1, [5, 5], 1, 90, true), "5x5");
                 assert!(!rows(144, 1, [1, 3], 1, 90, true), "one kernel row");
                 // Forward and backward-data take any size; backward-weight only walks past its
                 // floors (a 7x7 image's blocks sum at most 49 outputs a channel).
@@ -984,6 +1076,13 @@ mod tests {
 
     #[test]
     fn rows_launches_cover_the_output_within_the_block_and_shared_memory() {
+        for kernel in [[3, 3], [5, 5], [7, 7]] {
+            rows_launches_cover(kernel);
+        }
+    }
+
+    fn rows_launches_cover(kernel: [usize; 2]) {
+        let v = rows_vector(kernel);
         let sizes = [
             [2, 1],
             [3, 5],
@@ -996,17 +1095,21 @@ mod tests {
         ];
         for dtype in DType::ALL {
             for pass in Pass::ALL {
-                for c in [4, 32, 144, 576, 1000] {
+                for c in [8, 32, 144, 576, 1000] {
                     for size in sizes {
                         for (batch, sms) in [(1, 132), (64, 132), (3, 4)] {
-                            let p = ConvParams::default().groups(c).padding(&[1]);
+                            let p = ConvParams::default().groups(c).padding(&[kernel[0] / 2]);
                             let x = [batch, size[0], size[1], c];
-                            let kk = key(dtype, pass, &x, &[c, 3, 3, 1], &p);
+                            let w = [c, kernel[0], kernel[1], 1];
+                            let kk = key(dtype, pass, &x, &w, &p);
                             let planned = launch_for(&kk, sms, H100_SHARED).unwrap();
-                            // Backward-weight takes the rows past its floors; its other walks
-                            // (the tests') are checked all the same.
+                            // Backward-weight takes the rows past its floors, and 16-bit kernels
+                            // past 3x3 only some layers; the other walks (the tests') are
+                            // checked all the same.
                             let rows = planned.shape.variant == Variant::Rows;
-                            assert!(rows || pass == Pass::BackwardWeight, "{kk:?}");
+                            let sixteen_larger = v == 1 && dtype != DType::F32;
+                            let exempt = pass == Pass::BackwardWeight || sixteen_larger;
+                            assert!(rows || exempt, "{kk:?}");
                             let l = if rows {
                                 planned
                             } else {
@@ -1019,9 +1122,12 @@ mod tests {
                             }
                             let (vectors, groups, _) = l.block;
                             assert!(vectors * groups <= THREADS as u32, "{kk:?}");
-                            // Every channel vector, column and row is some block's.
-                            assert!(l.grid.1 * vectors * ROWS_V as u32 >= c as u32, "{kk:?}");
-                            assert!((l.grid.1 - 1) * vectors * (ROWS_V as u32) < c as u32);
+                            // Every channel vector, column and row is some block's; chunks are
+                            // whole copies.
+                            let chans = vectors as usize * v;
+                            assert_eq!(chans % rows_granule(dtype, kernel), 0, "{kk:?}");
+                            assert!(l.grid.1 as usize * chans >= c, "{kk:?}");
+                            assert!((l.grid.1 as usize - 1) * chans < c, "{kk:?}");
                             assert_eq!(pr.tile_w as u32, groups * l.shape.out_tile[1] as u32);
                             assert!(pr.tiles_w * pr.tile_w >= pr.out_w, "{kk:?}");
                             assert!(pr.tiles_h * pr.tile_h >= pr.out_h, "{kk:?}");
@@ -1030,11 +1136,10 @@ mod tests {
                             // The ring: AHEAD + 1 rows of the band's columns and halo;
                             // backward-weight AHEAD + KH rows and as many cotangent rows, or
                             // the column groups' f32 sums where they take more.
-                            let cols = pr.tile_w as usize + 2;
-                            let chans = vectors as usize * ROWS_V;
+                            let cols = pr.tile_w as usize + kernel[1] - 1;
                             let shared = if pass == Pass::BackwardWeight {
-                                let rings = (ROWS_AHEAD + 3) * (cols + pr.tile_w as usize);
-                                let sums = groups as usize * 9 * chans * 4;
+                                let rings = (ROWS_AHEAD + kernel[0]) * (cols + pr.tile_w as usize);
+                                let sums = groups as usize * kernel[0] * kernel[1] * chans * 4;
                                 (rings * chans * dtype.size()).max(sums)
                             } else {
                                 (ROWS_AHEAD + 1) * cols * chans * dtype.size()
@@ -1058,11 +1163,11 @@ mod tests {
     #[test]
     fn tensor_tiles_fit_the_staging_threads_and_shared_memory() {
         for width in [1, 7, 14, 56, 112, 120, 121, 224, 1000] {
-            // (3x3 is the rows kernel's.)
+            // (Kernels of 2-7 rows are the rows kernel's.)
             for k in [1, 5, 7] {
-                let p = ConvParams::default().groups(32).padding(&[k / 2]);
+                let p = ConvParams::default().groups(32).padding(&[0, k / 2]);
                 let x = [4, 9, width, 32];
-                let kk = key(DType::F16, Pass::Forward, &x, &[32, k, k, 1], &p);
+                let kk = key(DType::F16, Pass::Forward, &x, &[32, 1, k, 1], &p);
                 let l = launch_for(&kk, 132, H100_SHARED).unwrap();
                 assert_eq!(l.shape.variant, Variant::Tensor, "{kk:?}");
                 let pr = l.problem;
@@ -1088,12 +1193,15 @@ mod tests {
                     if pass == Pass::BackwardData && s > 1 {
                         continue;
                     }
-                    let (x, w, p) = depthwise(96, 1, [56, 56], k, s);
-                    let l = launch_for(&key(dtype, pass, &x, &w, &p), 132, H100_SHARED).unwrap();
-                    assert!(
-                        all.contains(&spec(dtype, pass, l.shape)),
-                        "{k} {s} {pass:?}"
-                    );
+                    for size in [56, 7] {
+                        let (x, w, p) = depthwise(96, 1, [size, size], k, s);
+                        let kk = key(dtype, pass, &x, &w, &p);
+                        let l = launch_for(&kk, 132, H100_SHARED).unwrap();
+                        assert!(
+                            all.contains(&spec(dtype, pass, l.shape)),
+                            "{k} {s} {size} {pass:?}"
+                        );
+                    }
                 }
             }
         }
