@@ -23,8 +23,10 @@
 //! 25-49 weights then fit in registers) of a few columns, its window read from the ring and
 //! added into one row of accumulators for each tap row (backward-weight: the cotangent rows are
 //! copied beside, and each thread sums every tap; one f32 partial a block along x; where its
-//! blocks would sum few outputs, the stencil takes the layer instead). The tensor-core kernel
-//! keeps the 16-bit layers with one kernel row (1-D) or a row stride of 2.
+//! blocks would sum few outputs, the stencil takes the layer instead). In 16-bit, kernels past
+//! 3x3 run there only forward and backward-data, up to 5x5, on images of up to 7 rows; the
+//! tensor-core kernel keeps the others, and the layers with one kernel row (1-D) or a row
+//! stride of 2.
 //!
 //! It takes kernels up to [`MAX_KERNEL`] taps a side, strides up to [`MAX_STRIDE`] (1 for
 //! backward-data) and no dilation; strided backward-data goes to the grouped family (16-bit,
@@ -81,10 +83,11 @@ const ROWS_AHEAD: usize = 3;
 /// channels (larger kernels), or all of fewer.
 const ROWS_MAX_VECTORS: usize = 64;
 const ROWS_MAX_CHANNELS: usize = 32;
-/// The tallest 16-bit image (gathered rows) the rows kernel takes with kernels past 3x3. H100,
-/// 5x5 and 7x7 layers, rows / the tensor-core kernel, forward and backward-data: images of 7x7
-/// 1.09-1.39x (768 and 1,152 channels), 14x14 to 56x56 0.70-0.94x but one (120 channels at
-/// 28x28, 1.06-1.10x); backward-weight against the stencil 0.74-0.84x.
+/// The tallest 16-bit image (gathered rows) the rows kernel takes with kernels past 3x3 (up to
+/// 25 taps). H100, rows / the tensor-core kernel, forward and backward-data: 5x5 on 7x7 images
+/// 1.30-1.42x (960 and 1,152 channels), 7x7 kernels there 0.78-1.02x (512, 768, 1,024
+/// channels); 5x5 and 7x7 on 14x14 to 56x56 images 0.70-0.94x but one (120 channels at 28x28,
+/// 1.06-1.10x); backward-weight against the stencil 0.74-0.84x.
 pub const ROWS_SMALL_IMAGE: usize = 7;
 /// Channels a tensor-core block works on, and the outputs of one MMA row (a segment).
 const TENSOR_CHANNELS: usize = 16;
@@ -238,8 +241,8 @@ pub fn spec(dtype: DType, pass: Pass, s: Shape) -> KernelSpec {
 /// stride 1 for 3x3 and 5x5; backward-data at stride 1. From sm_80 on, at stride 1 and
 /// multiplier 1, forward and backward-data are the rows kernel's (16-bit 5x5 and 7x7: the
 /// tensor-core kernel's, and for 5x5 the rows kernel's too, which takes 7x7 images), and
-/// backward-weight is listed
-/// on both the rows kernel (large images) and the stencil (16-bit 5x5 and 7x7: the stencil).
+/// backward-weight is listed on both the rows kernel (large images) and the stencil (16-bit
+/// 5x5 and 7x7: the stencil).
 pub fn specs(arch: u32) -> Vec<KernelSpec> {
     let mut shapes = Vec::new();
     for k in [3, 5, 7] {
@@ -317,8 +320,9 @@ fn takes_tensor(key: &PlanKey) -> bool {
 
 /// Whether the plan runs `key` (which the family takes) on the rows kernel, where it can
 /// ([`rows_fit`]): kernels up to 3x3 always; larger ones (one channel a thread) in f32 and, in
-/// 16-bit, only the forward and backward-data of images of at most [`ROWS_SMALL_IMAGE`] rows:
-/// elsewhere in 16-bit the tensor-core kernel and the stencil are faster.
+/// 16-bit, only the forward and backward-data of kernels of up to 25 taps on images of at most
+/// [`ROWS_SMALL_IMAGE`] rows: elsewhere in 16-bit the tensor-core kernel and the stencil are
+/// faster.
 pub fn takes_rows(key: &PlanKey) -> bool {
     let g = &key.geometry;
     let gathered_rows = match key.pass {
