@@ -89,6 +89,9 @@ const ROWS_MAX_CHANNELS: usize = 32;
 /// channels); 5x5 and 7x7 on 14x14 to 56x56 images 0.70-0.94x but one (120 channels at 28x28,
 /// 1.06-1.10x); backward-weight against the stencil 0.74-0.84x.
 pub const ROWS_SMALL_IMAGE: usize = 7;
+/// The most taps a 16-bit kernel past 3x3 may have for the rows kernel to take it (on images
+/// of at most [`ROWS_SMALL_IMAGE`] rows).
+const ROWS_SMALL_IMAGE_TAPS: usize = 25;
 /// Channels a tensor-core block works on, and the outputs of one MMA row (a segment).
 const TENSOR_CHANNELS: usize = 16;
 const SEGMENT: usize = 8;
@@ -264,7 +267,7 @@ pub fn specs(arch: u32) -> Vec<KernelSpec> {
                 // 7x7 (forward and backward-data): both it and the tensor-core kernel are listed.
                 let larger = k > 3;
                 let sixteen = dtype != DType::F32;
-                let small_image_ok = gather && k * k <= 25;
+                let small_image_ok = gather && k * k <= ROWS_SMALL_IMAGE_TAPS;
                 let rows = arch >= ROWS_ARCH
                     && one_channel_stride_1
                     && (!larger || !sixteen || small_image_ok);
@@ -329,7 +332,8 @@ pub fn takes_rows(key: &PlanKey) -> bool {
         Pass::BackwardData => g.input[1],
         _ => g.output[1],
     };
-    let small_image = gathered_rows <= ROWS_SMALL_IMAGE && g.kernel[1] * g.kernel[2] <= 25;
+    let taps = g.kernel[1] * g.kernel[2];
+    let small_image = gathered_rows <= ROWS_SMALL_IMAGE && taps <= ROWS_SMALL_IMAGE_TAPS;
     let larger_ok = key.dtype == DType::F32 || key.pass != Pass::BackwardWeight && small_image;
     rows_fit(key) && (rows_vector([g.kernel[1], g.kernel[2]]) == 4 || larger_ok)
 }
@@ -456,17 +460,21 @@ fn choose_rows(key: &PlanKey, sms: usize, limit: usize, any_walk: bool) -> Optio
     let fewest_chunks = vectors_all.div_ceil(most_vectors);
     // (walk, cost, thread slots)
     let mut best: Option<(RowsWalk, usize, usize)> = None;
-    for chunks in [fewest_chunks, 2 * fewest_chunks, 4 * fewest_chunks] {
+    // One-channel chunks are whole warps (with fewer channels, a warp's lanes of different
+    // column groups read the same shared-memory banks): only the fewest chunks are tried.
+    let tries = if v == 1 { 1 } else { 3 };
+    for chunks in [fewest_chunks, 2 * fewest_chunks, 4 * fewest_chunks]
+        .into_iter()
+        .take(tries)
+    {
         let vectors = if v == 1 {
-            // Whole warps of channels: with fewer, a warp's lanes of different column groups
-            // read the same shared-memory banks.
             vectors_all
                 .next_multiple_of(per_copy)
                 .min(ROWS_MAX_CHANNELS)
         } else {
             vectors_all.div_ceil(chunks)
         };
-        if chunks > fewest_chunks && (vectors < 8 || v == 1) {
+        if chunks > fewest_chunks && vectors < 8 {
             break;
         }
         let chunks = vectors_all.div_ceil(vectors);
