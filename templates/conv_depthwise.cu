@@ -11,9 +11,15 @@
 // The three passes share the walk (`kiln_walk`):
 //   PASS 0 forward:         out = output, src = input; source row of output row P, tap kh:
 //                           P * SH + kh + off_h (off = -pad).
-//   PASS 1 backward-data:   out = input gradient, src = cotangent, stride 1 only; taps walked
-//                           backwards (off = pad - (k - 1)); input channel ci sums the MG
-//                           cotangent channels ci * MG + m.
+//   PASS 1 backward-data:   out = input gradient, src = cotangent; taps walked backwards
+//                           (off = pad - (k - 1)); input channel ci sums the MG cotangent
+//                           channels ci * MG + m. At stride S the cotangent is read as if
+//                           spread S apart with zeros between (the forward's source of the
+//                           transposed convolution), and only its real rows and columns are
+//                           staged: the tiles start where the spread source has a real row and
+//                           column (p.base_h, p.base_w, up to S - 1 before the image), so each
+//                           output's real taps are known at compile time and the zeros are
+//                           never read or multiplied.
 //   PASS 2 backward-weight: the forward's walk with the cotangent (staged beside the source)
 //                           as multiplier and the KH x KW tap sums as accumulators; a block
 //                           sums its tiles (a split of the batch's), its warps are added in a
@@ -31,9 +37,13 @@ constexpr int THREADS = {{block_dim}};
 constexpr int LANES = 32;  // channels a block, one a lane
 constexpr int WARPS = THREADS / LANES;
 constexpr int KSIZE = KH * KW;
-// Source rows and columns OTH x OTW outputs read.
-constexpr int SRC_ROWS = (OTH - 1) * SH + KH;
-constexpr int WIN = (OTW - 1) * SW + KW;
+// The walk's source step an output (forward, backward-weight: the stride) and the spread of
+// the source (backward-data: the stride; the staged source holds every DH-th spread row).
+constexpr int STEP_H = PASS == 1 ? 1 : SH, STEP_W = PASS == 1 ? 1 : SW;
+constexpr int DH = PASS == 1 ? SH : 1, DW = PASS == 1 ? SW : 1;
+// Staged source rows and columns OTH x OTW outputs read.
+constexpr int SRC_ROWS = ((OTH - 1) * STEP_H + KH - 1) / DH + 1;
+constexpr int WIN = ((OTW - 1) * STEP_W + KW - 1) / DW + 1;
 // Source channels a staged pixel holds: forward and backward-weight the LANES / MG input
 // channels of the block's output channels; backward-data the MG cotangent channels of each of
 // its input channels. They are contiguous in the source.
@@ -45,7 +55,7 @@ constexpr int MIN_BLOCKS = KSIZE <= 9 ? 4 : KSIZE <= 25 ? 3 : 2;
 // Elements of a 16-byte copy.
 constexpr int V = 16 / (int)sizeof(T);
 static_assert(PER % V == 0 && LANES % V == 0, "staged pixels are whole 16-byte copies");
-static_assert(PASS != 1 || (SH == 1 && SW == 1), "backward-data is stride 1 only");
+static_assert(OTH % DH == 0 && OTW % DW == 0, "sub-tiles start on a real source row and column");
 
 // Mirrors ops::conv::depthwise::Problem (repr(C)).
 struct kiln_depthwise {
@@ -61,11 +71,16 @@ struct kiln_depthwise {
   int vec_src;              // the source may be copied in 16-byte pieces
   int vec_dy;               // backward-weight: so may the cotangent
   int tiles_per_split;      // backward-weight: tiles a block sums
+  int base_h, base_w;       // output position of tile 0 (backward-data at stride 2: -1 or 0)
 };
 
 // The staged source rows and columns of a tile.
-__device__ __forceinline__ int kiln_rows(const kiln_depthwise& p) { return (p.tile_h - 1) * SH + KH; }
-__device__ __forceinline__ int kiln_cols(const kiln_depthwise& p) { return (p.tile_w - 1) * SW + KW; }
+__device__ __forceinline__ int kiln_rows(const kiln_depthwise& p) {
+  return ((p.tile_h - 1) * STEP_H + KH - 1) / DH + 1;
+}
+__device__ __forceinline__ int kiln_cols(const kiln_depthwise& p) {
+  return ((p.tile_w - 1) * STEP_W + KW - 1) / DW + 1;
+}
 
 // Copies `rows` x `cols` pixels of P channels, from channel c0 of pixel (n, h0, w0) of an
 // (n, ext_h, ext_w, chans) array, into s[pixel * P + k] as they are; zeros outside the array.
@@ -107,7 +122,7 @@ struct kiln_tile {
 __device__ __forceinline__ kiln_tile kiln_tile_at(const kiln_depthwise& p, int tile) {
   const int tw = tile % p.tiles_w, rest = tile / p.tiles_w;
   const int th = rest % p.tiles_h;
-  return {rest / p.tiles_h, th * p.tile_h, tw * p.tile_w};
+  return {rest / p.tiles_h, th * p.tile_h + p.base_h, tw * p.tile_w + p.base_w};
 }
 
 // Starts copying tile `tile`'s source (and for backward-weight its cotangent) into `s`.
@@ -115,8 +130,10 @@ __device__ __forceinline__ void kiln_issue(const T* __restrict__ src, const T* _
                                            const kiln_depthwise& p, T* s, int tile, int c0) {
   const kiln_tile t = kiln_tile_at(p, tile);
   const int rows = kiln_rows(p), cols = kiln_cols(p);
-  kiln_copy_tile<PER>(src, s, t.n, t.oh * SH + p.off_h, t.ow * SW + p.off_w, rows, cols, p.src_h,
-                      p.src_w, p.src_c, c0, p.vec_src);
+  // The tile's first staged row and column (backward-data at stride 2: spread position
+  // t.oh + off_h is a real row, a multiple of DH).
+  const int h0 = (t.oh * STEP_H + p.off_h) / DH, w0 = (t.ow * STEP_W + p.off_w) / DW;
+  kiln_copy_tile<PER>(src, s, t.n, h0, w0, rows, cols, p.src_h, p.src_w, p.src_c, c0, p.vec_src);
   if (PASS == 2)
     kiln_copy_tile<LANES>(dy, s + rows * cols * PER, t.n, t.oh, t.ow, p.tile_h, p.tile_w, p.out_h,
                           p.out_w, p.out_c, blockIdx.y * LANES, p.vec_dy);
@@ -128,10 +145,11 @@ __device__ __forceinline__ int kiln_buffer(const kiln_depthwise& p) {
   return kiln_rows(p) * kiln_cols(p) * PER + (PASS == 2 ? p.tile_h * p.tile_w * LANES : 0);
 }
 
-// One source row R of an OTH x OTW block of outputs: the WIN staged values from `row` (a lane's
-// channel; consecutive columns PER elements apart) meet output (i, j) at tap
-// (R - i * SH, j * SW + kw). Forward and backward-data add weight x source to acc[i][j];
-// backward-weight adds cotangent x source to the tap's sum dw.
+// One staged source row R of an OTH x OTW block of outputs: the WIN staged values from `row` (a
+// lane's channel; consecutive columns PER elements apart) meet output (i, j) at tap
+// (R * DH - i * STEP_H, q - j * STEP_W) for the spread columns q = DW * (staged column).
+// Forward and backward-data add weight x source to acc[i][j]; backward-weight adds cotangent x
+// source to the tap's sum dw.
 template <int R>
 __device__ __forceinline__ void kiln_walk_row(const T* row, const float (&wt)[KH][KW],
                                               float (&acc)[OTH][OTW], const float (&g)[OTH][OTW],
@@ -141,16 +159,18 @@ __device__ __forceinline__ void kiln_walk_row(const T* row, const float (&wt)[KH
   for (int q = 0; q < WIN; ++q) win[q] = kiln_to_float(row[q * PER]);
 #pragma unroll
   for (int i = 0; i < OTH; ++i) {
-    const int kh = R - i * SH;
+    const int kh = R * DH - i * STEP_H;
     if (kh < 0 || kh >= KH) continue;
 #pragma unroll
     for (int j = 0; j < OTW; ++j)
 #pragma unroll
       for (int kw = 0; kw < KW; ++kw) {
+        const int q = j * STEP_W + kw;
+        if (q % DW != 0) continue;  // a spread zero
         if (PASS == 2)
-          dw[kh][kw] += g[i][j] * win[j * SW + kw];
+          dw[kh][kw] += g[i][j] * win[q / DW];
         else
-          acc[i][j] += wt[kh][kw] * win[j * SW + kw];
+          acc[i][j] += wt[kh][kw] * win[q / DW];
       }
   }
 }
@@ -237,7 +257,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{kernel}}(
         const int si = s / subs_w, sj = s - si * subs_w;
         const int oh = t.oh + si * OTH, ow = t.ow + sj * OTW;
         if (oh >= p.out_h || ow >= p.out_w) continue;
-        const T* base = buf + (si * OTH * SH * cols + sj * OTW * SW) * PER;
+        const T* base =
+            buf + (si * OTH * STEP_H / DH * cols + sj * OTW * STEP_W / DW) * PER;
         float acc[OTH][OTW];
         float g[OTH][OTW];
 #pragma unroll
@@ -263,13 +284,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{kernel}}(
           }
         }
         if constexpr (PASS != 2) {
-          T* dst = out + (((long long)t.n * p.out_h + oh) * p.out_w + ow) * p.out_c + oc;
+          const long long row0 = (long long)t.n * p.out_h + oh;
 #pragma unroll
           for (int i = 0; i < OTH; ++i)
 #pragma unroll
-            for (int j = 0; j < OTW; ++j)
-              if (oh + i < p.out_h && ow + j < p.out_w)
-                dst[((long long)i * p.out_w + j) * p.out_c] = kiln_from_float<T>(acc[i][j]);
+            for (int j = 0; j < OTW; ++j) {
+              // Tiles of strided backward-data may start before the image.
+              const bool inside = (DH == 1 || oh + i >= 0) && (DW == 1 || ow + j >= 0);
+              if (inside && oh + i < p.out_h && ow + j < p.out_w)
+                out[((row0 + i) * p.out_w + ow + j) * p.out_c + oc] = kiln_from_float<T>(acc[i][j]);
+            }
         }
       }
     }

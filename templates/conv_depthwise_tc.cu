@@ -62,6 +62,7 @@ struct kiln_depthwise {
   int vec_src;              // unused: this kernel always copies 16-byte units
   int vec_dy;               // unused
   int tiles_per_split;      // unused
+  int base_h, base_w;       // unused (0)
 };
 
 // x / d for 0 <= x < 2^32 / d, as a multiply by m = kiln_magic(d) (no division in the loops).

@@ -572,12 +572,12 @@ fn random_stems(seed: u64, n: usize) -> Vec<Case> {
 
 /// `n` random depthwise layers the depthwise family takes for `pass` (seeded): 1-D and 2-D,
 /// channel multipliers 1, 2 and 4, channel counts that span several 32-channel blocks or leave
-/// one partial (odd ones read without vectors), kernels up to 7 a side, strides up to 2 (1 for
-/// backward-data), uneven padding and flip.
+/// one partial (odd ones read without vectors), kernels up to 7 a side, strides up to 2,
+/// uneven padding and flip.
 fn random_depthwise(pass: Pass, n: usize) -> Vec<Case> {
     let mut rng = TestRng::new(0xde97 + pass as u64);
     let mut pick = |lo: usize, hi: usize| rng.pick(lo, hi);
-    let most_stride = if pass == Pass::BackwardData { 1 } else { 2 };
+    let most_stride = depthwise::MAX_STRIDE;
     let mut out = Vec::new();
     while out.len() < n {
         let c = if pick(0, 1) == 0 {

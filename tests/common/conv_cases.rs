@@ -143,7 +143,7 @@ pub fn direct() -> Vec<ConvCase> {
 /// Cases for the depthwise family (1-D and 2-D depthwise, kernels up to 7x7, strides up to 2):
 /// channel multipliers 1, 2 and 4, more than one block of 32 channels with a partial one, odd
 /// channel counts (read without vectors), tiles cut by the edges, uneven padding, flip, a long
-/// backward-weight sum that splits. Backward-data takes the stride-1 ones.
+/// backward-weight sum that splits, strided backward-data whose tiles start before the image.
 pub fn depthwise() -> Vec<ConvCase> {
     let d = ConvParams::default;
     vec![
@@ -212,6 +212,25 @@ pub fn depthwise() -> Vec<ConvCase> {
                 .flip(true)
                 .padding_lo(&[2, 1])
                 .padding_hi(&[1, 3]),
+        ),
+        ConvCase::new(
+            "depthwise 3x3 stride 2, odd image, padding 1/0, 96 channels",
+            &[3, 29, 31, 96],
+            &[96, 3, 3, 1],
+            d().groups(96)
+                .strides(&[2])
+                .padding_lo(&[1])
+                .padding_hi(&[0]),
+        ),
+        ConvCase::new(
+            "depthwise 7x7 stride 2 flip, padding 3/2 and 2/3, 48 channels",
+            &[2, 23, 26, 48],
+            &[48, 7, 7, 1],
+            d().groups(48)
+                .strides(&[2])
+                .flip(true)
+                .padding_lo(&[3, 2])
+                .padding_hi(&[2, 3]),
         ),
         ConvCase::new(
             "depthwise 3x3 flip, rows of 150 in two tiles, uneven padding, 24 channels",

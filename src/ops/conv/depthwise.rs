@@ -28,9 +28,14 @@
 //! tensor-core kernel keeps the others, and the layers with one kernel row (1-D) or a row
 //! stride of 2.
 //!
-//! It takes kernels up to [`MAX_KERNEL`] taps a side, strides up to [`MAX_STRIDE`] (1 for
-//! backward-data) and no dilation; strided backward-data goes to the grouped family (16-bit,
-//! stride phases) or the direct family, as do the other depthwise layers. Specs are
+//! Strided backward-data runs on the stencil as the forward of the transposed convolution: its
+//! source is the cotangent spread by the stride with zeros between, of which only the real rows
+//! and columns are staged, and tiles start where the spread source has a real row and column
+//! (up to a stride before the image), so each output's live taps are compile-time and the zeros
+//! are never read or multiplied.
+//!
+//! It takes kernels up to [`MAX_KERNEL`] taps a side, strides up to [`MAX_STRIDE`] and no
+//! dilation; the direct family takes the other depthwise layers. Specs are
 //! specialised by kernel, stride and channel multiplier: [`specs`] lists the common ones
 //! (`kiln warm` compiles those); any other compiles on its first use.
 
@@ -143,23 +148,14 @@ pub enum Variant {
 }
 
 impl Shape {
-    fn of(g: &Geometry) -> Shape {
-        // 1-D layers (one row) take 8 outputs along the row; 2-D ones 4 x 4, which reads each
-        // staged value once per 4 (stride 1) outputs it serves and fits the 7x7 kernel's taps,
-        // sums and window in registers.
-        // Stride 2 takes 2 x 4: its source rows are twice as many, and a block's eight warps
-        // still get a sub-tile each from a tile whose source fits.
+    fn of(pass: Pass, g: &Geometry) -> Shape {
         let one_row = g.input[1] == 1 && g.kernel[1] == 1;
-        let out_tile = match (one_row, g.stride[1]) {
-            (true, _) => [1, 8],
-            (false, 1) => [4, 4],
-            _ => [2, 4],
-        };
+        let stride = [g.stride[1], g.stride[2]];
         Shape {
             mg: g.cout / g.groups,
             kernel: [g.kernel[1], g.kernel[2]],
-            stride: [g.stride[1], g.stride[2]],
-            out_tile,
+            stride,
+            out_tile: stencil_tile(pass, one_row, stride),
             variant: Variant::Stencil,
         }
     }
@@ -169,7 +165,7 @@ impl Shape {
         Shape {
             out_tile: [1, SEGMENT],
             variant: Variant::Tensor,
-            ..Shape::of(g)
+            ..Shape::of(Pass::Forward, g)
         }
     }
 
@@ -178,7 +174,7 @@ impl Shape {
         Shape {
             out_tile: [1, rows_columns(dtype, [g.kernel[1], g.kernel[2]])],
             variant: Variant::Rows,
-            ..Shape::of(g)
+            ..Shape::of(Pass::Forward, g)
         }
     }
 
@@ -191,6 +187,20 @@ impl Shape {
         }
     }
 
+    /// The staged source rows and columns of a stencil `tile` of outputs (the template's
+    /// `kiln_rows` and `kiln_cols`): forward and backward-weight step the stride an output;
+    /// backward-data stages the real rows and columns of the cotangent spread by the stride.
+    fn source_extent(&self, pass: Pass, tile: [usize; 2]) -> [usize; 2] {
+        std::array::from_fn(|d| {
+            let (step, spread) = if pass == Pass::BackwardData {
+                (1, self.stride[d])
+            } else {
+                (self.stride[d], 1)
+            };
+            ((tile[d] - 1) * step + self.kernel[d] - 1) / spread + 1
+        })
+    }
+
     /// Channels staged a pixel (the template's PER) and planes they lie in (PLANES).
     fn staged(&self, pass: Pass) -> (usize, usize) {
         if pass == Pass::BackwardData {
@@ -198,6 +208,23 @@ impl Shape {
         } else {
             (LANES / self.mg, 1)
         }
+    }
+}
+
+/// The stencil's outputs a warp computes at a time (OTH x OTW). 1-D layers (one row) take 8
+/// along the row; 2-D ones 4 x 4, which reads each staged value once per 4 (stride 1) outputs
+/// it serves and fits the 7x7 kernel's taps, sums and window in registers. The forward and
+/// backward-weight at stride 2 take 2 x 4: their source rows are twice as many, and a block's
+/// eight warps still get a sub-tile each from a tile whose source fits. Backward-data's
+/// sub-tiles start on real rows and columns of the spread cotangent: whole strides (4 x 4, and
+/// 1 x 8 only for rows of stride 1).
+fn stencil_tile(pass: Pass, one_row: bool, stride: [usize; 2]) -> [usize; 2] {
+    match (pass, one_row, stride[0]) {
+        (Pass::BackwardData, true, 1) => [1, 8],
+        (Pass::BackwardData, ..) => [4, 4],
+        (_, true, _) => [1, 8],
+        (_, false, 1) => [4, 4],
+        _ => [2, 4],
     }
 }
 
@@ -240,8 +267,8 @@ pub fn spec(dtype: DType, pass: Pass, s: Shape) -> KernelSpec {
 }
 
 /// The common 2-D depthwise layers `kiln warm` compiles for `arch`: square 3x3, 5x5 and 7x7
-/// kernels at strides 1 and 2 (MobileNet, EfficientNet, ConvNeXt), and channel multiplier 2 at
-/// stride 1 for 3x3 and 5x5; backward-data at stride 1. From sm_80 on, at stride 1 and
+/// kernels at strides 1 and 2 (MobileNet, EfficientNet, ConvNeXt), every pass, and channel
+/// multiplier 2 at stride 1 for 3x3 and 5x5. From sm_80 on, at stride 1 and
 /// multiplier 1, forward and backward-data are the rows kernel's (16-bit 5x5 and 7x7: the
 /// tensor-core kernel's, and for 5x5 the rows kernel's too, which takes 7x7 images), and
 /// backward-weight is listed on both the rows kernel (large images) and the stencil (16-bit
@@ -258,9 +285,6 @@ pub fn specs(arch: u32) -> Vec<KernelSpec> {
     for dtype in DType::ALL {
         for pass in Pass::ALL {
             for &(mg, k, s) in &shapes {
-                if pass == Pass::BackwardData && s > 1 {
-                    continue;
-                }
                 let gather = pass != Pass::BackwardWeight;
                 let one_channel_stride_1 = mg == 1 && s == 1;
                 // Kernels past 3x3 take the rows kernel in f32, and in 16-bit 5x5 for images of
@@ -286,11 +310,10 @@ pub fn specs(arch: u32) -> Vec<KernelSpec> {
                         mg,
                         kernel: [k, k],
                         stride: [s, s],
-                        out_tile: match (variant, s) {
-                            (Variant::Rows, _) => [1, rows_columns(dtype, [k, k])],
-                            (Variant::Tensor, _) => [1, SEGMENT],
-                            (_, 1) => [4, 4],
-                            _ => [2, 4],
+                        out_tile: match variant {
+                            Variant::Rows => [1, rows_columns(dtype, [k, k])],
+                            Variant::Tensor => [1, SEGMENT],
+                            Variant::Stencil => stencil_tile(pass, false, [s, s]),
                         },
                         variant,
                     };
@@ -314,6 +337,7 @@ fn takes_tensor(key: &PlanKey) -> bool {
         && key.pass != Pass::BackwardWeight
         && g.cout == g.groups
         && g.stride[2] == 1
+        && (key.pass == Pass::Forward || g.stride[1] == 1)
         && g.kernel[2] <= 9
         && key.aligned
         && (g.cin * key.dtype.size()) % 16 == 0
@@ -582,6 +606,8 @@ pub fn rows_launch(key: &PlanKey, sms: usize, limit: usize, any_walk: bool) -> O
         vec_src: 1,
         vec_dy: 0,
         tiles_per_split: 0,
+        base_h: 0,
+        base_w: 0,
     };
     Some(Launch {
         pass,
@@ -611,9 +637,7 @@ pub fn unsupported(path: ConvPath, key: &PlanKey) -> Option<&'static str> {
     if !MULTIPLIERS.contains(&(g.cout / g.groups)) {
         return Some("a channel multiplier the family does not take");
     }
-    // Backward-data walks the taps at stride 1 (the grouped family takes strided layers by
-    // stride phase where it can, the direct family the rest).
-    tile_limits(key, MAX_KERNEL, MAX_STRIDE, 1)
+    tile_limits(key, MAX_KERNEL, MAX_STRIDE, MAX_STRIDE)
 }
 
 /// The kernel's view of a problem: `struct kiln_depthwise` in the template.
@@ -639,6 +663,8 @@ pub struct Problem {
     pub vec_src: i32,
     pub vec_dy: i32,
     pub tiles_per_split: i32,
+    pub base_h: i32,
+    pub base_w: i32,
 }
 
 /// A plan's launch: the problem, the grid and block, dynamic shared memory, and the splits of
@@ -663,8 +689,7 @@ pub fn shared_bytes(dtype: DType, pass: Pass, s: Shape, tile: [usize; 2]) -> usi
         return tensor_shared_bytes(s, tile);
     }
     let (per, planes) = s.staged(pass);
-    let rows = (tile[0] - 1) * s.stride[0] + s.kernel[0];
-    let cols = (tile[1] - 1) * s.stride[1] + s.kernel[1];
+    let [rows, cols] = s.source_extent(pass, tile);
     let taps = s.kernel[0] * s.kernel[1];
     let mut buffer = rows * cols * per;
     if pass == Pass::BackwardWeight {
@@ -714,8 +739,7 @@ fn choose_tile(
             let full = subs >= WARPS;
             let tiles = out[0].div_ceil(th) * out[1].div_ceil(tw) * images_x_chunks;
             let enough = tiles >= TILES_PER_BLOCK * per_sm * sms;
-            let rows = (th - 1) * s.stride[0] + s.kernel[0];
-            let cols = (tw - 1) * s.stride[1] + s.kernel[1];
+            let [rows, cols] = s.source_extent(pass, [th, tw]);
             let slots = subs.div_ceil(WARPS) * WARPS * oth * otw;
             let cost = tiles * (rows * cols * per * 2 + slots * LANES * taps);
             let better = match best {
@@ -840,7 +864,7 @@ pub fn launch_for(key: &PlanKey, sms: usize, limit: usize) -> Option<Launch> {
     let (shape, chunks, tile, per_sm) = match tensor {
         Some(t) => t,
         None => {
-            let shape = Shape::of(g);
+            let shape = Shape::of(pass, g);
             let chunks = out_c.div_ceil(LANES);
             let (tile, per_sm) =
                 choose_tile(dtype, pass, shape, extents, g.batch * chunks, sms, limit)?;
@@ -848,8 +872,16 @@ pub fn launch_for(key: &PlanKey, sms: usize, limit: usize) -> Option<Launch> {
         }
     };
     let blocks = per_sm * sms;
-    let tiles_h = out[1].div_ceil(tile[0]);
-    let tiles_w = out[2].div_ceil(tile[1]);
+    // Backward-data's tiles start where the spread cotangent has a real row and column: up to
+    // stride - 1 outputs before the image (their outputs are not stored).
+    let base = |d: usize| match pass {
+        Pass::BackwardData => -off(d).rem_euclid(g.stride[d] as i64),
+        _ => 0,
+    };
+    let (base_h, base_w) = (base(1), base(2));
+    let tiles_h = (out[1] as i64 - base_h) as usize;
+    let tiles_w = (out[2] as i64 - base_w) as usize;
+    let (tiles_h, tiles_w) = (tiles_h.div_ceil(tile[0]), tiles_w.div_ceil(tile[1]));
     let tiles = g.batch * tiles_h * tiles_w;
     let (blocks_x, splits, per_split) = persistent_grid(pass, blocks, chunks, tiles);
     if tiles == 0 || tiles > i32::MAX as usize || chunks > 65535 {
@@ -882,6 +914,8 @@ pub fn launch_for(key: &PlanKey, sms: usize, limit: usize) -> Option<Launch> {
         vec_src: (tensor || vec(src_c)) as i32,
         vec_dy: (pass == Pass::BackwardWeight && vec(out_c)) as i32,
         tiles_per_split: per_split as i32,
+        base_h: base_h as i32,
+        base_w: base_w as i32,
     };
     Some(Launch {
         pass,
@@ -962,13 +996,16 @@ mod tests {
         assert!(unsupported(ConvPath::Auto, &key(f16, Pass::Forward, &x, &w, &p)).is_some());
         let (x, w, p) = depthwise(24, 1, [9, 9], 9, 1);
         assert!(unsupported(ConvPath::Auto, &key(f16, Pass::Forward, &x, &w, &p)).is_some());
-        // Strided backward-data is another family's; strided forward is this one's.
-        let (x, w, p) = depthwise(24, 1, [9, 9], 3, 2);
-        assert!(unsupported(ConvPath::Auto, &key(f16, Pass::BackwardData, &x, &w, &p)).is_some());
-        assert_eq!(
-            unsupported(ConvPath::Auto, &key(f16, Pass::Forward, &x, &w, &p)),
-            None
-        );
+        // Stride 2 in every pass; stride 3 in none.
+        for pass in Pass::ALL {
+            let (x, w, p) = depthwise(24, 1, [9, 9], 3, 2);
+            assert_eq!(
+                unsupported(ConvPath::Auto, &key(f16, pass, &x, &w, &p)),
+                None
+            );
+            let (x, w, p) = depthwise(24, 1, [9, 9], 3, 3);
+            assert!(unsupported(ConvPath::Auto, &key(f16, pass, &x, &w, &p)).is_some());
+        }
         let grouped = ConvParams::default().groups(12).padding(&[1]);
         let k = key(f16, Pass::Forward, &[2, 9, 9, 24], &[24, 3, 3, 2], &grouped);
         assert!(unsupported(ConvPath::Auto, &k).is_some());
@@ -1202,9 +1239,6 @@ mod tests {
         for dtype in DType::ALL {
             for pass in Pass::ALL {
                 for (k, s) in [(3, 1), (3, 2), (5, 1), (5, 2), (7, 1)] {
-                    if pass == Pass::BackwardData && s > 1 {
-                        continue;
-                    }
                     for size in [56, 7] {
                         let (x, w, p) = depthwise(96, 1, [size, size], k, s);
                         let kk = key(dtype, pass, &x, &w, &p);
@@ -1225,11 +1259,12 @@ mod tests {
         for dtype in DType::ALL {
             for pass in Pass::ALL {
                 for mg in MULTIPLIERS {
-                    for k in [1, 3, 5, 7] {
+                    for (k, stride) in [(1, 1), (3, 1), (5, 1), (7, 1), (3, 2), (4, 2)] {
                         for size in sizes {
                             let kh = if size[0] == 1 { 1 } else { k };
                             let p = ConvParams::default()
                                 .groups(40)
+                                .strides(&[stride])
                                 .padding_lo(&[kh / 2, k / 2]);
                             let p = p.padding_hi(&[kh / 2, k / 2]);
                             let x = [3, size[0], size[1], 40];
@@ -1240,8 +1275,22 @@ mod tests {
                             assert!(l.shared <= H100_SHARED, "{kk:?}");
                             assert_eq!(pr.tile_h as usize % l.shape.out_tile[0], 0);
                             assert_eq!(pr.tile_w as usize % l.shape.out_tile[1], 0);
-                            assert!(pr.tiles_h * pr.tile_h >= pr.out_h, "{kk:?}");
-                            assert!(pr.tiles_w * pr.tile_w >= pr.out_w, "{kk:?}");
+                            // Tiles start at base (backward-data at stride 2: where the
+                            // spread cotangent has a real row and column) and cover the output.
+                            let spread = match pass {
+                                Pass::BackwardData => stride as i32,
+                                _ => 1,
+                            };
+                            for (base, off) in [(pr.base_h, pr.off_h), (pr.base_w, pr.off_w)] {
+                                assert!(base <= 0 && base > -spread, "{kk:?}");
+                                assert_eq!((base + off).rem_euclid(spread), 0, "{kk:?}");
+                            }
+                            let tile = [l.shape.out_tile, [pr.tile_h as usize, pr.tile_w as usize]];
+                            for t in tile {
+                                assert!(t.iter().all(|&e| e as i32 % spread == 0), "{kk:?}");
+                            }
+                            assert!(pr.base_h + pr.tiles_h * pr.tile_h >= pr.out_h, "{kk:?}");
+                            assert!(pr.base_w + pr.tiles_w * pr.tile_w >= pr.out_w, "{kk:?}");
                             assert_eq!(pr.tiles, 3 * pr.tiles_h * pr.tiles_w);
                             assert_eq!(l.grid.1 as i32, pr.chunks);
                             if l.shape.variant == Variant::Rows {

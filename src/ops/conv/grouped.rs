@@ -1,8 +1,8 @@
 //! The grouped family (`templates/conv_grouped.cu`): grouped convolutions with few channels a
 //! group (2 to 32 input channels a group, as many output channels: ResNeXt, RegNet) in f16 and
-//! bf16 on tensor cores; and depthwise layers (one channel a group) that the depthwise family
-//! declines, which are strided backward-data. A block works on 64 channels and walks tiles of outputs, copying the
-//! next tile's source pixels into shared memory while it multiplies this one with `mma.sync`;
+//! bf16 on tensor cores. It can run depthwise layers too (one channel a group), but the plan
+//! gives every depthwise layer it takes to the depthwise family, which comes first. A block
+//! works on 64 channels and walks tiles of outputs, copying the next tile's source pixels into shared memory while it multiplies this one with `mma.sync`;
 //! each group's weights between 16 output channels and the source channels they read are a
 //! block-diagonal 16 x 16 matrix (two dense ones for 32-channel groups), so one code path takes
 //! every group width and the zeros cost only MMAs, which such layers have to spare.
@@ -106,18 +106,10 @@ pub fn spec(dtype: DType, pass: Pass, s: Shape) -> KernelSpec {
 
 /// The common grouped layers `kiln warm` compiles: 3x3 at strides 1 and 2 with 4, 8, 16 and
 /// 32 channels a group (ResNeXt, RegNet), f16 and bf16 (backward-data at stride 2 gathers 2x2
-/// phases); and the backward-data of depthwise 3x3 and 5x5 layers at stride 2.
+/// phases). (Depthwise layers, which the family could take, are the depthwise family's.)
 pub fn specs() -> Vec<KernelSpec> {
     let mut out = Vec::new();
     for dtype in [DType::F16, DType::BF16] {
-        for taps in [2, 3] {
-            let shape = Shape {
-                cg: 1,
-                kernel: [taps, taps],
-                stride: [1, 1],
-            };
-            out.push(spec(dtype, Pass::BackwardData, shape));
-        }
         for pass in Pass::ALL {
             for cg in [4, 8, 16, 32] {
                 for s in [1, 2] {
