@@ -1,5 +1,5 @@
-// Depthwise convolution by streamed rows: every pass at stride 1 with one output channel a
-// group and kernels up to 7x7. Same problem as conv_depthwise.cu (struct kiln_depthwise), which
+// Depthwise convolution by streamed rows: every pass at stride 1, and the forward at stride 2,
+// with one output channel a group and kernels up to 7x7. Same problem as conv_depthwise.cu (struct kiln_depthwise), which
 // takes every other case.
 //
 // Such a layer reads each source value KH x KW times and multiplies it once a read, so what
@@ -10,10 +10,10 @@
 // source row is copied once into a ring of DEPTH shared buffers (cp.async in granules of CG
 // channels, AHEAD rows ahead of the row being computed, so copies are in flight without
 // holding registers); each
-// thread reads its window of TW + KW - 1 columns from the ring and adds it into KH rows of
-// accumulators, one for each output row the source row meets. That ring of accumulators is
-// indexed at compile time: the walk is unrolled by KH. An output row is stored when its last
-// tap row has been added.
+// thread reads its window of (TW - 1) * S + KW columns from the ring and adds it into the rows
+// of accumulators of the output rows the source row meets (KH at stride 1, 2 of a 3x3 at
+// stride 2). That ring of accumulators is indexed at compile time: the walk is unrolled by
+// PERIOD source rows. An output row is stored when its last tap row has been added.
 //
 //   PASS 0 forward:         out = output, src = input.
 //   PASS 1 backward-data:   out = input gradient, src = cotangent: the forward with the taps
@@ -35,6 +35,7 @@ constexpr int PASS = {{PASS}};
 constexpr int KH = {{KH}}, KW = {{KW}};
 constexpr int TW = {{TW}};        // output columns a thread
 constexpr int V = {{V}};          // channels a thread
+constexpr int S = {{S}};          // the stride along both dims (2: forward only)
 // Channels a copy moves: the thread's vector where it is one (8 or 16 bytes), else 16 bytes.
 constexpr int CG = V == 4 ? 4 : 16 / (int)sizeof(T);
 constexpr int AHEAD = 3;          // source rows in flight while one is computed
@@ -42,12 +43,13 @@ constexpr int AHEAD = 3;          // source rows in flight while one is computed
 // cotangent rows before it that the computed source row still meets.
 constexpr int DEPTH = AHEAD + (PASS == 2 ? KH : 1);
 constexpr int THREADS = {{block_dim}};  // the most a block has (blockDim.x * blockDim.y)
-constexpr int WIN = TW + KW - 1;  // source columns a thread reads a row
+constexpr int WIN = (TW - 1) * S + KW;  // source columns a thread reads a row
 constexpr int KSIZE = KH * KW;
 constexpr int CBYTES = CG * (int)sizeof(T);
 static_assert(V == 1 || V == 4, "a thread takes one channel or a vector of 4");
 static_assert(CBYTES == 8 || CBYTES == 16, "a copy moves 8 or 16 bytes");
 static_assert(PASS >= 0 && PASS <= 2, "forward, backward-data, backward-weight");
+static_assert(S == 1 || (S == 2 && PASS == 0), "stride 2 is the forward's");
 
 // Mirrors ops::conv::depthwise::Problem (repr(C)).
 struct kiln_depthwise {
@@ -160,16 +162,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) {{kernel}}(
   T* ring = reinterpret_cast<T*>(kiln_w4);
   const int tx = threadIdx.x, ty = threadIdx.y, groups = blockDim.y;
   const int chans = blockDim.x * V;  // channels a staged column
-  const int cols = p.tile_w + KW - 1;
+  const int cols = (p.tile_w - 1) * S + KW;  // source columns a band reads
   const int band = blockIdx.x % p.tiles_w, rest = blockIdx.x / p.tiles_w;
   const int seg = rest % p.tiles_h, n = rest / p.tiles_h;
   const int c = blockIdx.y * chans + tx * V;  // the thread's first channel
   const bool has_c = c < p.out_c;             // the plan keeps out_c a multiple of V
   const int ow = band * p.tile_w + ty * TW;   // the thread's first output column
-  const int iw0 = band * p.tile_w + p.off_w;  // the band's first source column
+  const int iw0 = band * p.tile_w * S + p.off_w;  // the band's first source column
   const int oh0 = seg * p.tile_h;
   const int rows = min(p.tile_h, p.out_h - oh0);
-  const int steps = rows + KH - 1;  // source rows the segment reads
+  const int steps = (rows - 1) * S + KH;  // source rows the segment reads
   // The copies: granule `cg` (CG channels) of columns q_first, q_first + q_step, ... A thread
   // with a vector of 4 copies its own channels (cg = tx, q_first = ty, q_step = groups).
   const int tid = ty * blockDim.x + tx, granules = chans / CG;
@@ -187,7 +189,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) {{kernel}}(
   // Always commits a group, so that the waits below count rows.
   auto issue = [&](int s) {
     if (s < steps) {
-      const int ih = oh0 + p.off_h + s;
+      const int ih = oh0 * S + p.off_h + s;
       const bool row_ok = has_cc && (unsigned)ih < (unsigned)p.src_h;
       T* dst = ring + (s % DEPTH) * cols * chans + cg * CG;
       const T* row = image + (long long)ih * p.src_w * p.src_c;
@@ -231,11 +233,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) {{kernel}}(
     }
 
   T* dst = out + (long long)n * p.out_h * p.out_w * p.out_c + c;
-  // acc[r]: output row oh0 + s - kh where (s - kh) % KH == r.
-  float acc[KH][TW][V];
-  for (int s0 = 0; s0 < steps; s0 += KH) {
+  // Source row s meets output row o of the segment at tap row s - o * S, so NACC output rows
+  // are open at once; acc[o % NACC] holds row o. The walk is unrolled by PERIOD source rows (a
+  // multiple of S and of NACC rows), which makes each row's slot a compile-time index.
+  constexpr int NACC = (KH + S - 1) / S;
+  constexpr int PERIOD = S * NACC;
+  float acc[NACC][TW][V];
+  for (int s0 = 0; s0 < steps; s0 += PERIOD) {
 #pragma unroll
-    for (int u = 0; u < KH; ++u) {
+    for (int u = 0; u < PERIOD; ++u) {
       const int s = s0 + u;
       if (s >= steps) break;
       // Row s has landed for every thread, and every thread is done with the buffer the next
@@ -243,12 +249,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) {{kernel}}(
       kiln_cp_async_wait<AHEAD - 1>();
       __syncthreads();
       issue(s + AHEAD);
-      const T* row = ring + (s % DEPTH) * cols * chans + tx * V + ty * TW * chans;
-      // Output row oh0 + s begins at tap row 0.
+      const T* row = ring + (s % DEPTH) * cols * chans + tx * V + ty * TW * S * chans;
+      // Output row s / S begins at tap row 0.
+      if (u % S == 0) {
 #pragma unroll
-      for (int j = 0; j < TW; ++j)
+        for (int j = 0; j < TW; ++j)
 #pragma unroll
-        for (int v = 0; v < V; ++v) acc[u][j][v] = 0.0f;
+          for (int v = 0; v < V; ++v) acc[u / S % NACC][j][v] = 0.0f;
+      }
 #pragma unroll
       for (int q = 0; q < WIN; ++q) {
         const kiln_vec<T, V> raw = *reinterpret_cast<const kiln_vec<T, V>*>(row + q * chans);
@@ -257,20 +265,22 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) {{kernel}}(
         for (int v = 0; v < V; ++v) x[v] = kiln_to_float(raw.v[v]);
 #pragma unroll
         for (int kh = 0; kh < KH; ++kh) {
-          const int r = (u - kh + KH) % KH;
+          if ((u - kh + PERIOD) % S != 0) continue;  // no output row meets row s at tap row kh
+          const int r = (u - kh + PERIOD) / S % NACC;
 #pragma unroll
           for (int j = 0; j < TW; ++j) {
-            const int kw = q - j;
+            const int kw = q - j * S;
             if (kw < 0 || kw >= KW) continue;
 #pragma unroll
             for (int v = 0; v < V; ++v) acc[r][j][v] += wt[kh * KW + kw][v] * x[v];
           }
         }
       }
-      // Output row oh0 + s - (KH - 1) has had its last tap row.
-      const int done = s - (KH - 1);
-      if (has_c && done >= 0 && done < rows) {
-        const int r = (u + 1) % KH;
+      // Output row (s - (KH - 1)) / S has had its last tap row.
+      constexpr int LAST = KH - 1;
+      const int done = (s - LAST) / S;
+      if ((u - LAST + PERIOD) % S == 0 && has_c && s >= LAST && done < rows) {
+        const int r = (u - LAST + PERIOD) / S % NACC;
         T* line = dst + (long long)(oh0 + done) * p.out_w * p.out_c;
 #pragma unroll
         for (int j = 0; j < TW; ++j)

@@ -622,11 +622,11 @@ fn random_depthwise(pass: Pass, n: usize) -> Vec<Case> {
 }
 
 /// `n` random layers the depthwise rows kernel takes (seeded): 2-D, one output channel a group,
-/// stride 1, half of them kernels of 2-3 rows and 1-3 columns with channels in vectors of 4
+/// `stride` along both dims, half of them kernels of 2-3 rows and 1-3 columns with channels in vectors of 4
 /// (one to several 64-vector chunks), half kernels of 2-7 rows and 1-7 columns with channels
 /// in 16-byte copies (one channel a thread, one to several 32-channel chunks); rows and columns
 /// from 1, uneven padding and flip.
-fn random_depthwise_rows(seed: u64, n: usize) -> Vec<Case> {
+fn random_depthwise_rows(seed: u64, n: usize, stride: usize) -> Vec<Case> {
     let mut rng = TestRng::new(0x70a5 + seed);
     let mut pick = |lo: usize, hi: usize| rng.pick(lo, hi);
     let mut out = Vec::new();
@@ -650,6 +650,7 @@ fn random_depthwise_rows(seed: u64, n: usize) -> Vec<Case> {
         let w = vec![c, k[0], k[1], 1];
         let p = ConvParams::default()
             .groups(c)
+            .strides(&[stride])
             .padding_lo(&lo)
             .padding_hi(&hi)
             .flip(pick(0, 2) == 0);
@@ -847,7 +848,11 @@ fn check_depthwise_rows(pass: Pass) {
             .iter()
             .all(|&dtype| depthwise_rows_launch(dtype, pass, &g).is_some())
     };
-    let random = random_depthwise_rows(pass as u64, 12);
+    let mut random = random_depthwise_rows(pass as u64, 12, 1);
+    if pass == Pass::Forward {
+        // The forward also runs at stride 2.
+        random.extend(random_depthwise_rows(7, 12, 2));
+    }
     assert!(random.iter().all(|(_, x, w, p)| taken(x, w, p)));
     let cases: Vec<_> = fixed_depthwise(taken).into_iter().chain(random).collect();
     check_cases("host_depthwise_rows", pass, &cases, run_host_depthwise_rows);

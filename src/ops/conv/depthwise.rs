@@ -14,19 +14,20 @@
 //! `mma.sync` takes 16 such segments; a block works on 16 channels, turning its staged pixels
 //! into one plane per channel for `ldmatrix` and its outputs back into pixels.
 //!
-//! From sm_80 on, every pass at stride 1 with one output channel a group, kernels of 2-7 rows
-//! and up to 7 columns, aligned operands and channels in whole copies runs on streamed rows
-//! (`templates/conv_depthwise_rows.cu`), every dtype: a block takes a chunk of channels and a
+//! From sm_80 on, every pass at stride 1, and the forward at stride 2, with one output channel
+//! a group, kernels of 2-7 rows and up to 7 columns, aligned operands and channels in whole
+//! copies runs on streamed rows (`templates/conv_depthwise_rows.cu`), every dtype: a block takes a chunk of channels and a
 //! band of columns and walks a segment of rows down the image, copying each source row once
 //! into a ring of shared buffers a few rows ahead of the one it computes; a thread computes 4
 //! channels (one 8- or 16-byte vector; kernels up to 3x3) or one channel (larger kernels, whose
 //! 25-49 weights then fit in registers) of a few columns, its window read from the ring and
-//! added into one row of accumulators for each tap row (backward-weight: the cotangent rows are
-//! copied beside, and each thread sums every tap; one f32 partial a block along x; where its
-//! blocks would sum few outputs, the stencil takes the layer instead). In 16-bit, kernels past
-//! 3x3 run there only forward and backward-data, up to 5x5, on images of up to 7 rows; the
-//! tensor-core kernel keeps the others, and the layers with one kernel row (1-D) or a row
-//! stride of 2.
+//! added into one row of accumulators for each output row the source row meets (KH at stride
+//! 1; two for a 3x3 at stride 2). Backward-weight copies the cotangent rows beside, and each
+//! thread sums every tap; one f32 partial a block along x; where its blocks would sum few
+//! outputs, the stencil takes the layer instead. In 16-bit, kernels past 3x3 run there only
+//! forward and backward-data, up to 5x5, on images of up to 7 rows; the tensor-core kernel
+//! (stride 1) or the stencil (stride 2) keeps the others, and the tensor-core kernel the layers
+//! with one kernel row (1-D) or strides of 2 and 1.
 //!
 //! Strided backward-data runs on the stencil as the forward of the transposed convolution: its
 //! source is the cotangent spread by the stride with zeros between, of which only the real rows
@@ -66,13 +67,14 @@ pub static DEPTHWISE_TC: TemplateDef = TemplateDef {
     arch_specific: false,
     only_arch: None,
 };
-/// The streamed-rows variant (`templates/conv_depthwise_rows.cu`): every pass at stride 1, one
-/// output channel a group, kernels of 2-3 rows and up to 3 columns, from sm_80 on.
+/// The streamed-rows variant (`templates/conv_depthwise_rows.cu`): every pass at stride 1 and
+/// the forward at stride 2, one output channel a group, kernels of 2-7 rows and up to 7
+/// columns, from sm_80 on.
 pub static DEPTHWISE_ROWS: TemplateDef = TemplateDef {
     name: "conv_depthwise_rows",
     source: include_str!("../../../templates/conv_depthwise_rows.cu"),
     kernel: "kiln_conv_depthwise_rows",
-    const_names: &["PASS", "KH", "KW", "TW", "V"],
+    const_names: &["PASS", "KH", "KW", "TW", "V", "S"],
     arch_specific: false,
     only_arch: None,
 };
@@ -143,7 +145,8 @@ pub enum Variant {
     Stencil,
     /// Tensor cores (`conv_depthwise_tc.cu`): 16-bit forward and stride-1 backward-data.
     Tensor,
-    /// Streamed rows (`conv_depthwise_rows.cu`): stride 1, kernels up to 7x7, every pass.
+    /// Streamed rows (`conv_depthwise_rows.cu`): kernels up to 7x7, every pass at stride 1 and
+    /// the forward at stride 2.
     Rows,
 }
 
@@ -241,6 +244,7 @@ pub fn spec(dtype: DType, pass: Pass, s: Shape) -> KernelSpec {
                 s.kernel[1] as i32,
                 s.out_tile[1] as i32,
                 rows_vector(s.kernel) as i32,
+                s.stride[0] as i32,
             ],
         );
     }
@@ -268,11 +272,11 @@ pub fn spec(dtype: DType, pass: Pass, s: Shape) -> KernelSpec {
 
 /// The common 2-D depthwise layers `kiln warm` compiles for `arch`: square 3x3, 5x5 and 7x7
 /// kernels at strides 1 and 2 (MobileNet, EfficientNet, ConvNeXt), every pass, and channel
-/// multiplier 2 at stride 1 for 3x3 and 5x5. From sm_80 on, at stride 1 and
-/// multiplier 1, forward and backward-data are the rows kernel's (16-bit 5x5 and 7x7: the
-/// tensor-core kernel's, and for 5x5 the rows kernel's too, which takes 7x7 images), and
-/// backward-weight is listed on both the rows kernel (large images) and the stencil (16-bit
-/// 5x5 and 7x7: the stencil).
+/// multiplier 2 at stride 1 for 3x3 and 5x5. From sm_80 on, at multiplier 1, forward (strides 1
+/// and 2) and backward-data (stride 1) are the rows kernel's (16-bit 5x5 and 7x7: the
+/// tensor-core kernel's at stride 1 and the stencil's at stride 2, and for 5x5 the rows
+/// kernel's too, which takes 7x7 images), and stride-1 backward-weight is listed on both the
+/// rows kernel (large images) and the stencil (16-bit 5x5 and 7x7: the stencil).
 pub fn specs(arch: u32) -> Vec<KernelSpec> {
     let mut shapes = Vec::new();
     for k in [3, 5, 7] {
@@ -286,21 +290,24 @@ pub fn specs(arch: u32) -> Vec<KernelSpec> {
         for pass in Pass::ALL {
             for &(mg, k, s) in &shapes {
                 let gather = pass != Pass::BackwardWeight;
-                let one_channel_stride_1 = mg == 1 && s == 1;
+                let rows_stride = s == 1 || pass == Pass::Forward;
                 // Kernels past 3x3 take the rows kernel in f32, and in 16-bit 5x5 for images of
-                // 7x7 (forward and backward-data): both it and the tensor-core kernel are listed.
+                // 7x7 (forward and backward-data): both it and the tensor-core kernel (stride 1)
+                // or the stencil (stride 2) are listed.
                 let larger = k > 3;
                 let sixteen = dtype != DType::F32;
                 let small_image_ok = gather && k * k <= ROWS_SMALL_IMAGE_TAPS;
                 let rows = arch >= ROWS_ARCH
-                    && one_channel_stride_1
+                    && mg == 1
+                    && rows_stride
                     && (!larger || !sixteen || small_image_ok);
                 let tensor =
-                    arch >= TENSOR_ARCH && one_channel_stride_1 && gather && sixteen && larger;
+                    arch >= TENSOR_ARCH && mg == 1 && s == 1 && gather && sixteen && larger;
+                let small_images_only = sixteen && larger;
                 // Backward-weight of small images stays on the stencil: both are listed.
                 let variants: &[Variant] = match (rows, tensor) {
                     (true, true) => &[Variant::Tensor, Variant::Rows],
-                    (true, false) if gather => &[Variant::Rows],
+                    (true, false) if gather && !small_images_only => &[Variant::Rows],
                     (true, false) => &[Variant::Rows, Variant::Stencil],
                     (false, true) => &[Variant::Tensor],
                     (false, false) => &[Variant::Stencil],
@@ -363,16 +370,17 @@ pub fn takes_rows(key: &PlanKey) -> bool {
 }
 
 /// Whether the rows kernel can run `key` (which the family takes): sm_80 on, one output channel
-/// a group, stride 1, kernels of 2-7 rows and up to 7 columns, aligned operands and channels in
-/// whole copies, and offsets within one image of either operand that fit 32 bits.
+/// a group, stride 1 (the forward: 1 or 2, the same along both dims), kernels of 2-7 rows and up
+/// to 7 columns, aligned operands and channels in whole copies, and offsets within one image of
+/// either operand that fit 32 bits.
 pub fn rows_fit(key: &PlanKey) -> bool {
     let g = &key.geometry;
     let kernel = [g.kernel[1], g.kernel[2]];
     let image = |e: [usize; 3], c: usize| e.iter().product::<usize>() * c <= i32::MAX as usize;
     key.arch >= ROWS_ARCH
         && g.cout == g.groups
-        && g.stride[1] == 1
-        && g.stride[2] == 1
+        && g.stride[1] == g.stride[2]
+        && (g.stride[1] == 1 || g.stride[1] == 2 && key.pass == Pass::Forward)
         && (2..=MAX_KERNEL).contains(&kernel[0])
         && kernel[1] <= MAX_KERNEL
         && key.aligned
@@ -477,6 +485,7 @@ fn choose_rows(key: &PlanKey, sms: usize, limit: usize, any_walk: bool) -> Optio
         return None; // every lane of the stencil busy: it sums faster
     }
     let depth = ROWS_AHEAD + if weight { kernel[0] } else { 1 };
+    let stride = g.stride[1];
     // Bytes the GPU's threads copy in one step (source and cotangent windows).
     let step_bytes = sms * 16 * 32 * tw * v * dtype.size() * 2;
     let taps = kernel[0] * kernel[1];
@@ -506,7 +515,7 @@ fn choose_rows(key: &PlanKey, sms: usize, limit: usize, any_walk: bool) -> Optio
         let bands = column_groups.div_ceil(most);
         let groups = column_groups.div_ceil(bands);
         let warps = (vectors * groups).div_ceil(32);
-        let cols = groups * tw + kernel[1] - 1;
+        let cols = (groups * tw - 1) * stride + kernel[1];
         let chans = vectors * v;
         // The source ring, backward-weight's cotangent ring and its column groups' f32 sums
         // (which reuse the rings).
@@ -534,7 +543,8 @@ fn choose_rows(key: &PlanKey, sms: usize, limit: usize, any_walk: bool) -> Optio
             let waves = blocks.div_ceil(per_sm * sms);
             let resident = per_sm.min(blocks.div_ceil(sms)) * warps;
             let pace = resident.max(if v == 1 { 8 } else { 16 });
-            let mut cost = waves * (segment + kernel[0] - 1 + ROWS_AHEAD) * pace;
+            let source_rows = (segment - 1) * stride + kernel[0];
+            let mut cost = waves * (source_rows + ROWS_AHEAD) * pace;
             if weight {
                 let splits = batch * segments * bands;
                 let partials = if splits > 1 {
@@ -1057,7 +1067,7 @@ mod tests {
     }
 
     #[test]
-    fn rows_take_stride_1_kernels_up_to_7x7_with_whole_copies() {
+    fn rows_take_kernels_up_to_7x7_with_whole_copies() {
         let variant = |dtype, pass, c: usize, mg, k: [usize; 2], stride: usize, arch, aligned| {
             let p = ConvParams::default()
                 .groups(c)
@@ -1119,7 +1129,23 @@ mod tests {
                 let whole = rows(128, 1, [3, 3], 1, 90, true);
                 assert_eq!(whole, pass != Pass::BackwardWeight, "128 channels");
             }
-            assert!(variant(dtype, Pass::Forward, 144, 1, [3, 3], 2, 90, true) != Variant::Rows);
+            // Stride 2: the forward's alone, the same along both dims.
+            for pass in Pass::ALL {
+                let strided = variant(dtype, pass, 144, 1, [3, 3], 2, 90, true);
+                assert_eq!(strided == Variant::Rows, pass == Pass::Forward, "{pass:?}");
+            }
+            let p = ConvParams::default()
+                .groups(144)
+                .strides(&[2, 1])
+                .padding(&[1]);
+            let kk = key(
+                dtype,
+                Pass::Forward,
+                &[64, 56, 56, 144],
+                &[144, 3, 3, 1],
+                &p,
+            );
+            assert!(!rows_fit(&kk), "strides 2 and 1");
         }
     }
 
@@ -1142,12 +1168,20 @@ mod tests {
             [112, 112],
             [9, 300],
         ];
+        // (pass, stride): stride 2 is the forward's alone.
+        let passes = Pass::ALL
+            .map(|p| (p, 1))
+            .into_iter()
+            .chain([(Pass::Forward, 2)]);
         for dtype in DType::ALL {
-            for pass in Pass::ALL {
+            for (pass, stride) in passes.clone() {
                 for c in [8, 32, 144, 576, 1000] {
                     for size in sizes {
                         for (batch, sms) in [(1, 132), (64, 132), (3, 4)] {
-                            let p = ConvParams::default().groups(c).padding(&[kernel[0] / 2]);
+                            let p = ConvParams::default()
+                                .groups(c)
+                                .strides(&[stride])
+                                .padding(&[kernel[0] / 2]);
                             let x = [batch, size[0], size[1], c];
                             let w = [c, kernel[0], kernel[1], 1];
                             let kk = key(dtype, pass, &x, &w, &p);
@@ -1185,7 +1219,7 @@ mod tests {
                             // The ring: AHEAD + 1 rows of the band's columns and halo;
                             // backward-weight AHEAD + KH rows and as many cotangent rows, or
                             // the column groups' f32 sums where they take more.
-                            let cols = pr.tile_w as usize + kernel[1] - 1;
+                            let cols = (pr.tile_w as usize - 1) * stride + kernel[1];
                             let shared = if pass == Pass::BackwardWeight {
                                 let rings = (ROWS_AHEAD + kernel[0]) * (cols + pr.tile_w as usize);
                                 let sums = groups as usize * kernel[0] * kernel[1] * chans * 4;
