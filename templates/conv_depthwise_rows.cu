@@ -1,6 +1,6 @@
 // Depthwise convolution by streamed rows: every pass at stride 1, and the forward at stride 2,
-// with one output channel a group and kernels up to 7x7. Same problem as conv_depthwise.cu (struct kiln_depthwise), which
-// takes every other case.
+// with one output channel a group and kernels up to 7x7. Same problem as conv_depthwise.cu
+// (struct kiln_depthwise), which takes every other case.
 //
 // Such a layer reads each source value KH x KW times and multiplies it once a read, so what
 // bounds it is keeping enough bytes in flight and few instructions an output. A block takes a

@@ -16,18 +16,18 @@
 //!
 //! From sm_80 on, every pass at stride 1, and the forward at stride 2, with one output channel
 //! a group, kernels of 2-7 rows and up to 7 columns, aligned operands and channels in whole
-//! copies runs on streamed rows (`templates/conv_depthwise_rows.cu`), every dtype: a block takes a chunk of channels and a
-//! band of columns and walks a segment of rows down the image, copying each source row once
-//! into a ring of shared buffers a few rows ahead of the one it computes; a thread computes 4
-//! channels (one 8- or 16-byte vector; kernels up to 3x3) or one channel (larger kernels, whose
-//! 25-49 weights then fit in registers) of a few columns, its window read from the ring and
-//! added into one row of accumulators for each output row the source row meets (KH at stride
-//! 1; two for a 3x3 at stride 2). Backward-weight copies the cotangent rows beside, and each
-//! thread sums every tap; one f32 partial a block along x; where its blocks would sum few
-//! outputs, the stencil takes the layer instead. In 16-bit, kernels past 3x3 run there only
-//! forward and backward-data, up to 5x5, on images of up to 7 rows; the tensor-core kernel
-//! (stride 1) or the stencil (stride 2) keeps the others, and the tensor-core kernel the layers
-//! with one kernel row (1-D) or strides of 2 and 1.
+//! copies runs on streamed rows (`templates/conv_depthwise_rows.cu`), every dtype: a block
+//! takes a chunk of channels and a band of columns and walks a segment of rows down the image,
+//! copying each source row once into a ring of shared buffers a few rows ahead of the one it
+//! computes; a thread computes 4 channels (one 8- or 16-byte vector; kernels up to 3x3) or
+//! one channel (larger kernels, whose 25-49 weights then fit in registers) of a few columns,
+//! its window read from the ring and added into one row of accumulators for each output row
+//! the source row meets (KH at stride 1; two for a 3x3 at stride 2). Backward-weight copies
+//! the cotangent rows beside, and each thread sums every tap; one f32 partial a block along x;
+//! where its blocks would sum few outputs, the stencil takes the layer instead. In 16-bit,
+//! kernels past 3x3 run there only forward and backward-data, up to 5x5, on images of up to 7
+//! rows; the tensor-core kernel (stride 1) or the stencil (stride 2) keeps the others, and the
+//! tensor-core kernel the layers with one kernel row (1-D) or strides of 2 and 1.
 //!
 //! Strided backward-data runs on the stencil as the forward of the transposed convolution: its
 //! source is the cotangent spread by the stride with zeros between, of which only the real rows
@@ -889,9 +889,10 @@ pub fn launch_for(key: &PlanKey, sms: usize, limit: usize) -> Option<Launch> {
         _ => 0,
     };
     let (base_h, base_w) = (base(1), base(2));
-    let tiles_h = (out[1] as i64 - base_h) as usize;
-    let tiles_w = (out[2] as i64 - base_w) as usize;
-    let (tiles_h, tiles_w) = (tiles_h.div_ceil(tile[0]), tiles_w.div_ceil(tile[1]));
+    // Outputs from the first tile's start to the image's end, along dim d.
+    let span = |d: usize, base: i64| (out[d] as i64 - base) as usize;
+    let tiles_h = span(1, base_h).div_ceil(tile[0]);
+    let tiles_w = span(2, base_w).div_ceil(tile[1]);
     let tiles = g.batch * tiles_h * tiles_w;
     let (blocks_x, splits, per_split) = persistent_grid(pass, blocks, chunks, tiles);
     if tiles == 0 || tiles > i32::MAX as usize || chunks > 65535 {
