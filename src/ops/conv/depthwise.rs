@@ -592,10 +592,7 @@ pub fn rows_launch(key: &PlanKey, sms: usize, limit: usize, any_walk: bool) -> O
     if tiles > i32::MAX as usize || walk.chunks > 65535 {
         return None;
     }
-    let off = |d: usize| match pass {
-        Pass::BackwardData => g.pad_lo[d] as i64 - (g.kernel[d] as i64 - 1),
-        _ => -(g.pad_lo[d] as i64),
-    };
+    let off = |d: usize| source_offset(g, pass, d);
     let problem = Problem {
         batch: g.batch as i32,
         src_h: src[1] as i32,
@@ -633,6 +630,15 @@ pub fn rows_launch(key: &PlanKey, sms: usize, limit: usize, any_walk: bool) -> O
             1
         },
     })
+}
+
+/// The source position of the gather's output 0 at tap 0 along dim `d` (the problem's off_h,
+/// off_w): backward-data walks the taps backwards over the cotangent.
+fn source_offset(g: &Geometry, pass: Pass, d: usize) -> i64 {
+    match pass {
+        Pass::BackwardData => g.pad_lo[d] as i64 - (g.kernel[d] as i64 - 1),
+        _ => -(g.pad_lo[d] as i64),
+    }
 }
 
 /// Why the family does not take `key`, or None.
@@ -851,10 +857,7 @@ pub fn launch_for(key: &PlanKey, sms: usize, limit: usize) -> Option<Launch> {
         Pass::BackwardData => (g.input, g.output, g.cin, g.cout),
         _ => (g.output, g.input, g.cout, g.cin),
     };
-    let off = |d: usize| match pass {
-        Pass::BackwardData => g.pad_lo[d] as i64 - (g.kernel[d] as i64 - 1),
-        _ => -(g.pad_lo[d] as i64),
-    };
+    let off = |d: usize| source_offset(g, pass, d);
     let sms = sms.max(1);
     if takes_rows(key) {
         if let Some(launch) = rows_launch(key, sms, limit, false) {

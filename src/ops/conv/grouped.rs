@@ -2,8 +2,8 @@
 //! group (2 to 32 input channels a group, as many output channels: ResNeXt, RegNet) in f16 and
 //! bf16 on tensor cores. It can run depthwise layers too (one channel a group), but the plan
 //! gives every depthwise layer it takes to the depthwise family, which comes first. A block
-//! works on 64 channels and walks tiles of outputs, copying the next tile's source pixels into shared memory while it multiplies this one with `mma.sync`;
-//! each group's weights between 16 output channels and the source channels they read are a
+//! works on 64 channels and walks tiles of outputs, copying the next tile's source pixels into
+//! shared memory while it multiplies this one with `mma.sync`; each group's weights between 16 output channels and the source channels they read are a
 //! block-diagonal 16 x 16 matrix (two dense ones for 32-channel groups), so one code path takes
 //! every group width and the zeros cost only MMAs, which such layers have to spare.
 //!
