@@ -50,31 +50,98 @@ __device__ __forceinline__ void kiln_unstage_row(const kiln_vec<T, N_READS>* sta
   for (int k = 0; k < NI; ++k) kiln_unstage_vec<N_READS, BLOCK_DIM>(stage, k, v[k]);
 }
 
-// Mean (0 for RMSNorm) and 1 / sqrt(var + eps) of a row held in registers, in two exact passes
-// (for RMSNorm var is the mean square); inv_d is 1 / d, once per block. A vector lies wholly
-// inside d or wholly past it (d is a multiple of N_READS when N_READS > 1), so the tail check
-// is one per vector. Every thread of the group must call it.
+// What the warps of a group hold of a row (vectors k * GROUP + lane of a row of d elements in
+// vectors of N_READS), which weighs each warp's mean in LayerNorm's one-barrier statistics
+// (kiln_group_moments): 1 / the elements of this thread's warp, and the elements of the group's
+// warp numbered like this thread's lane, with 1 / them (0 for none, or past the group's warps).
+// Computed once per kernel.
+struct kiln_warp_shares {
+  float inv_own, n_lane, inv_lane;
+};
+template <int GROUP, int N_READS>
+__device__ __forceinline__ int kiln_warp_elements(int d, int warp) {
+  const int vectors = d / N_READS;  // d is a multiple of N_READS when N_READS > 1
+  const int rounds = vectors / GROUP, rest = vectors - rounds * GROUP;
+  return warp < GROUP / 32 ? N_READS * (32 * rounds + min(32, max(0, rest - 32 * warp))) : 0;
+}
+template <int GROUP, int N_READS>
+__device__ __forceinline__ kiln_warp_shares kiln_warp_shares_of(int d) {
+  const int own = kiln_warp_elements<GROUP, N_READS>(d, (int)(threadIdx.x % GROUP) / 32);
+  const int lane = kiln_warp_elements<GROUP, N_READS>(d, (int)(threadIdx.x % 32));
+  return {own > 0 ? 1.0f / own : 0.0f, (float)lane, lane > 0 ? 1.0f / lane : 0.0f};
+}
+
+// Per warp of a group, LayerNorm's partial sums for kiln_group_moments. Two halves of
+// BLOCK_DIM / 32, used in turn, so that one barrier a row is enough (as kiln_group_sum's
+// scratch).
+#define KILN_MOMENTS(BLOCK_DIM) (2 * (BLOCK_DIM) / 32)
+
+// LayerNorm's statistics over a group of several warps after one barrier, exact: no value is a
+// large sum of squares minus a square. In, this warp's sums (the same in every lane): `sx` of x
+// and `q` of (x - m_w)^2 about the warp's own mean m_w = sx / n_w. Out, the row's mean and
+// sum (x - mean)^2 = sum_w q_w + n_w (m_w - mean)^2 over its warps (the cross terms
+// 2 (m_w - mean) sum (x - m_w) vanish up to the rounding of m_w). Lane i combines warp i; the
+// butterflies leave the same bits in every lane. Two group sums (the mean, then the squares
+// about it) would wait on the group twice a row.
+template <int GROUP, int BLOCK_DIM>
+__device__ __forceinline__ void kiln_group_moments(float sx, float q,
+                                                   const kiln_warp_shares& shares,
+                                                   float2* moments, int& round, float inv_d,
+                                                   float& mean, float& m2) {
+  static_assert(GROUP > 32 && GROUP % 32 == 0 && BLOCK_DIM % GROUP == 0, "several whole warps");
+  constexpr int WARPS = GROUP / 32;
+  const int warp = threadIdx.x / 32, i = threadIdx.x % 32;
+  float2* half = moments + (round++ & 1) * (BLOCK_DIM / 32);
+  if (i == 0) half[warp] = make_float2(sx, q);
+  kiln_group_barrier<GROUP, BLOCK_DIM>();
+  const float2 p = i < WARPS ? half[(warp / WARPS) * WARPS + i] : make_float2(0.0f, 0.0f);
+  mean = kiln_warp_sum(p.x) * inv_d;
+  const float dev = p.x * shares.inv_lane - mean;
+  m2 = kiln_warp_sum(p.y + shares.n_lane * dev * dev);
+}
+
+// Mean (0 for RMSNorm) and 1 / sqrt(var + eps) of a row held in registers, in exact passes: the
+// mean, then the squares about it. RMSNorm and one-warp rows: group sums. LayerNorm over
+// several warps: the squares about each warp's own mean, combined after one barrier
+// (kiln_group_moments). `shares` (kiln_warp_shares_of) and `inv_d` = 1 / d are taken once per
+// block. A vector lies wholly inside d or wholly past it (d is a multiple of N_READS when
+// N_READS > 1), so the tail check is one per vector. Every thread of the group must call it.
 template <bool RMS, int GROUP, int BLOCK_DIM, int NI, int N_READS>
 __device__ __forceinline__ void kiln_row_stats(const float (&v)[NI][N_READS], int lane, int d,
-                                               float inv_d, float eps, float* scratch, int& round,
-                                               float& mean, float& rstd) {
+                                               float inv_d, const kiln_warp_shares& shares,
+                                               float eps, float* scratch, float2* moments,
+                                               int& round, float& mean, float& rstd) {
+  constexpr bool MOMENTS = !RMS && GROUP > 32;
   float s = 0.0f;
 #pragma unroll
   for (int k = 0; k < NI; ++k)
 #pragma unroll
     for (int j = 0; j < N_READS; ++j) s += v[k][j];
-  mean = RMS ? 0.0f : kiln_group_sum<GROUP, BLOCK_DIM>(s, scratch, round) * inv_d;
+  float centre = 0.0f;  // the row's mean, or with MOMENTS the warp's
+  if constexpr (MOMENTS) {
+    s = kiln_warp_sum(s);
+    centre = s * shares.inv_own;
+  } else if constexpr (!RMS) {
+    centre = kiln_group_sum<GROUP, BLOCK_DIM>(s, scratch, round) * inv_d;
+  }
   float q = 0.0f;
 #pragma unroll
   for (int k = 0; k < NI; ++k) {
-    if ((k * GROUP + lane) * N_READS >= d) break;  // zeros past d: their c would be -mean
+    if ((k * GROUP + lane) * N_READS >= d) break;  // zeros past d: their c would be -centre
 #pragma unroll
     for (int j = 0; j < N_READS; ++j) {
-      const float c = v[k][j] - mean;
+      const float c = v[k][j] - centre;
       q += c * c;
     }
   }
-  rstd = rsqrtf(kiln_group_sum<GROUP, BLOCK_DIM>(q, scratch, round) * inv_d + eps);
+  if constexpr (MOMENTS) {
+    kiln_group_moments<GROUP, BLOCK_DIM>(s, kiln_warp_sum(q), shares, moments, round, inv_d, mean,
+                                         q);
+  } else {
+    mean = centre;
+    q = kiln_group_sum<GROUP, BLOCK_DIM>(q, scratch, round);
+  }
+  rstd = rsqrtf(q * inv_d + eps);
 }
 
 // The same statistics for a row streamed from memory (one row per block), in the same two exact

@@ -28,12 +28,14 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
     long long rows, int d, long long x_row_stride, long long w_stride, long long b_stride,
     int w_vec, int b_vec, float eps) {
   __shared__ float scratch[KILN_SCRATCH(BLOCK_DIM)];
+  __shared__ float2 moments[KILN_MOMENTS(BLOCK_DIM)];
   int round = 0;
   const int group = threadIdx.x / GROUP, lane = threadIdx.x % GROUP;
 
   if (ITEMS > 0) {
     constexpr int NI = ITEMS > 0 ? ITEMS : 1;
     const float inv_d = 1.0f / d;  // one division per block, not two per row
+    const kiln_warp_shares shares = kiln_warp_shares_of<GROUP, N_READS>(d);
     typedef kiln_vec<T, N_READS> V;
     // STAGES > 0: STAGES stages of NI * BLOCK_DIM vectors, then the weights and (LayerNorm) the
     // bias, NI * GROUP vectors each. A lane's columns are the same in every row and every group:
@@ -115,7 +117,8 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
         // The row STAGES - 1 ahead goes to the stage read one iteration ago.
         stage(row + (STAGES - 1) * step, s == 0 ? STAGES - 1 : s - 1);
         s = s == STAGES - 1 ? 0 : s + 1;
-        kiln_row_stats<RMS, GROUP, BLOCK_DIM>(v, lane, d, inv_d, eps, scratch, round, mean, rstd);
+        kiln_row_stats<RMS, GROUP, BLOCK_DIM>(v, lane, d, inv_d, shares, eps, scratch, moments,
+                                              round, mean, rstd);
         if (row < rows) write(row, v, mean, rstd);
       }
       kiln_cp_async_wait<0>();  // no copy may land after the block has gone
@@ -124,7 +127,8 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
       const bool active = row < rows;
       float v[NI][N_READS], mean, rstd;
       kiln_load_row<NI, N_READS, GROUP>(x + (active ? row : 0) * x_row_stride, active, lane, d, v);
-      kiln_row_stats<RMS, GROUP, BLOCK_DIM>(v, lane, d, inv_d, eps, scratch, round, mean, rstd);
+      kiln_row_stats<RMS, GROUP, BLOCK_DIM>(v, lane, d, inv_d, shares, eps, scratch, moments,
+                                            round, mean, rstd);
       if (active) write(row, v, mean, rstd);
     }
   } else {

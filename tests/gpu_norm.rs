@@ -416,18 +416,19 @@ fn long_rows_match_the_reference() {
     assert!(failures.is_empty(), "{failures:#?}");
 }
 
-/// Split rows (a cluster of blocks a row on Hopper) whose mean is large against their spread:
-/// LayerNorm's statistics combine each warp's mean and centred sums, and must stay as exact as
-/// a two-pass sum over the whole row. Every dtype, forward and VJP, direct mode.
+/// Rows over several warps (1,032 to 12,288: one block a row) and split rows (a cluster of blocks
+/// a row on Hopper) whose mean is large against their spread: LayerNorm's statistics combine
+/// each warp's mean and centred sums, and must stay as exact as a two-pass sum over the whole
+/// row. Every dtype, forward and VJP, direct mode.
 #[test]
-fn long_rows_with_a_large_mean_keep_exact_statistics() {
+fn rows_with_a_large_mean_keep_exact_statistics() {
     let Some(dev) = device("norm_long_mean") else {
         return;
     };
     let mut failures = Vec::new();
     let mut enc = encoder(&dev, false);
     for dtype in DType::ALL {
-        for d in [16385, 18432, 30000, 65536] {
+        for d in [1032, 3000, 12288, 16385, 18432, 30000, 65536] {
             for offset in [300.0, -1000.0] {
                 let case = Case {
                     offset,

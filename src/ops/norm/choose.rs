@@ -268,11 +268,16 @@ pub(super) fn split_chunk(d: usize, blocks: usize) -> usize {
 /// the next row's x in 16 registers), two blocks share each SM; longer rows take up to 16
 /// elements. 16-bit rows (the staged ring, norm_fwd_staged.cu): 16 elements, 16 KiB chunks, each
 /// worth its exchange (with 8 KiB chunks LayerNorm, then two exchanges a row, ran at 45-61% of
-/// copy against 66-80% for RMSNorm's one), in clusters of up to 8 blocks: with Hopper's
-/// non-portable 16, compute-sanitizer's synccheck reported "missing init" on the exchange's
-/// mbarrier (not understood yet), so rows past 65,536 elements take the register kernel.
+/// copy against 66-80% for RMSNorm's one), then 32 (32 KiB chunks, one block an SM), in clusters
+/// of up to 8 blocks: with Hopper's non-portable 16, compute-sanitizer's synccheck reported
+/// "missing init" on the exchange's mbarrier (not understood yet). The register kernel in
+/// clusters of 16 ran 16-bit rows of 131,072 at 47-60% of copy.
 pub(super) fn split_layouts(dtype: DType) -> &'static [SplitLayout] {
-    static SIXTEEN_BIT: [SplitLayout; 2] = [(&FORWARD_STAGED, 8, 16), (&FORWARD_SPLIT, 16, 16)];
+    static SIXTEEN_BIT: [SplitLayout; 3] = [
+        (&FORWARD_STAGED, 8, 16),
+        (&FORWARD_STAGED, 8, 32),
+        (&FORWARD_SPLIT, 16, 16),
+    ];
     static F32: [SplitLayout; 2] = [(&FORWARD_SPLIT, 8, 8), (&FORWARD_SPLIT, 16, 16)];
     if dtype.size() == 2 {
         &SIXTEEN_BIT
@@ -282,8 +287,8 @@ pub(super) fn split_layouts(dtype: DType) -> &'static [SplitLayout] {
 }
 /// A split-row forward layout: (kernel, most blocks per cluster, most elements per thread).
 pub(super) type SplitLayout = (&'static TemplateDef, usize, usize);
-/// The most elements a split-row forward thread holds per row.
-pub(super) const SPLIT_ELEMENTS: usize = 16;
+/// The longest rows a split-row forward takes: 16 blocks of 16 elements a thread, or 8 of 32.
+pub(super) const SPLIT_ROW: usize = SPLIT_BLOCK * 16 * 16;
 
 /// A split-row layout for rows of `vectors` vectors, blocks of `block` threads: (blocks per
 /// cluster, vectors per thread), the fewest blocks of `VJP_SPLIT_CLUSTERS` up to `most` whose
@@ -500,7 +505,7 @@ pub fn specs(gpu: Gpu) -> Vec<KernelSpec> {
                         .max(RESIDENT_GROUP * RESIDENT_ITEMS)
                         .max(SHARED_SUMS_GROUP * max_items(pass, n_reads));
                     if pass == Pass::Forward && gpu.clusters {
-                        longest = longest.max(SPLIT_BLOCK * 16 * SPLIT_ELEMENTS / n_reads);
+                        longest = longest.max(SPLIT_ROW / n_reads);
                     }
                     if pass == Pass::Vjp && gpu.clusters {
                         let widest = VJP_SPLIT_CLUSTERS[VJP_SPLIT_CLUSTERS.len() - 1];
@@ -604,13 +609,19 @@ pub(super) fn check_chosen(
         return Ok(spec);
     }
     if is_split(&spec) {
-        // Any power of two of vectors a thread that, over the cluster, covers the row.
+        // Any power of two of vectors a thread that, over the cluster, covers the row, within
+        // one of the dtype's layouts.
         let (items, cluster) = (constant(&spec, "ITEMS"), constant(&spec, "CLUSTER"));
+        let in_layout = split_layouts(dtype)
+            .iter()
+            .any(|&(family, most, elements)| {
+                *spec.template == *family && cluster <= most && items * n_reads <= elements
+            });
         let ok = pass == Pass::Forward
             && spec.dtype == dtype
             && legal_width
             && items.is_power_of_two()
-            && items * n_reads <= SPLIT_ELEMENTS
+            && in_layout
             && VJP_SPLIT_CLUSTERS.contains(&cluster)
             && spec.block_dim as usize == SPLIT_BLOCK
             && split_chunk(d, cluster) <= split_capacity(&spec)
