@@ -30,8 +30,8 @@ constexpr int CHUNK_BYTES = kiln_chunk_bytes<T, CAPACITY>();
 // for one, which may then take all of its registers.
 constexpr int BLOCKS_PER_SM = ITEMS * N_READS > 16 ? 1 : 2;
 
-extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(BLOCK_DIM, BLOCKS_PER_SM)
-    {{kernel}}(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b,
+extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1)
+    __launch_bounds__(BLOCK_DIM, BLOCKS_PER_SM) {{kernel}}(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b,
                T* __restrict__ y, long long rows, int d, long long x_row_stride,
                long long w_stride, long long b_stride, int w_vec, int b_vec, float eps) {
   __shared__ kiln_cluster_sums<CLUSTER, BLOCK_DIM> sums;

@@ -268,16 +268,12 @@ pub(super) fn split_chunk(d: usize, blocks: usize) -> usize {
 /// the next row's x in 16 registers), two blocks share each SM; longer rows take up to 16
 /// elements. 16-bit rows (the staged ring, norm_fwd_staged.cu): 16 elements, 16 KiB chunks, each
 /// worth its exchange (with 8 KiB chunks LayerNorm, then two exchanges a row, ran at 45-61% of
-/// copy against 66-80% for RMSNorm's one), then 32 (32 KiB chunks, one block an SM), in clusters
-/// of up to 8 blocks: with Hopper's non-portable 16, compute-sanitizer's synccheck reported
-/// "missing init" on the exchange's mbarrier (not understood yet). The register kernel in
-/// clusters of 16 ran 16-bit rows of 131,072 at 47-60% of copy.
+/// copy against 66-80% for RMSNorm's one), then 32 (32 KiB chunks, one block an SM: 79-81% of
+/// copy at 131,072, where the register kernel in clusters of 16 ran at 47-60%), in clusters of
+/// up to 8 blocks: with Hopper's non-portable 16, compute-sanitizer's synccheck reported
+/// "missing init" on the exchange's mbarrier (not understood yet).
 pub(super) fn split_layouts(dtype: DType) -> &'static [SplitLayout] {
-    static SIXTEEN_BIT: [SplitLayout; 3] = [
-        (&FORWARD_STAGED, 8, 16),
-        (&FORWARD_STAGED, 8, 32),
-        (&FORWARD_SPLIT, 16, 16),
-    ];
+    static SIXTEEN_BIT: [SplitLayout; 2] = [(&FORWARD_STAGED, 8, 16), (&FORWARD_STAGED, 8, 32)];
     static F32: [SplitLayout; 2] = [(&FORWARD_SPLIT, 8, 8), (&FORWARD_SPLIT, 16, 16)];
     if dtype.size() == 2 {
         &SIXTEEN_BIT
@@ -287,7 +283,8 @@ pub(super) fn split_layouts(dtype: DType) -> &'static [SplitLayout] {
 }
 /// A split-row forward layout: (kernel, most blocks per cluster, most elements per thread).
 pub(super) type SplitLayout = (&'static TemplateDef, usize, usize);
-/// The longest rows a split-row forward takes: 16 blocks of 16 elements a thread, or 8 of 32.
+/// The longest rows a split-row forward takes: 16 blocks of 16 elements a thread (f32), or 8 of
+/// 32 (16-bit).
 pub(super) const SPLIT_ROW: usize = SPLIT_BLOCK * 16 * 16;
 
 /// A split-row layout for rows of `vectors` vectors, blocks of `block` threads: (blocks per
