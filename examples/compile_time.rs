@@ -1,7 +1,7 @@
 //! Times NVRTC on registered specs, with extra options.
-//! Usage: compile_time TARGET TEXT EVERY [OPTION ...]: every EVERY-th spec whose description
-//! contains TEXT, compiled for TARGET with the OPTIONs added; prints each spec's time, registers
-//! and cubin size, then the median and total.
+//! Usage: compile_time TARGET TEXT EVERY [OPTION ...]: every EVERY-th spec of TARGET's warm set
+//! (`kiln warm --arch TARGET`) whose description contains TEXT, compiled for TARGET with the
+//! OPTIONs added; prints each spec's time, registers and cubin size, then the median and total.
 use kiln::jit::{Jit, Target};
 use kiln::Error;
 use std::time::Instant;
@@ -26,7 +26,8 @@ fn main() -> kiln::Result<()> {
     let extra = &args[3..];
     let jit = Jit::new(kiln::env::Config::from_env()?);
     let nvrtc = jit.nvrtc()?;
-    let specs: Vec<_> = kiln::ops::registered_specs()
+    // What `kiln warm --arch TARGET` compiles: the specs kiln's ops choose on that architecture.
+    let specs: Vec<_> = kiln::ops::registered_specs_for(target.arch)
         .into_iter()
         .filter(|s| s.to_string().contains(only.as_str()) && s.builds_for(target.arch))
         .step_by(every)
