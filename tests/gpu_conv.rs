@@ -21,8 +21,8 @@ use std::sync::{Arc, Mutex};
 use kiln::env::{Config, ConvPath};
 use kiln::jit::KernelSpec;
 use kiln::ops::conv::{
-    self, depthwise, direct, grouped, hopper, plan, reference, stem, tuning, ConvParams, Geometry,
-    Pass,
+    self, depthwise, direct, grouped, hopper, plan, reference, stem, tuning, widen, ConvParams,
+    Geometry, Pass,
 };
 use kiln::runtime::{Array, CommandEncoder, Device};
 use kiln::selfcheck::TestRng;
@@ -373,7 +373,7 @@ fn matrix(graphs: bool) {
     let mut failures = Vec::new();
     let (mut checked, mut on_hopper, mut on_direct, mut on_stem) = (0, 0, 0, 0);
     let (mut on_depthwise, mut on_depthwise_tc, mut on_grouped) = (0, 0, 0);
-    let mut on_depthwise_rows = 0;
+    let (mut on_depthwise_rows, mut widened) = (0, 0);
     let path = Config::from_env().unwrap().conv_path;
     for (ci, c) in cases().iter().enumerate() {
         for dtype in DType::ALL {
@@ -383,12 +383,29 @@ fn matrix(graphs: bool) {
                 let family = spec.expect("the plan's spec").template.name;
                 let (ratio, at) = worst(dtype, &got, &want);
                 checked += 1;
-                let key = aligned_key(&dev, dtype, pass, g);
-                let depthwise = depthwise::unsupported(path, &key).is_none();
-                let grouped = !depthwise && grouped::unsupported(path, &key).is_none();
-                let direct = !depthwise && !grouped && direct::unsupported(path, &key).is_none();
-                let stem =
-                    !depthwise && !grouped && !direct && stem::unsupported(path, &key).is_none();
+                // A GEMM whose channels do not fill whole vectors runs widened: over channels
+                // padded to them, which another family may then take.
+                let (vec_a, vec_b) = plan::channel_vectors(dtype, pass, &g);
+                let mut key = aligned_key(&dev, dtype, pass, g);
+                let mut widen = false;
+                let (depthwise, grouped, direct, stem) = loop {
+                    let depthwise = depthwise::unsupported(path, &key).is_none();
+                    let grouped = !depthwise && grouped::unsupported(path, &key).is_none();
+                    let direct =
+                        !depthwise && !grouped && direct::unsupported(path, &key).is_none();
+                    let stem = !depthwise
+                        && !grouped
+                        && !direct
+                        && stem::unsupported(path, &key).is_none();
+                    let gemm = !depthwise && !grouped && !direct && !stem;
+                    if gemm && !widen && !(vec_a && vec_b) {
+                        widen = true;
+                        key = widen::key(&key);
+                        continue;
+                    }
+                    break (depthwise, grouped, direct, stem);
+                };
+                widened += widen as usize;
                 let hopper = !depthwise
                     && !grouped
                     && !direct
@@ -448,7 +465,8 @@ fn matrix(graphs: bool) {
         "conv matrix ({}): {checked} checks ({on_hopper} on the Hopper path, {on_depthwise} on \
          the depthwise family ({on_depthwise_tc} on its tensor cores, {on_depthwise_rows} on its \
          streamed rows), {on_grouped} on the grouped family, \
-         {on_direct} on the direct family, {on_stem} on the stem family), {} failed",
+         {on_direct} on the direct family, {on_stem} on the stem family, {widened} widened), {} \
+         failed",
         if graphs { "graph" } else { "direct" },
         failures.len()
     );
@@ -563,8 +581,9 @@ fn every_tile_and_vector_width() {
             &[40, 3, 3, 32],
             d().padding(&[1]).strides(&[1, 2]),
         ),
+        // Channels that do not fill vectors: every tile runs the layer widened.
         case(
-            "scalars",
+            "padded channels",
             &[2, 9, 10, 6],
             &[10, 3, 2, 3],
             d().groups(2).padding_lo(&[1]).flip(true),
@@ -750,6 +769,60 @@ fn every_hopper_tile() {
         "every Hopper tile: {checked} checks, {} failed",
         failures.len()
     );
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Operands that start off a 16-byte boundary (contiguous views at an odd element offset), with
+/// channels that fill whole vectors: every pass runs widened (on copies that load in vectors)
+/// and matches the reference, every dtype, graph and direct mode.
+#[test]
+fn misaligned_operands_run_widened() {
+    if common::gpus_or_skip("misaligned_operands_run_widened").is_none() {
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = Device::get(0).unwrap();
+    let p = ConvParams::default().padding(&[1]).strides(&[2, 1]);
+    let (xs, ws) = ([2, 9, 7, 16], [24, 3, 3, 16]);
+    let g = Geometry::new(&xs, &ws, &p).unwrap();
+    let mut failures = Vec::new();
+    for graphs in [false, true] {
+        let mut enc = encoder(&dev, graphs);
+        for dtype in DType::ALL {
+            let mut rng = TestRng::new(23);
+            let x = random(&mut rng, dtype, xs.iter().product());
+            let w = random(&mut rng, dtype, ws.iter().product());
+            let dy = random(&mut rng, dtype, g.output_shape().iter().product());
+            // One element in front: the view starts 2 or 4 bytes into its allocation.
+            let mut odd = |v: &[f64], shape: &[usize]| {
+                let mut padded = vec![0.5];
+                padded.extend_from_slice(v);
+                let flat = Array::from_f64(&mut enc, dtype, &padded, &[padded.len()]).unwrap();
+                flat.slice(0, 1, padded.len(), 1)
+                    .unwrap()
+                    .reshape(shape)
+                    .unwrap()
+            };
+            let (xa, wa, dya) = (odd(&x, &xs), odd(&w, &ws), odd(&dy, &g.output_shape()));
+            for pass in Pass::ALL {
+                let before = widen::taken();
+                let got = conv::conv_pass(&mut enc, pass, &p, &xa, &wa, &dya).unwrap();
+                let want = match pass {
+                    Pass::Forward => reference::forward(&g, &x, &w),
+                    Pass::BackwardData => reference::backward_data(&g, &dy, &w),
+                    Pass::BackwardWeight => reference::backward_weight(&g, &x, &dy),
+                };
+                let (ratio, at) = worst(dtype, &got.to_f64(&mut enc).unwrap(), &want);
+                let name = format!("{dtype} {} graphs={graphs}", pass.name());
+                if widen::taken() == before {
+                    failures.push(format!("{name}: did not run widened"));
+                }
+                if ratio > 1.0 {
+                    failures.push(format!("{name}: {ratio:.2}x tolerance at {at}"));
+                }
+            }
+        }
+    }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 

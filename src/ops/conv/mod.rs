@@ -4,7 +4,8 @@
 //! (`conv_depthwise.cu`), for 16-bit groups of 2-32 channels tensor-core tiles
 //! (`conv_grouped.cu`), for other few-channel groups a stencil (`conv_direct.cu`), for 1-4
 //! input channels (image stems) a gather from a staged patch (`conv_stem.cu`); patch
-//! convolutions run as a 1x1 convolution over rearranged operands (`patch`).
+//! convolutions run as a 1x1 convolution over rearranged operands (`patch`), and implicit GEMMs
+//! whose channels do not fill whole vectors over zero-padded channels (`widen`).
 //!
 //! Layouts: input (N, spatial..., C_in), weight (C_out, spatial..., C_in / groups), output
 //! (N, spatial..., C_out). f16 and bf16 multiply on tensor cores with f32 accumulation, f32 on
@@ -41,6 +42,9 @@ pub mod stand_in;
 // Internal: public for kiln's own tests, benches and CLI; not part of the stable API.
 #[doc(hidden)]
 pub mod stem;
+// Internal: public for kiln's own tests, benches and CLI; not part of the stable API.
+#[doc(hidden)]
+pub mod widen;
 
 pub use geometry::{ConvParams, Geometry, Pass};
 
@@ -177,8 +181,9 @@ pub fn conv_pass(
 }
 
 /// The plan [`conv_pass`] runs with these tensors: from the plan cache, or built (its kernel
-/// loaded or compiled) and cached now. For a patch convolution ([`patch::is_patch`]) it is the
-/// plan of the geometry as given, which explicit tiles run; `conv_pass` runs the 1x1 plan of
+/// loaded or compiled) and cached now; for a layer that runs widened, the plan of the widened
+/// convolution ([`widen::key`]). For a patch convolution ([`patch::is_patch`]) it is the plan of
+/// the geometry as given, which explicit tiles run; `conv_pass` runs the 1x1 plan of
 /// [`patch::inner`] instead.
 pub fn plan_for(
     enc: &CommandEncoder,
@@ -194,7 +199,11 @@ pub fn plan_for(
         Pass::BackwardData => (cotangent, weight),
         Pass::BackwardWeight => (cotangent, input),
     };
-    plan::plan(enc.device(), plan_key(enc, pass, &g, a, b))
+    let key = plan_key(enc, pass, &g, a, b);
+    if runs_widened(enc, &key, None)? {
+        return plan::plan(enc.device(), widen::key(&key));
+    }
+    plan::plan(enc.device(), key)
 }
 
 /// Explicit tile and split choices, for benchmark sweeps. The arguments are checked as by the
@@ -269,11 +278,12 @@ pub mod tuning {
         second: &Array,
     ) -> Result<autotune::Choice> {
         let (dtype, a, b) = gemm_operands(pass, first, second)?;
-        let (out, prepared) = prepare(enc, pass, g, dtype, a, b)?;
+        let (out_shape, prepared) = prepare(enc, pass, g, a, b)?;
         let Some(Prepared { a, b, key }) = prepared else {
             return Err(bad("pass", "the output is empty: nothing to tune"));
         };
         hopper_can_run(&key)?;
+        let out = Array::empty_on(enc, dtype, &out_shape)?;
         autotune::choose(enc, &key, &a, &b, &out)
     }
 }
@@ -293,7 +303,7 @@ fn gemm_operands<'a>(
 
 /// A plan's choices given explicitly (sweeps), instead of by the model.
 #[derive(Clone, Copy)]
-enum Chosen {
+pub(crate) enum Chosen {
     Igemm(Tile, usize),
     Wgmma(hopper::Tile, usize),
     /// The cold-start stand-in (`stand_in`), whatever the kernel cache holds.
@@ -358,27 +368,41 @@ fn check_operands(pass: Pass, g: &Geometry, a: &Array, b: &Array) -> Result<Vec<
     Ok(out_shape)
 }
 
-/// Checks a pass's operands and allocates its output; the operands and key come with it unless
-/// the output is empty (nothing to launch).
+/// Checks a pass's operands; the operands (row-major) and key, or None where the output is
+/// empty (nothing to launch). Returns the output's shape too.
 fn prepare(
     enc: &mut CommandEncoder,
     pass: Pass,
     g: &Geometry,
-    dtype: DType,
     a: &Array,
     b: &Array,
-) -> Result<(Array, Option<Prepared>)> {
+) -> Result<(Vec<usize>, Option<Prepared>)> {
     let out_shape = check_operands(pass, g, a, b)?;
-    let out = Array::empty_on(enc, dtype, &out_shape)?;
     let (m, n, _) = pass.gemm(g);
     if m == 0 || n == 0 {
-        return Ok((out, None));
+        return Ok((out_shape, None));
     }
     // The kernels read row-major tensors; anything else is copied once.
     let a = a.contiguous(enc)?;
     let b = b.contiguous(enc)?;
     let key = plan_key(enc, pass, g, &a, &b);
-    Ok((out, Some(Prepared { a, b, key })))
+    Ok((out_shape, Some(Prepared { a, b, key })))
+}
+
+/// Whether `key` runs widened (see [`widen`]): `conv_igemm` would run it (the model's choice,
+/// or an explicit tile) but its operands do not load in vectors. Aligned keys answer at once; an
+/// unaligned one that a plan is cached for (a stem, say) after one lookup.
+fn runs_widened(enc: &CommandEncoder, key: &PlanKey, chosen: Option<Chosen>) -> Result<bool> {
+    if key.vectors() {
+        return Ok(false);
+    }
+    match chosen {
+        Some(Chosen::Igemm(..)) => Ok(true),
+        // Stand-ins load element by element where they must; the Hopper family refuses.
+        Some(Chosen::StandIn | Chosen::Wgmma(..)) => Ok(false),
+        None if plan::cached_quietly(key) => Ok(false),
+        None => plan::widens(enc.device(), key),
+    }
 }
 
 /// Runs one pass. `a` and `b` are the GEMM's operand tensors: forward (input, weight),
@@ -397,10 +421,14 @@ fn run(
     if chosen.is_none() && patch::is_patch(g) {
         return patch::run(enc, pass, g, dtype, a, b);
     }
-    let (out, prepared) = prepare(enc, pass, g, dtype, a, b)?;
+    let (out_shape, prepared) = prepare(enc, pass, g, a, b)?;
     let Some(Prepared { a, b, key }) = prepared else {
-        return Ok(out);
+        return Array::empty_on(enc, dtype, &out_shape);
     };
+    if runs_widened(enc, &key, chosen)? {
+        return widen::run(enc, pass, g, dtype, &a, &b, chosen);
+    }
+    let out = Array::empty_on(enc, dtype, &out_shape)?;
     let plan = match chosen {
         Some(Chosen::Igemm(t, splits)) => Arc::new(plan::plan_with(enc.device(), key, t, splits)?),
         Some(Chosen::StandIn) => Arc::new(stand_in::plan(enc.device(), &key)?),

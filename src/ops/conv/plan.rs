@@ -14,6 +14,7 @@ use super::grouped;
 use super::hopper;
 use super::stand_in;
 use super::stem;
+use super::widen;
 use crate::dtype::DType;
 use crate::env::{Config, ConvPath, DEFAULT_CONV_CACHE_SIZE};
 use crate::error::{Error, Result};
@@ -185,14 +186,10 @@ fn vec_elems(dtype: DType, tensor: bool) -> u8 {
     }
 }
 
-/// Vector widths kiln compiles: a full vector, or one element when a channel count (or an
-/// array's alignment) does not allow vector loads.
-fn vec_widths(dtype: DType, tensor: bool) -> [u8; 2] {
-    [vec_elems(dtype, tensor), 1]
-}
-
-/// `math`: how it multiplies; `tap_tiles`: every k tile lies within one kernel tap (see
-/// [`tap_tiles`]).
+/// `math`: how it multiplies; `vec_a`, `vec_b`: elements per load of each operand (a vector,
+/// or 1 where its channels or base do not allow vectors: only the stand-ins, which take any
+/// key, load so; `conv_igemm` runs such keys widened, see `widen`); `tap_tiles`: every k tile
+/// lies within one kernel tap (see [`tap_tiles`]).
 pub fn igemm_spec(
     dtype: DType,
     pass: Pass,
@@ -234,14 +231,10 @@ pub fn specs(arch: u32) -> Vec<KernelSpec> {
         let math = Math::of(dtype, arch, false);
         let tensor = math.tensor();
         for pass in Pass::ALL {
+            let v = vec_elems(dtype, tensor);
             for &t in tiles(tensor) {
-                for va in vec_widths(dtype, tensor) {
-                    for vb in vec_widths(dtype, tensor) {
-                        out.push(igemm_spec(dtype, pass, math, t, va, vb, false));
-                    }
-                }
+                out.push(igemm_spec(dtype, pass, math, t, v, v, false));
                 if pass != Pass::BackwardWeight {
-                    let v = vec_elems(dtype, tensor);
                     out.push(igemm_spec(dtype, pass, math, t, v, v, true));
                 }
             }
@@ -342,6 +335,11 @@ impl PlanKey {
     pub fn tensor(&self) -> bool {
         self.math().tensor()
     }
+
+    /// Whether both GEMM operands may be read in 16-byte vectors (channels and bases allow it).
+    pub fn vectors(&self) -> bool {
+        self.vec_a && self.vec_b
+    }
 }
 
 struct PlanCache {
@@ -404,12 +402,18 @@ pub fn create(device: &Device, key: PlanKey) -> Result<Arc<Plan>> {
         Vec::new()
     };
     let cold = !missing.is_empty();
+    let companions = companion_keys(device, path, &key);
     if cold {
         // The other passes' stand-ins at once: the next calls need them soonest.
-        device.prefetch_urgent(stand_in::companions(&key));
+        device.prefetch_urgent(
+            companions
+                .iter()
+                .flat_map(stand_in::specs)
+                .collect::<Vec<_>>(),
+        );
         device.prefetch(missing);
     }
-    device.prefetch(companion_specs(device, path, &key));
+    device.prefetch(companion_specs(device, path, &companions));
     if cold {
         match stand_in::plan(device, &key) {
             Ok(plan) => return Ok(Arc::new(plan)),
@@ -435,21 +439,27 @@ enum Choice {
 }
 
 impl Choice {
-    /// The first family, in order of preference, that takes `key`; `conv_igemm` takes any.
+    /// The first family, in order of preference, that takes `key`; `conv_igemm` takes any whose
+    /// operands load in vectors (the others run widened: see [`widens`]).
     fn of(device: &Device, path: ConvPath, key: &PlanKey) -> Choice {
-        if let Some((spec, launch)) = depthwise::plan(device, path, key) {
-            Choice::Depthwise(spec, launch)
-        } else if let Some((spec, launch)) = grouped::plan(device, path, key) {
-            Choice::Grouped(spec, launch)
-        } else if let Some((spec, launch)) = direct::plan(device, path, key) {
-            Choice::Direct(spec, launch)
-        } else if let Some((spec, launch)) = stem::plan(device, path, key) {
-            Choice::Stem(spec, launch)
-        } else if let Some((spec, launch)) = hopper::plan(device, path, key) {
-            Choice::Wgmma(spec, launch)
-        } else {
+        Choice::family(device, path, key).unwrap_or_else(|| {
             let (t, splits) = choose(device, key);
             Choice::Igemm(t, splits)
+        })
+    }
+
+    /// The first family other than `conv_igemm` that takes `key`, if any.
+    fn family(device: &Device, path: ConvPath, key: &PlanKey) -> Option<Choice> {
+        if let Some((spec, launch)) = depthwise::plan(device, path, key) {
+            Some(Choice::Depthwise(spec, launch))
+        } else if let Some((spec, launch)) = grouped::plan(device, path, key) {
+            Some(Choice::Grouped(spec, launch))
+        } else if let Some((spec, launch)) = direct::plan(device, path, key) {
+            Some(Choice::Direct(spec, launch))
+        } else if let Some((spec, launch)) = stem::plan(device, path, key) {
+            Some(Choice::Stem(spec, launch))
+        } else {
+            hopper::plan(device, path, key).map(|(spec, launch)| Choice::Wgmma(spec, launch))
         }
     }
 
@@ -583,20 +593,46 @@ pub fn channel_vectors(dtype: DType, pass: Pass, g: &Geometry) -> (bool, bool) {
     (run_a % w == 0, run_b % w == 0)
 }
 
-/// The kernels the other passes of `key`'s convolution would load, with aligned operands and
-/// when they are not cached yet (the split sum included where a pass splits its reduction).
-fn companion_specs(device: &Device, path: ConvPath, key: &PlanKey) -> Vec<KernelSpec> {
+/// Whether `key` runs widened (see `widen`): no family but `conv_igemm` takes it, and its
+/// operands do not load in vectors, as `conv_igemm` needs. An invalid `KILN_CONV_PATH` is an
+/// error.
+pub fn widens(device: &Device, key: &PlanKey) -> Result<bool> {
+    let path = Config::from_env()?.conv_path;
+    Ok(widens_on(device, path, key))
+}
+
+fn widens_on(device: &Device, path: ConvPath, key: &PlanKey) -> bool {
+    !key.vectors() && Choice::family(device, path, key).is_none()
+}
+
+/// The keys the other two passes of `key`'s convolution run as: with aligned operands, and
+/// widened where that is how they run.
+fn companion_keys(device: &Device, path: ConvPath, key: &PlanKey) -> Vec<PlanKey> {
+    other_passes(key)
+        .map(|other| {
+            if widens_on(device, path, &other) {
+                widen::key(&other)
+            } else {
+                other
+            }
+        })
+        .collect()
+}
+
+/// The kernels `companions` (see [`companion_keys`]) would load, for those not cached yet (the
+/// split sum included where a pass splits its reduction).
+fn companion_specs(device: &Device, path: ConvPath, companions: &[PlanKey]) -> Vec<KernelSpec> {
     let mut out = Vec::new();
-    for other in other_passes(key) {
-        if !cached_quietly(&other) {
-            out.extend(Choice::of(device, path, &other).kernels(&other));
+    for other in companions {
+        if !cached_quietly(other) {
+            out.extend(Choice::of(device, path, other).kernels(other));
         }
     }
     out
 }
 
 /// The keys of the other two passes of `key`'s convolution, with aligned operands.
-pub(super) fn other_passes(key: &PlanKey) -> impl Iterator<Item = PlanKey> + '_ {
+fn other_passes(key: &PlanKey) -> impl Iterator<Item = PlanKey> + '_ {
     Pass::ALL
         .into_iter()
         .filter(|&p| p != key.pass)
@@ -613,7 +649,7 @@ pub(super) fn other_passes(key: &PlanKey) -> impl Iterator<Item = PlanKey> + '_ 
 }
 
 /// Whether the plan cache holds `key`, without counting a hit or a miss.
-fn cached_quietly(key: &PlanKey) -> bool {
+pub(super) fn cached_quietly(key: &PlanKey) -> bool {
     let c = cache().lock().unwrap_or_else(|e| e.into_inner());
     c.plans.contains(key)
 }
@@ -743,6 +779,15 @@ pub fn igemm_launch(
 }
 
 fn build(device: &Device, key: &PlanKey, t: Tile, splits: usize) -> Result<Plan> {
+    if !key.vectors() {
+        // `conv::run` widens such keys first; reaching here is kiln's own mistake.
+        return Err(Error::InvalidArgument {
+            arg: "operands",
+            reason: "conv_igemm reads its operands in 16-byte vectors; a key whose channels or \
+                     bases do not allow it runs widened (ops::conv::widen)"
+                .into(),
+        });
+    }
     build_igemm(
         device,
         key,
@@ -978,8 +1023,9 @@ mod tests {
                                         vec_for(dtype, tensor, b),
                                         tap,
                                     );
-                                    // tap_tiles asks for both vectors, and not backward-weight.
-                                    let possible = !tap || (a && b && pass != Pass::BackwardWeight);
+                                    // conv_igemm loads whole vectors (other keys run
+                                    // widened); tap tiles are not for backward-weight.
+                                    let possible = a && b && !(tap && pass == Pass::BackwardWeight);
                                     assert_eq!(unique.contains(&s), possible, "{s}");
                                 }
                             }

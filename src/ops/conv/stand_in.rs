@@ -58,12 +58,6 @@ pub fn specs(key: &PlanKey) -> [KernelSpec; 2] {
     [spec(key), plan::split_sum_spec(key.dtype)]
 }
 
-/// The stand-ins the other two passes of `key`'s convolution would run, for compiling ahead of
-/// their chosen kernels.
-pub fn companions(key: &PlanKey) -> Vec<KernelSpec> {
-    plan::other_passes(key).flat_map(|k| specs(&k)).collect()
-}
-
 /// A plan that runs `key` on its stand-in (compiled now if it is not yet). Not cached.
 pub fn plan(device: &Device, key: &PlanKey) -> Result<Plan> {
     let t = tile(key);
