@@ -303,7 +303,7 @@ fn gemm_operands<'a>(
 
 /// A plan's choices given explicitly (sweeps), instead of by the model.
 #[derive(Clone, Copy)]
-pub(crate) enum Chosen {
+enum Chosen {
     Igemm(Tile, usize),
     Wgmma(hopper::Tile, usize),
     /// The cold-start stand-in (`stand_in`), whatever the kernel cache holds.
@@ -426,7 +426,7 @@ fn run(
         return Array::empty_on(enc, dtype, &out_shape);
     };
     if runs_widened(enc, &key, chosen)? {
-        return widen::run(enc, pass, g, dtype, &a, &b, chosen);
+        return widen::run(enc, pass, g, dtype, &a, &b, &out_shape, chosen);
     }
     let out = Array::empty_on(enc, dtype, &out_shape)?;
     let plan = match chosen {

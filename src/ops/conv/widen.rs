@@ -155,7 +155,9 @@ pub fn taken() -> u64 {
 }
 
 /// Runs `pass` of `g` widened. `a` and `b` are the GEMM operands as `conv::run` takes them,
-/// contiguous and of `g`'s shapes; `chosen`, an explicit `conv_igemm` tile, if any.
+/// contiguous and of `g`'s shapes; `out_shape`, the result's; `chosen`, an explicit
+/// `conv_igemm` tile, if any.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn run(
     enc: &mut CommandEncoder,
     pass: Pass,
@@ -163,6 +165,7 @@ pub(super) fn run(
     dtype: DType,
     a: &Array,
     b: &Array,
+    out_shape: &[usize],
     chosen: Option<Chosen>,
 ) -> Result<Array> {
     TAKEN.fetch_add(1, Ordering::Relaxed);
@@ -171,12 +174,7 @@ pub(super) fn run(
     let a = pad(enc, a, &pa)?;
     let b = pad(enc, b, &pb)?;
     let out = super::run(enc, pass, &wide, dtype, &a, &b, chosen)?;
-    let shape = match pass {
-        Pass::Forward => g.output_shape(),
-        Pass::BackwardData => g.input_shape(),
-        Pass::BackwardWeight => g.weight_shape(),
-    };
-    narrow(enc, &out, &pout, &shape)
+    narrow(enc, &out, &pout, out_shape)
 }
 
 #[cfg(test)]
