@@ -86,22 +86,26 @@ __device__ __forceinline__ int kiln_cols(const kiln_depthwise& p) {
 // (n, ext_h, ext_w, chans) array, into s[pixel * P + k] as they are; zeros outside the array.
 // With `vec`, in 16-byte pieces that land asynchronously (kiln_cp_async_commit/wait); else one
 // element at a time, at once.
+// `start`: kiln_walk_start_of(tid / (P / V), THREADS / (P / V), cols), see kiln_walks_of.
 template <int P>
 __device__ __forceinline__ void kiln_copy_tile(const T* __restrict__ src, T* s, int n, int h0,
                                                int w0, int rows, int cols, int ext_h, int ext_w,
-                                               int chans, int c0, bool vec) {
+                                               int chans, int c0, bool vec,
+                                               const kiln_walk_start& start) {
   const int tid = threadIdx.y * LANES + threadIdx.x;
   const long long image = (long long)n * ext_h;
   if (vec) {
+    // A thread copies piece `part` of every STEP-th pixel.
     constexpr int UPP = P / V;  // pieces a pixel
-    const int units = rows * cols * UPP;
-    for (int u = tid; u < units; u += THREADS) {
-      const int pixel = u / UPP, part = u - pixel * UPP;
-      const int r = pixel / cols, q = pixel - r * cols;
-      const int h = h0 + r, w = w0 + q, c = c0 + part * V;
-      const bool ok = h >= 0 && h < ext_h && w >= 0 && w < ext_w && c < chans;
-      const T* g = ok ? src + ((image + h) * ext_w + w) * chans + c : src;
-      kiln_cp_async<16, false>(s + pixel * P + part * V, g, ok);
+    static_assert(THREADS % UPP == 0, "a thread's pieces are one part of every STEP-th pixel");
+    constexpr int STEP = THREADS / UPP;
+    const int part = tid % UPP, c = c0 + part * V;
+    const bool in_chans = c < chans;  // pieces past the channels are zero-filled
+    const int pixels = rows * cols;
+    kiln_tile_walk walk(start, cols, image, h0, w0, ext_w, chans, c);
+    for (int pixel = tid / UPP; pixel < pixels; pixel += STEP, walk.next()) {
+      const bool ok = in_chans && walk.inside(ext_h, ext_w);
+      kiln_cp_async<16, false>(s + pixel * P + part * V, ok ? src + walk.at : src, ok);
     }
   } else {
     const int units = rows * cols * P;
@@ -125,18 +129,32 @@ __device__ __forceinline__ kiln_tile kiln_tile_at(const kiln_depthwise& p, int t
   return {rest / p.tiles_h, th * p.tile_h + p.base_h, tw * p.tile_w + p.base_w};
 }
 
+// Where a thread's walks over a tile's staged source and (backward-weight) cotangent start;
+// the same for every tile.
+struct kiln_walks {
+  kiln_walk_start src, dy;
+};
+__device__ __forceinline__ kiln_walks kiln_walks_of(const kiln_depthwise& p) {
+  const int tid = threadIdx.y * LANES + threadIdx.x;
+  constexpr int SRC_UPP = PER / V, DY_UPP = LANES / V;
+  return {kiln_walk_start_of(tid / SRC_UPP, THREADS / SRC_UPP, kiln_cols(p)),
+          kiln_walk_start_of(tid / DY_UPP, THREADS / DY_UPP, p.tile_w)};
+}
+
 // Starts copying tile `tile`'s source (and for backward-weight its cotangent) into `s`.
 __device__ __forceinline__ void kiln_issue(const T* __restrict__ src, const T* __restrict__ dy,
-                                           const kiln_depthwise& p, T* s, int tile, int c0) {
+                                           const kiln_depthwise& p, T* s, int tile, int c0,
+                                           const kiln_walks& walks) {
   const kiln_tile t = kiln_tile_at(p, tile);
   const int rows = kiln_rows(p), cols = kiln_cols(p);
   // The tile's first staged row and column (backward-data at stride 2: spread position
   // t.oh + off_h is a real row, a multiple of DH).
   const int h0 = (t.oh * STEP_H + p.off_h) / DH, w0 = (t.ow * STEP_W + p.off_w) / DW;
-  kiln_copy_tile<PER>(src, s, t.n, h0, w0, rows, cols, p.src_h, p.src_w, p.src_c, c0, p.vec_src);
+  kiln_copy_tile<PER>(src, s, t.n, h0, w0, rows, cols, p.src_h, p.src_w, p.src_c, c0, p.vec_src,
+                      walks.src);
   if (PASS == 2)
     kiln_copy_tile<LANES>(dy, s + rows * cols * PER, t.n, t.oh, t.ow, p.tile_h, p.tile_w, p.out_h,
-                          p.out_w, p.out_c, blockIdx.y * LANES, p.vec_dy);
+                          p.out_w, p.out_c, blockIdx.y * LANES, p.vec_dy, walks.dy);
   kiln_cp_async_commit();
 }
 
@@ -207,7 +225,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{kernel}}(
   const int first = PASS == 2 ? blockIdx.x * p.tiles_per_split : blockIdx.x;
   const int end = PASS == 2 ? min(p.tiles, first + p.tiles_per_split) : p.tiles;
   const int step = PASS == 2 ? 1 : gridDim.x;
-  if (first < end) kiln_issue(src, dy, p, bufs, first, c0);
+  const kiln_walks walks = kiln_walks_of(p);
+  if (first < end) kiln_issue(src, dy, p, bufs, first, c0, walks);
 
   float wt[KH][KW];
   float dw[KH][KW];
@@ -245,7 +264,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{kernel}}(
     const int next = tile + step;
     T* buf = bufs + (k & 1) * buffer;
     if (next < end) {
-      kiln_issue(src, dy, p, bufs + ((k + 1) & 1) * buffer, next, c0);
+      kiln_issue(src, dy, p, bufs + ((k + 1) & 1) * buffer, next, c0, walks);
       kiln_cp_async_wait<1>();
     } else {
       kiln_cp_async_wait<0>();

@@ -110,10 +110,12 @@ __device__ __forceinline__ int kiln_at(int slot, int unit) { return slot * PITCH
 // from pixel (h0, w0) on, into the staged slots of `s` (pixel (r, c) to slot r * S * phase_cols
 // + (c % S) * phase_cols + c / S); zeros outside the array. With `vec`, in 16-byte pieces that
 // land asynchronously (kiln_cp_async_commit/wait); else one element at a time, at once.
+// `start`: kiln_walk_start_of(tid / UNITS, THREADS / UNITS, cols), see kiln_walks_of.
 template <int S>
 __device__ __forceinline__ void kiln_stage(const T* __restrict__ src, T* s, int n, int h0, int w0,
                                            int rows, int cols, int phase_cols, int ext_h,
-                                           int ext_w, int chans, int c0, bool vec) {
+                                           int ext_w, int chans, int c0, bool vec,
+                                           const kiln_walk_start& start) {
   const int tid = threadIdx.y * 32 + threadIdx.x;
   const long long image = (long long)n * ext_h;
   const int pixels = rows * cols;
@@ -123,31 +125,15 @@ __device__ __forceinline__ void kiln_stage(const T* __restrict__ src, T* s, int 
     return (r * S + (int)(uq % S)) * phase_cols + (int)(uq / S);
   };
   if (vec) {
-    // A thread copies unit e of every STEP-th pixel, walking (row, column) without dividing,
-    // and stepping the pixel's element offset in the array instead of recomputing it (a 64-bit
-    // multiply-add chain a copy was half of the forward's instructions at stride 2).
+    // A thread copies unit e of every STEP-th pixel.
     constexpr int STEP = THREADS / UNITS;
     const int e = tid % UNITS, c = c0 + e * 8;
     const bool in_chans = c < chans;  // units past the channels are zero-filled
-    const int step_r = STEP / cols, step_q = STEP - step_r * cols;
-    int pixel = tid / UNITS, r = pixel / cols, q = pixel - r * cols;
-    const long long row_pitch = (long long)ext_w * chans;
-    const long long step_at = step_r * row_pitch + (long long)step_q * chans;
-    const long long wrap_at = row_pitch - (long long)cols * chans;
-    // Element offset of pixel (r, q)'s unit e; read only where the pixel lies in the array.
-    long long at = ((image + h0 + r) * ext_w + w0 + q) * chans + c;
-    for (; pixel < pixels; pixel += STEP) {
-      const int h = h0 + r, w = w0 + q;
-      const bool ok = in_chans && h >= 0 && h < ext_h && w >= 0 && w < ext_w;
-      kiln_cp_async<16, false>(s + kiln_at(slot_of(r, q), e), ok ? src + at : src, ok);
-      r += step_r;
-      q += step_q;
-      at += step_at;
-      if (q >= cols) {
-        q -= cols;
-        ++r;
-        at += wrap_at;
-      }
+    kiln_tile_walk walk(start, cols, image, h0, w0, ext_w, chans, c);
+    for (int pixel = tid / UNITS; pixel < pixels; pixel += STEP, walk.next()) {
+      const bool ok = in_chans && walk.inside(ext_h, ext_w);
+      kiln_cp_async<16, false>(s + kiln_at(slot_of(walk.r, walk.q), e), ok ? src + walk.at : src,
+                               ok);
     }
   } else {
     for (int u = tid; u < pixels * PER; u += THREADS) {
@@ -176,16 +162,29 @@ __device__ __forceinline__ int kiln_buffer(const kiln_grouped& p) {
   return (st.rows * st.row_slots + (PASS == 2 ? p.tile_h * p.tile_w : 0)) * PITCH;
 }
 
+// Where a thread's walks over a tile's staged source and (backward-weight) cotangent start;
+// the same for every tile.
+struct kiln_walks {
+  kiln_walk_start src, dy;
+};
+__device__ __forceinline__ kiln_walks kiln_walks_of(const kiln_grouped& p) {
+  const int tid = threadIdx.y * 32 + threadIdx.x;
+  constexpr int STEP = THREADS / UNITS;
+  return {kiln_walk_start_of(tid / UNITS, STEP, kiln_staged_of(p).cols),
+          kiln_walk_start_of(tid / UNITS, STEP, p.tile_w)};
+}
+
 // Starts copying tile `tile`'s source (and for backward-weight its cotangent) into `s`.
 __device__ __forceinline__ void kiln_issue(const T* __restrict__ src, const T* __restrict__ dy,
-                                           const kiln_grouped& p, T* s, int tile, int c0) {
+                                           const kiln_grouped& p, T* s, int tile, int c0,
+                                           const kiln_walks& walks) {
   const kiln_tile t = kiln_tile_at(p, tile);
   const kiln_staged st = kiln_staged_of(p);
   kiln_stage<SW>(src, s, t.n, t.oh * SH + p.off_h, t.ow * SW + p.off_w, st.rows, st.cols,
-                 st.phase_cols, p.src_h, p.src_w, p.chans, c0, p.vec);
+                 st.phase_cols, p.src_h, p.src_w, p.chans, c0, p.vec, walks.src);
   if (PASS == 2)
     kiln_stage<1>(dy, s + st.rows * st.row_slots * PITCH, t.n, t.oh, t.ow, p.tile_h, p.tile_w,
-                  p.tile_w, p.out_h, p.out_w, p.chans, c0, p.vec);
+                  p.tile_w, p.out_h, p.out_w, p.chans, c0, p.vec, walks.dy);
   kiln_cp_async_commit();
 }
 
@@ -411,7 +410,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{kernel}}(
   const int first = PASS == 2 ? blockIdx.x * p.tiles_per_split : blockIdx.x;
   const int end = PASS == 2 ? min(p.tiles, first + p.tiles_per_split) : p.tiles;
   const int step = PASS == 2 ? 1 : gridDim.x;
-  if (first < end) kiln_issue(src, dy, p, bufs, first, c0);
+  const kiln_walks walks = kiln_walks_of(p);
+  if (first < end) kiln_issue(src, dy, p, bufs, first, c0, walks);
 
   if (PASS != 2) {
     kiln_stage_weights<WEIGHTS>(other, p, ws, c0, tid);
@@ -432,7 +432,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{kernel}}(
     const int next = tile + step;
     const T* buf = bufs + (k & 1) * buffer;
     if (next < end) {
-      kiln_issue(src, dy, p, bufs + ((k + 1) & 1) * buffer, next, c0);
+      kiln_issue(src, dy, p, bufs + ((k + 1) & 1) * buffer, next, c0, walks);
       kiln_cp_async_wait<1>();
     } else {
       kiln_cp_async_wait<0>();

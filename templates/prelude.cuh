@@ -250,6 +250,51 @@ template <int N> __device__ __forceinline__ void kiln_cp_async_wait() {
 #endif
 }
 
+// A thread's pixels of a tile of rows x cols pixels starting at pixel (h0, w0) of image n of
+// an (batch, ext_h, ext_w, chans) array, for the staging loops of the convolution families:
+// pixel `first`, then every `step`-th, row-major. kiln_walk_start holds what does not change
+// from tile to tile (the first pixel's row and column, the step in rows and columns), computed
+// once a kernel: its two divisions cost more than a whole small tile's copies. kiln_tile_walk
+// then steps (r, q), the pixel's row and column in the tile, and `at`, the element offset of
+// its channel c in the array, instead of recomputing them (a division and a chain of 64-bit
+// multiply-adds a pixel were half of a stride-2 grouped forward's instructions). `at` means
+// something only where inside() holds.
+struct kiln_walk_start {
+  int r, q, step_r, step_q;
+};
+__device__ __forceinline__ kiln_walk_start kiln_walk_start_of(int first, int step, int cols) {
+  const int r = first / cols, step_r = step / cols;
+  return {r, first - r * cols, step_r, step - step_r * cols};
+}
+struct kiln_tile_walk {
+  int r, q, h0, w0, cols, step_r, step_q;
+  long long at, step_at, wrap_at;
+  __device__ __forceinline__ kiln_tile_walk(const kiln_walk_start& start, int cols_,
+                                            long long image, int h0_, int w0_, int ext_w,
+                                            int chans, int c)
+      : r(start.r), q(start.q), h0(h0_), w0(w0_), cols(cols_), step_r(start.step_r),
+        step_q(start.step_q) {
+    const long long row_pitch = (long long)ext_w * chans;
+    at = ((image + h0 + r) * ext_w + w0 + q) * chans + c;
+    step_at = step_r * row_pitch + (long long)step_q * chans;
+    wrap_at = row_pitch - (long long)cols * chans;
+  }
+  __device__ __forceinline__ bool inside(int ext_h, int ext_w) const {
+    const int h = h0 + r, w = w0 + q;
+    return h >= 0 && h < ext_h && w >= 0 && w < ext_w;
+  }
+  __device__ __forceinline__ void next() {
+    r += step_r;
+    q += step_q;
+    at += step_at;
+    if (q >= cols) {  // step_q < cols: one wrap at most
+      q -= cols;
+      ++r;
+      at += wrap_at;
+    }
+  }
+};
+
 // N parameter values (weight or bias) at p[i * stride ..] as floats: one vector load when
 // `vec` (stride 1 and aligned), else strided scalar loads. Missing (p null) reads as `missing`.
 template <int N, typename T>
