@@ -258,7 +258,7 @@ template <int N> __device__ __forceinline__ void kiln_cp_async_wait() {
 // then steps (r, q), the pixel's row and column in the tile, and `at`, the element offset of
 // its channel c in the array, instead of recomputing them (a division and a chain of 64-bit
 // multiply-adds a pixel were half of a stride-2 grouped forward's instructions). `at` means
-// something only where inside() holds.
+// something only where inside() holds. `image` is the image's first row, n * ext_h.
 struct kiln_walk_start {
   int r, q, step_r, step_q;
 };
