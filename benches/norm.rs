@@ -16,6 +16,7 @@
 //! `--only TEXT` keeps the rows whose "ROWSxD dtype op" contains TEXT (e.g. `--only "bf16 layer_norm"`),
 //! `--no-anchor` skips PyTorch: both for comparing kernel variants quickly, not for the targets.
 //! `--twice` times every op twice and prints both, with the driver allocations each made.
+//! `--long --ds 5001,50257` measures other row lengths the same way (held-out checks).
 
 mod common;
 
@@ -39,9 +40,21 @@ const SHAPES: [(usize, usize); 6] = [
 /// of each length (rows x d below 2^24 are held to the ratio targets only).
 const LONG_DS: [usize; 8] = [3000, 5120, 12288, 16385, 18432, 30000, 65536, 131072];
 
+/// The `--long` shapes; `--ds D,D,...` measures those row lengths instead of `LONG_DS`.
 fn long_shapes() -> Vec<(usize, usize)> {
-    LONG_DS
-        .iter()
+    let args: Vec<String> = std::env::args().collect();
+    let ds: Vec<usize> = match args.iter().position(|a| a == "--ds") {
+        Some(i) => args
+            .get(i + 1)
+            .map(|list| {
+                list.split(',')
+                    .map(|d| d.parse().expect("--ds takes row lengths, as 5001,16385"))
+                    .collect()
+            })
+            .unwrap_or_default(),
+        None => LONG_DS.to_vec(),
+    };
+    ds.iter()
         .flat_map(|&d| [(((1usize << 25) / d).max(1), d), (16, d)])
         .collect()
 }
@@ -134,7 +147,14 @@ fn sweep(enc: &mut CommandEncoder, only: &str) {
                 // kernel it is compiled from, fully optimised, beside the chosen kernel.
                 let candidates = if std::env::args().any(|a| a == "--stand-ins") {
                     let gpu = norm::Gpu::of(enc.device());
-                    let chosen = norm::choose_spec(pass, Kind::LayerNorm, dtype, d, true, gpu);
+                    let chosen = norm::choose_spec(
+                        pass,
+                        Kind::LayerNorm,
+                        dtype,
+                        d,
+                        norm::Rows::Aligned,
+                        gpu,
+                    );
                     let quick = norm::stand_in::spec(pass, Kind::LayerNorm, dtype, 8);
                     let family = match pass {
                         Pass::Forward => &norm::FORWARD,
@@ -182,7 +202,7 @@ fn sweep(enc: &mut CommandEncoder, only: &str) {
             Kind::LayerNorm,
             dtype,
             d,
-            true,
+            norm::Rows::Aligned,
             norm::Gpu::of(enc.device()),
         );
         let run = |e: &mut CommandEncoder, i: usize, spec| match pass {

@@ -153,11 +153,16 @@ fn check_norms(gpu: &GpuInfo) -> Result<Vec<CheckResult>> {
             let xa = Array::from_f64(&mut enc, dtype, &x, &[rows, d])?;
             let wa = Array::from_f64(&mut enc, dtype, &w, &[d])?;
             let ba = Array::from_f64(&mut enc, dtype, &b, &[d])?;
-            // Fresh allocations are 256-byte aligned, so rows vectorise whenever d allows.
-            let vectorized = d % dtype.vec_width() == 0;
+            // Fresh allocations are 256-byte aligned, so rows vectorise whenever d allows, and
+            // are alike otherwise.
+            let rows_layout = if d % dtype.vec_width() == 0 {
+                norm::Rows::Aligned
+            } else {
+                norm::Rows::Alike
+            };
             let limit = norm::Gpu::of(&dev);
             let spec =
-                norm::choose_spec(Pass::Forward, Kind::LayerNorm, dtype, d, vectorized, limit);
+                norm::choose_spec(Pass::Forward, Kind::LayerNorm, dtype, d, rows_layout, limit);
             let started = Instant::now();
             let origin = dev.kernel(&spec)?.origin;
             let load_ms = started.elapsed().as_secs_f64() * 1e3;
@@ -179,7 +184,7 @@ fn check_norms(gpu: &GpuInfo) -> Result<Vec<CheckResult>> {
                 let g = q(rng.values(rows * d, 1.0, 0.0))?;
                 let ga = Array::from_f64(&mut enc, dtype, &g, &[rows, d])?;
                 let vspec =
-                    norm::choose_spec(Pass::Vjp, Kind::LayerNorm, dtype, d, vectorized, limit);
+                    norm::choose_spec(Pass::Vjp, Kind::LayerNorm, dtype, d, rows_layout, limit);
                 let started = Instant::now();
                 let origin = dev.kernel(&vspec)?.origin;
                 let load_ms = started.elapsed().as_secs_f64() * 1e3;

@@ -61,3 +61,82 @@ __device__ __forceinline__ void kiln_bulk_arrive(unsigned long long* bar, unsign
 __device__ __forceinline__ void kiln_bulk_fence() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
+
+// Columns shifted onto the granules, so that rows which do not start on one (odd lengths) still
+// move whole vectors. A thread's vector at stage position `at` (a multiple of N, 16 bytes)
+// covers the chunk's elements at - shift .. at - shift + N - 1, where `shift` is the granule
+// offset of the kernel's first row. The host launches such kernels only on rows that all start
+// `shift` elements into a granule (kiln_check_shift stops any other), so every load and store is
+// a whole aligned vector; the elements of the two vectors the chunk's ends cut that lie outside
+// it read as zero and are never written.
+
+// Whether the vector at `at` lies wholly inside the chunk.
+template <int N>
+__device__ __forceinline__ bool kiln_whole(int at, int shift, int len) {
+  const int p0 = at - shift;
+  return p0 >= 0 && p0 + N <= len;
+}
+
+// Whether element j of the vector at `at` lies inside the chunk.
+__device__ __forceinline__ bool kiln_inside(int at, int shift, int j, int len) {
+  return (unsigned)(at - shift + j) < (unsigned)len;
+}
+
+// Stops the kernel on a row whose chunk starts `offset` elements into its granule where the
+// kernel's columns are shifted by another amount (a launch the host does not make): a trap, not
+// a misread row.
+__device__ __forceinline__ void kiln_check_shift(int offset, int shift) {
+  if (offset != shift) __trap();
+}
+
+// The vector at `at` of a staged chunk as floats (`stage`: the stage's first granule).
+template <int N, typename T>
+__device__ __forceinline__ void kiln_unstage_shifted(const T* stage, int shift, int at, int len,
+                                                     float (&v)[N]) {
+  if (at - shift >= len) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) v[j] = 0.0f;
+    return;
+  }
+  const kiln_vec<T, N> r = *reinterpret_cast<const kiln_vec<T, N>*>(stage + at);
+  const bool whole = kiln_whole<N>(at, shift, len);
+#pragma unroll
+  for (int j = 0; j < N; ++j)
+    v[j] = whole || kiln_inside(at, shift, j, len) ? kiln_to_float(r.v[j]) : 0.0f;
+}
+
+// Stores the vector at `at` into a chunk of `len` elements at `out`, which starts `shift`
+// elements into its granule.
+template <int N, typename T>
+__device__ __forceinline__ void kiln_store_shifted(T* out, int shift, int at, int len,
+                                                   const float (&o)[N]) {
+  if (kiln_whole<N>(at, shift, len)) {
+    kiln_store_vec<N>(out, at - shift, o);  // out + at - shift lies on a granule
+  } else {
+#pragma unroll
+    for (int j = 0; j < N; ++j)
+      if (kiln_inside(at, shift, j, len)) out[at - shift + j] = kiln_from_float<T>(o[j]);
+  }
+}
+
+// A thread's NI vectors of a weight or bias (kiln_load_params; `missing` when p is null, 0
+// outside the chunk) for columns shifted by `shift`: vector k covers row elements
+// base + i0 + k * step - shift + j, of which base .. base + len - 1 are the chunk's. Unshifted
+// columns keep kiln_load_params' vector loads.
+template <int NI, int N, typename T>
+__device__ __forceinline__ void kiln_load_params_shifted(const T* p, long long stride, bool vec,
+                                                         int base, int i0, int step, int len,
+                                                         int shift, float missing,
+                                                         float (&out)[NI][N]) {
+  if (shift == 0 || p == nullptr) {
+    kiln_load_params<NI, N>(p, stride, vec, base + i0, step, base + len, missing, out);
+    return;
+  }
+#pragma unroll
+  for (int k = 0; k < NI; ++k)
+#pragma unroll
+    for (int j = 0; j < N; ++j)
+      out[k][j] = kiln_inside(i0 + k * step, shift, j, len)
+                      ? kiln_to_float(p[(base + i0 + k * step - shift + j) * stride])
+                      : 0.0f;
+}

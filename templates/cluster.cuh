@@ -179,19 +179,23 @@ __device__ __forceinline__ void kiln_cluster_sum2(float& a, float& b,
 }
 
 // The elements each warp of the cluster holds of a split row of d, `chunk` elements a block
-// (the last block's fewer, or none), where thread t's vector k lies at chunk element
-// (k * BLOCK_DIM + t) * N_READS: [rank * WARPS + warp] as kiln_cluster_sums orders pushes, for
-// kiln_cluster_wait_moments and kiln_split_own_inv_elements. Computed once per kernel, visible
-// after the next barrier.
+// (the last block's fewer, or none), where thread t's vector k covers chunk elements from
+// (k * BLOCK_DIM + t) * N_READS - shift (bulk.cuh's shifted columns; every block of a cluster
+// has the same shift, chunks being whole granules): [rank * WARPS + warp] as kiln_cluster_sums
+// orders pushes, for kiln_cluster_wait_moments and kiln_split_own_inv_elements. Computed once
+// per kernel, visible after the next barrier.
 template <int CLUSTER, int BLOCK_DIM, int N_READS>
-__device__ __forceinline__ void kiln_split_pair_elements(float* elements, int d, int chunk) {
+__device__ __forceinline__ void kiln_split_pair_elements(float* elements, int d, int chunk,
+                                                         int shift) {
   constexpr int WARPS = BLOCK_DIM / 32;
   for (int p = threadIdx.x; p < CLUSTER * WARPS; p += BLOCK_DIM) {
     const int rank = p / WARPS, warp = p % WARPS;
     const int len = max(0, min(chunk, d - rank * chunk));
-    const int vectors = len / N_READS;  // a chunk is a multiple of N_READS when N_READS > 1
-    const int rounds = vectors / BLOCK_DIM, rest = vectors - rounds * BLOCK_DIM;
-    elements[p] = (float)(N_READS * (32 * rounds + min(32, max(0, rest - 32 * warp))));
+    // Each round of the block's vectors gives the warp 32 contiguous vectors.
+    int n = 0;
+    for (int lo = warp * 32 * N_READS - shift; lo < len; lo += BLOCK_DIM * N_READS)
+      n += min(lo + 32 * N_READS, len) - max(lo, 0);
+    elements[p] = (float)n;
   }
 }
 

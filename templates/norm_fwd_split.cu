@@ -30,7 +30,7 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(BLO
   __shared__ float pair_elements[CLUSTER * BLOCK_DIM / 32];  // LayerNorm's warps' n_w
   if constexpr (!RMS)
     kiln_split_pair_elements<CLUSTER, BLOCK_DIM, N_READS>(pair_elements, d,
-                                                           BLOCK_DIM * ITEMS * N_READS);
+                                                           BLOCK_DIM * ITEMS * N_READS, 0);
   kiln_cluster_sums_init(sums);
   int exchange = 0;
   const long long cluster = blockIdx.x / CLUSTER, clusters = gridDim.x / CLUSTER;

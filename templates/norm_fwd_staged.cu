@@ -8,6 +8,10 @@
 // weight and bias in shared memory for all its rows. The statistics are exact two-pass sums over
 // the whole row in one exchange a row through distributed shared memory, without cluster barriers
 // (kiln_cluster_sum2; LayerNorm's combined from each warp's, kiln_cluster_wait_moments).
+// SHIFTED: rows that do not start on a 16-byte granule (odd lengths) still move whole vectors:
+// a thread's columns are shifted onto the granules of the cluster's first row (bulk.cuh), and
+// the host makes every row a cluster takes start like it. A constant, so that aligned rows keep
+// their code, which has no element of a vector to mask.
 {{> prelude}}
 {{> tma}}
 {{> cluster}}
@@ -19,6 +23,8 @@ constexpr int N_READS = {{n_reads}};
 constexpr bool RMS = {{RMS}};
 constexpr int ITEMS = {{ITEMS}};
 constexpr int CLUSTER = {{CLUSTER}};
+constexpr bool SHIFTED = {{SHIFTED}};
+static_assert(!SHIFTED || N_READS > 1, "columns shift by parts of a vector");
 static_assert(CLUSTER >= 2 && CLUSTER <= 16, "a cluster of at least two blocks");
 // Elements of a row one block holds: ITEMS vectors of N_READS per thread.
 constexpr int CAPACITY = BLOCK_DIM * ITEMS * N_READS;
@@ -41,16 +47,18 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1)
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) kiln_mbarrier_init(&full[s], 1);
   }
-  // Its cluster barrier also makes the stages' mbarriers visible before the first copy.
-  if constexpr (!RMS)
-    kiln_split_pair_elements<CLUSTER, BLOCK_DIM, N_READS>(pair_elements, d,
-                                                           kiln_split_chunk(d, CLUSTER));
-  kiln_cluster_sums_init(sums);
-  int exchange = 0;
   const long long cluster = blockIdx.x / CLUSTER, clusters = gridDim.x / CLUSTER;
   const int chunk = kiln_split_chunk(d, CLUSTER);
   const int base = (int)kiln_cluster_rank() * chunk;
   const int len = min(chunk, d - base);  // this block's elements of a row (none when <= 0)
+  // The columns' shift onto the granules: the first row's offset (the same in every block).
+  const int shift =
+      SHIFTED && cluster < rows ? kiln_granule_offset(x + cluster * x_row_stride + base) : 0;
+  // Its cluster barrier also makes the stages' mbarriers visible before the first copy.
+  if constexpr (!RMS)
+    kiln_split_pair_elements<CLUSTER, BLOCK_DIM, N_READS>(pair_elements, d, chunk, shift);
+  kiln_cluster_sums_init(sums);
+  int exchange = 0;
   const float inv_d = 1.0f / d;
   // 1 / the elements this warp holds of a row, for LayerNorm's warp means.
   const float inv_warp_elements =
@@ -81,9 +89,10 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1)
   {
     float wk[ITEMS][N_READS], bk[ITEMS][N_READS];
     const int step = BLOCK_DIM * N_READS;
-    kiln_load_params<ITEMS, N_READS>(w, w_stride, w_vec, base + at(0), step, base + len, 1.0f, wk);
-    kiln_load_params<ITEMS, N_READS>(RMS ? nullptr : b, b_stride, b_vec, base + at(0), step,
-                                     base + len, 0.0f, bk);
+    kiln_load_params_shifted<ITEMS, N_READS>(w, w_stride, w_vec, base, at(0), step, len, shift,
+                                             1.0f, wk);
+    kiln_load_params_shifted<ITEMS, N_READS>(RMS ? nullptr : b, b_stride, b_vec, base, at(0),
+                                             step, len, shift, 0.0f, bk);
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
       V vw, vb;
@@ -101,12 +110,18 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1)
   for (long long row = cluster; row < rows; row += clusters, ++turn) {
     const int stage = turn % STAGES;
     kiln_mbarrier_wait(&full[stage], (turn / STAGES) & 1);
-    // Vectorised rows are 16-byte aligned (the op checks), so their chunks start on a granule.
+    // Vectorised rows are 16-byte aligned (the op checks), so their chunks start on a granule;
+    // shifted ones as far into it as the shift.
     const int offset = N_READS > 1 ? 0 : kiln_granule_offset(x + row * x_row_stride + base);
+    if constexpr (SHIFTED) kiln_check_shift(kiln_granule_offset(x + row * x_row_stride + base), shift);
     const T* staged = reinterpret_cast<const T*>(smem + stage * CHUNK_BYTES) + offset;
     float v[ITEMS][N_READS];
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
+      if constexpr (SHIFTED) {
+        kiln_unstage_shifted<N_READS>(staged, shift, at(k), len, v[k]);
+        continue;
+      }
       // A vector lies wholly inside the chunk or wholly past it (len is a multiple of N_READS
       // when N_READS > 1).
       if (at(k) < len) {
@@ -140,10 +155,12 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1)
     float mean = 0.0f, q = 0.0f, unused = 0.0f;
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
-      if (!RMS && at(k) >= len) break;  // zeros past the chunk: their deviation would be -m_w
+      // Zeros outside the chunk: their deviation would be -m_w.
+      if (!RMS && at(k) - shift >= len) break;
+      const bool whole = RMS || !SHIFTED || kiln_whole<N_READS>(at(k), shift, len);
 #pragma unroll
       for (int j = 0; j < N_READS; ++j) {
-        const float c = v[k][j] - m_w;
+        const float c = whole || kiln_inside(at(k), shift, j, len) ? v[k][j] - m_w : 0.0f;
         q += c * c;
       }
     }
@@ -155,9 +172,10 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1)
     const float rstd = rsqrtf(q * inv_d + eps);
 
     T* yr = y + row * (long long)d + base;
+    if constexpr (SHIFTED) kiln_check_shift(kiln_granule_offset(yr), shift);
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
-      if (at(k) >= len) break;
+      if (at(k) - shift >= len) break;
       const V vw = w_own[k * BLOCK_DIM + threadIdx.x];
       V vb;
       if constexpr (!RMS) vb = b_own[k * BLOCK_DIM + threadIdx.x];
@@ -167,7 +185,11 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1)
         o[j] = (v[k][j] - mean) * rstd * kiln_to_float(vw.v[j]);
         if constexpr (!RMS) o[j] += kiln_to_float(vb.v[j]);
       }
-      kiln_store_floats<N_READS>(yr, at(k), len, o);
+      if constexpr (SHIFTED) {
+        kiln_store_shifted<N_READS>(yr, shift, at(k), len, o);
+      } else {
+        kiln_store_floats<N_READS>(yr, at(k), len, o);
+      }
     }
   }
   // No block may leave while another's pushes into it may still be in flight.

@@ -52,7 +52,7 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(BLO
   // Its cluster barrier also makes the stages' mbarriers visible before the first copy.
   if constexpr (!RMS)
     kiln_split_pair_elements<CLUSTER, BLOCK_DIM, N_READS>(pair_elements, d,
-                                                           kiln_split_chunk(d, CLUSTER));
+                                                           kiln_split_chunk(d, CLUSTER), 0);
   kiln_cluster_sums_init(sums);
   int exchange = 0;
   const long long cluster = blockIdx.x / CLUSTER, clusters = gridDim.x / CLUSTER;

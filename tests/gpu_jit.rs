@@ -35,7 +35,7 @@ fn the_self_check_passes_on_every_gpu() {
             Kind::LayerNorm,
             kiln::DType::BF16,
             4096,
-            true,
+            norm::Rows::Aligned,
             norm::Gpu::of(&dev),
         );
         let a = dev.kernel(&spec).unwrap();

@@ -70,6 +70,12 @@ enum XLayout {
     RowSlice,
     /// A transposed matrix: last-axis stride is not 1, so kiln copies it once.
     Transposed,
+    /// Rows of a matrix three columns wider, from its fourth column: row stride d + 3, the
+    /// first row three elements into a 16-byte granule, read in place.
+    Offset,
+    /// Rows of a matrix 16 columns wider: row stride d + 16, so each row starts as far into its
+    /// 16-byte granule as the output's same row, read in place.
+    Padded,
 }
 
 fn upload_x(
@@ -88,6 +94,26 @@ fn upload_x(
                 .flat_map(|r| r.iter().copied().chain(std::iter::repeat(9.0).take(d)))
                 .collect();
             Array::from_f64(enc, dtype, &wide, &[rows, 2 * d])
+                .unwrap()
+                .slice(1, 0, d, 1)
+                .unwrap()
+        }
+        XLayout::Offset => {
+            let wide: Vec<f64> = x
+                .chunks(d)
+                .flat_map(|r| [5.0, -6.0, 7.0].into_iter().chain(r.iter().copied()))
+                .collect();
+            Array::from_f64(enc, dtype, &wide, &[rows, d + 3])
+                .unwrap()
+                .slice(1, 3, d + 3, 1)
+                .unwrap()
+        }
+        XLayout::Padded => {
+            let wide: Vec<f64> = x
+                .chunks(d)
+                .flat_map(|r| r.iter().copied().chain(std::iter::repeat(-4.0).take(16)))
+                .collect();
+            Array::from_f64(enc, dtype, &wide, &[rows, d + 16])
                 .unwrap()
                 .slice(1, 0, d, 1)
                 .unwrap()
@@ -252,8 +278,22 @@ fn every_chosen_kernel_matches_the_reference() {
         let mut spans: Vec<((KernelSpec, KernelSpec), usize, usize)> = Vec::new();
         for d in (v..=16384).step_by(v) {
             let pair = (
-                norm::choose_spec(Pass::Forward, Kind::LayerNorm, dtype, d, true, limit),
-                norm::choose_spec(Pass::Vjp, Kind::LayerNorm, dtype, d, true, limit),
+                norm::choose_spec(
+                    Pass::Forward,
+                    Kind::LayerNorm,
+                    dtype,
+                    d,
+                    norm::Rows::Aligned,
+                    limit,
+                ),
+                norm::choose_spec(
+                    Pass::Vjp,
+                    Kind::LayerNorm,
+                    dtype,
+                    d,
+                    norm::Rows::Aligned,
+                    limit,
+                ),
             );
             match spans.iter_mut().find(|s| s.0 == pair) {
                 Some(s) => s.2 = d,
@@ -405,6 +445,70 @@ fn long_rows_match_the_reference() {
                         if err > tolerance(dtype) {
                             failures.push(format!(
                                 "graphs={graphs} {kind:?} {dtype} {rows}x{d} outlier {outlier:?}: \
+                                 {err:.3e}"
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// Rows that do not start on a 16-byte granule, long enough for a cluster a row on Hopper: odd
+/// lengths, contiguous or rows of a wider matrix laid out alike (the split kernels shift their
+/// columns onto the granules), and x read in place at an offset or with another stride (one
+/// element at a time); as many rows as clusters and many more (every cluster takes rows laid out
+/// like its first), with an outlier. Every dtype, forward and VJP, direct and graph mode.
+#[test]
+fn unaligned_long_rows_match_the_reference() {
+    let Some(dev) = device("norm_unaligned_long_rows") else {
+        return;
+    };
+    let mut failures = Vec::new();
+    let mut seed = 12000;
+    for graphs in [false, true] {
+        let mut enc = encoder(&dev, graphs);
+        for dtype in DType::ALL {
+            for (d, rows) in [
+                (4103, 700),
+                (16385, 67),
+                (16385, 700),
+                (18432, 300),
+                (30001, 150),
+                (65535, 40),
+                (100_003, 24),
+            ] {
+                for x_layout in [
+                    XLayout::Contiguous,
+                    XLayout::Padded,
+                    XLayout::Offset,
+                    XLayout::RowSlice,
+                ] {
+                    let scattered = matches!(x_layout, XLayout::Offset | XLayout::RowSlice);
+                    if (graphs || scattered) && (rows > 300 || d > 30001) {
+                        continue;
+                    }
+                    for kind in [Kind::LayerNorm, Kind::RmsNorm] {
+                        seed += 1;
+                        // The weights' element loads on shifted columns, strided and
+                        // broadcast too.
+                        let weight = match x_layout {
+                            XLayout::Offset | XLayout::Padded => WeightLayout::Strided,
+                            XLayout::RowSlice => WeightLayout::Broadcast,
+                            _ => WeightLayout::Contiguous,
+                        };
+                        let case = Case {
+                            x_layout,
+                            weight: Some(weight),
+                            outlier: (rows < 100).then_some(1000.0),
+                            ..Case::plain(kind, dtype, rows, d, EPS)
+                        };
+                        let err = run_case(&mut enc, &case, seed);
+                        if err > tolerance(dtype) {
+                            failures.push(format!(
+                                "graphs={graphs} {kind:?} {dtype} {rows}x{d} {x_layout:?}: \
                                  {err:.3e}"
                             ));
                         }

@@ -197,7 +197,7 @@ fn concurrent_requests_for_one_spec_compile_once() {
         Kind::LayerNorm,
         DType::BF16,
         768,
-        true,
+        norm::Rows::Aligned,
         norm::Gpu::for_arch(90),
     );
     let origins: Vec<Origin> = std::thread::scope(|scope| {
@@ -257,7 +257,7 @@ fn an_architecture_nvrtc_cannot_emit_sass_for_falls_back_to_ptx() {
         Kind::LayerNorm,
         DType::F32,
         1000,
-        false,
+        norm::Rows::Scattered,
         norm::Gpu::for_arch(90),
     );
     // No NVRTC knows sm_990; the newest architecture it knows gets PTX.

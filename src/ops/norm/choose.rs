@@ -287,38 +287,85 @@ pub(super) type SplitLayout = (&'static TemplateDef, usize, usize);
 /// 32 (16-bit).
 pub(super) const SPLIT_ROW: usize = SPLIT_BLOCK * 16 * 16;
 
-/// A split-row layout for rows of `vectors` vectors, blocks of `block` threads: (blocks per
-/// cluster, vectors per thread), the fewest blocks of `VJP_SPLIT_CLUSTERS` up to `most` whose
-/// threads, each holding a power of two of vectors within `elements` elements, cover the row.
+/// Whether a split family may shift its columns onto the granules (bulk.cuh; the constant
+/// SHIFTED), so that rows which do not start on a 16-byte granule still take 16-byte vectors:
+/// the 16-bit forward's staged ring. Measured on an H200 against one element a vector (bf16 and
+/// f16, 2047 x 16,385 and 667 x 50,257): the forward 1.02-1.33x. The split VJP gained nothing
+/// from it where its grid stayed whole (8178 x 4,103: 0.94-0.99x) and lost where rows laid out
+/// alike leave clusters idle (clusters of 7 on 50,257: a grid of 8 clusters, not 15, 0.5x).
+pub(super) fn shifts_columns(family: &TemplateDef) -> bool {
+    *family == FORWARD_STAGED
+}
+
+/// The vector widths split kernels try on `rows`, in order of preference. Shifted columns cover
+/// a vector more than the chunk, so the longest unaligned rows a layout holds fall back to single
+/// elements.
+fn split_widths(dtype: DType, rows: Rows) -> Vec<usize> {
+    match rows {
+        Rows::Aligned => vec![dtype.vec_width()],
+        Rows::Alike => vec![dtype.vec_width(), 1],
+        Rows::Scattered => vec![1],
+    }
+}
+
+/// Whether `family` takes vectors of `n_reads` on `rows`.
+fn split_takes(family: &TemplateDef, dtype: DType, rows: Rows, n_reads: usize) -> bool {
+    n_reads == 1
+        || (n_reads == dtype.vec_width()
+            && (rows == Rows::Aligned || (rows == Rows::Alike && shifts_columns(family))))
+}
+
+/// Elements a split block's vectors must cover beyond its chunk: shifted columns start up to a
+/// vector less one element before it.
+pub(super) fn split_pad(n_reads: usize, rows: Rows) -> usize {
+    if rows == Rows::Aligned || n_reads == 1 {
+        0
+    } else {
+        n_reads - 1
+    }
+}
+
+/// A split-row layout for rows of `d` elements, blocks of `block` threads of `n_reads`-element
+/// vectors: (blocks per cluster, vectors per thread), the fewest blocks of `VJP_SPLIT_CLUSTERS`
+/// up to `most` whose threads, each holding a power of two of vectors within `elements`
+/// elements, cover a block's chunk and `pad` elements more.
 fn fit_cluster(
     block: usize,
     most: usize,
     elements: usize,
     n_reads: usize,
-    vectors: usize,
+    d: usize,
+    pad: usize,
 ) -> Option<(usize, usize)> {
-    let per_block = block * (elements / n_reads).max(1);
+    let per_block = block * (elements / n_reads).max(1) * n_reads;
     let cluster = *VJP_SPLIT_CLUSTERS
         .iter()
-        .find(|&&c| c <= most && c * per_block >= vectors)?;
-    let items = vectors.div_ceil(block * cluster).next_power_of_two();
+        .find(|&&c| c <= most && split_chunk(d, c) + pad <= per_block)?;
+    let items = (split_chunk(d, cluster) + pad)
+        .div_ceil(block * n_reads)
+        .next_power_of_two();
     (items * n_reads <= elements).then_some((cluster, items))
 }
 
-/// The split-row forward for rows of `vectors` vectors, if a cluster's registers hold them: the
+/// The split-row forward for rows of `d` elements, if a cluster's registers hold them: the
 /// first layout that does, with the fewest blocks per cluster (of `VJP_SPLIT_CLUSTERS`, up to
 /// the layout's) whose threads, each holding a power of two of vectors, cover the row.
-pub(super) fn split_spec(
-    kind: Kind,
-    dtype: DType,
-    n_reads: usize,
-    vectors: usize,
-) -> Option<KernelSpec> {
-    split_layouts(dtype)
-        .iter()
-        .find_map(|&(family, most, elements)| {
-            let (cluster, items) = fit_cluster(SPLIT_BLOCK, most, elements, n_reads, vectors)?;
-            let consts = [(kind == Kind::RmsNorm) as i32, items as i32, cluster as i32];
+pub(super) fn split_spec(kind: Kind, dtype: DType, d: usize, rows: Rows) -> Option<KernelSpec> {
+    split_widths(dtype, rows)
+        .into_iter()
+        .flat_map(|n_reads| {
+            split_layouts(dtype)
+                .iter()
+                .filter(move |(family, ..)| split_takes(family, dtype, rows, n_reads))
+                .map(move |&(family, most, elements)| (family, most, elements, n_reads))
+        })
+        .find_map(|(family, most, elements, n_reads)| {
+            let pad = split_pad(n_reads, rows);
+            let (cluster, items) = fit_cluster(SPLIT_BLOCK, most, elements, n_reads, d, pad)?;
+            let mut consts = vec![(kind == Kind::RmsNorm) as i32, items as i32, cluster as i32];
+            if *family == FORWARD_STAGED {
+                consts.push((pad > 0) as i32);
+            }
             Some(KernelSpec::new(
                 family,
                 dtype,
@@ -378,20 +425,22 @@ pub(super) fn vjp_split_pipeline(kind: Kind, dtype: DType, cluster: usize) -> bo
     dtype.size() == 2 && kind == Kind::RmsNorm && cluster >= 4
 }
 
-/// The split-row VJP for rows of `vectors` vectors, if a cluster's registers hold them: the
-/// first layout of `vjp_split_layouts` that does, with the fewest blocks per cluster (up to the
+/// The split-row VJP for rows of `d` elements, if a cluster's registers hold them: the first
+/// layout of `vjp_split_layouts` that does, with the fewest blocks per cluster (up to the
 /// layout's) whose threads, each holding a power of two of vectors within the layout's elements,
 /// cover the row.
-pub(super) fn vjp_split_spec(
-    kind: Kind,
-    dtype: DType,
-    n_reads: usize,
-    vectors: usize,
-) -> Option<KernelSpec> {
-    vjp_split_layouts(dtype)
-        .iter()
-        .find_map(|&(most, elements, smem_sums)| {
-            let (cluster, items) = fit_cluster(VJP_SPLIT_BLOCK, most, elements, n_reads, vectors)?;
+pub(super) fn vjp_split_spec(kind: Kind, dtype: DType, d: usize, rows: Rows) -> Option<KernelSpec> {
+    split_widths(dtype, rows)
+        .into_iter()
+        .filter(|&n_reads| split_takes(&VJP_SPLIT, dtype, rows, n_reads))
+        .flat_map(|n_reads| {
+            vjp_split_layouts(dtype)
+                .iter()
+                .map(move |&(most, elements, smem_sums)| (most, elements, smem_sums, n_reads))
+        })
+        .find_map(|(most, elements, smem_sums, n_reads)| {
+            let pad = split_pad(n_reads, rows);
+            let (cluster, items) = fit_cluster(VJP_SPLIT_BLOCK, most, elements, n_reads, d, pad)?;
             let consts = [
                 (kind == Kind::RmsNorm) as i32,
                 items as i32,
@@ -419,9 +468,22 @@ pub(super) fn is_vjp_split(spec: &KernelSpec) -> bool {
     *spec.template == VJP_SPLIT
 }
 
-/// The spec for rows of `d` elements on a GPU whose blocks may use `shared_limit` bytes of
+/// How a call's rows lie in their 16-byte granules, which decides the loads its kernels may use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Rows {
+    /// Every row starts on a granule and holds whole vectors: 16-byte loads on every path.
+    Aligned,
+    /// Rows that do not (odd lengths), but start as far into their granules as the same row of
+    /// every other operand does (the output's, the cotangent's): the split kernels, a cluster of
+    /// blocks a row, shift their columns onto the granules and still load 16 bytes at a time;
+    /// the others take one element at a time.
+    Alike,
+    /// Anything else (views at odd offsets or strides): one element at a time.
+    Scattered,
+}
+
+/// The spec for `rows` of `d` elements on a GPU whose blocks may use `shared_limit` bytes of
 /// shared memory ([`Device::shared_limit`](crate::runtime::Device::shared_limit)).
-/// `vectorized`: 16-byte loads are legal (rows aligned, `d` a multiple of the vector width).
 /// Where a ring of stages or resident rows would not fit, rows are held in registers without a
 /// ring, or take the looped path (GPUs with 64-99 KiB: Turing, consumer Ampere and Ada).
 pub fn choose_spec(
@@ -429,16 +491,20 @@ pub fn choose_spec(
     kind: Kind,
     dtype: DType,
     d: usize,
-    vectorized: bool,
+    rows: Rows,
     gpu: Gpu,
 ) -> KernelSpec {
     let shared_limit = gpu.shared_limit;
-    let n_reads = if vectorized { dtype.vec_width() } else { 1 };
+    let n_reads = if rows == Rows::Aligned {
+        dtype.vec_width()
+    } else {
+        1
+    };
     let vectors = d.div_ceil(n_reads).max(1);
     let max = max_items(pass, n_reads);
     if vectors > max_group(pass) * max {
         if pass == Pass::Forward && gpu.clusters {
-            if let Some(spec) = split_spec(kind, dtype, n_reads, vectors) {
+            if let Some(spec) = split_spec(kind, dtype, d, rows) {
                 return spec;
             }
         }
@@ -458,7 +524,7 @@ pub fn choose_spec(
             }
         }
         if pass == Pass::Vjp && gpu.clusters {
-            if let Some(spec) = vjp_split_spec(kind, dtype, n_reads, vectors) {
+            if let Some(spec) = vjp_split_spec(kind, dtype, d, rows) {
                 if fits(&spec, shared_limit) {
                     return spec;
                 }
@@ -496,7 +562,12 @@ pub fn specs(gpu: Gpu) -> Vec<KernelSpec> {
     for pass in [Pass::Forward, Pass::Vjp] {
         for kind in [Kind::LayerNorm, Kind::RmsNorm] {
             for dtype in DType::ALL {
-                for n_reads in [1, dtype.vec_width()] {
+                for rows in [Rows::Scattered, Rows::Alike, Rows::Aligned] {
+                    let n_reads = if rows == Rows::Aligned {
+                        dtype.vec_width()
+                    } else {
+                        1
+                    };
                     let longest = max_group(pass) * max_items(pass, n_reads);
                     let mut longest = longest
                         .max(RESIDENT_GROUP * RESIDENT_ITEMS)
@@ -511,7 +582,7 @@ pub fn specs(gpu: Gpu) -> Vec<KernelSpec> {
                     }
                     for vectors in 1..=longest + 1 {
                         let d = vectors * n_reads;
-                        let spec = choose_spec(pass, kind, dtype, d, n_reads > 1, gpu);
+                        let spec = choose_spec(pass, kind, dtype, d, rows, gpu);
                         if seen.insert(spec) {
                             out.push(spec);
                         }
@@ -568,17 +639,24 @@ pub(super) fn check_chosen(
     kind: Kind,
     dtype: DType,
     d: usize,
-    vectorized: bool,
+    rows: Rows,
 ) -> Result<KernelSpec> {
     let family = match pass {
         Pass::Forward => &FORWARD,
         Pass::Vjp => &VJP,
     };
     let n_reads = spec.n_reads as usize;
-    let legal_width = n_reads == 1 || (vectorized && n_reads == dtype.vec_width());
+    let legal_width = n_reads == 1 || (rows == Rows::Aligned && n_reads == dtype.vec_width());
     if legal_width && spec == super::stand_in::spec(pass, kind, dtype, n_reads) {
         return Ok(spec);
     }
+    // Split families that shift their columns take vectors on any row, covering a vector more
+    // where rows may start off a granule.
+    let (legal_width, pad) = if split_takes(spec.template, dtype, rows, n_reads) {
+        (true, split_pad(n_reads, rows))
+    } else {
+        (legal_width, 0)
+    };
     if is_vjp_split(&spec) {
         // Any power of two of vectors a thread, within its registers, that covers the row.
         let (items, cluster) = (constant(&spec, "ITEMS"), constant(&spec, "CLUSTER"));
@@ -589,7 +667,7 @@ pub(super) fn check_chosen(
             && items * n_reads <= VJP_SPLIT_ELEMENTS
             && VJP_SPLIT_CLUSTERS.contains(&cluster)
             && spec.block_dim as usize == VJP_SPLIT_BLOCK
-            && split_chunk(d, cluster) <= split_capacity(&spec)
+            && split_chunk(d, cluster) + pad <= split_capacity(&spec)
             && constant(&spec, "RMS") == (kind == Kind::RmsNorm) as usize
             && match constant(&spec, "SMEM_SUMS") {
                 0 => true,
@@ -621,7 +699,10 @@ pub(super) fn check_chosen(
             && in_layout
             && VJP_SPLIT_CLUSTERS.contains(&cluster)
             && spec.block_dim as usize == SPLIT_BLOCK
-            && split_chunk(d, cluster) <= split_capacity(&spec)
+            && split_chunk(d, cluster) + pad <= split_capacity(&spec)
+            // Shifted columns exactly where the rows need them.
+            && (*spec.template != FORWARD_STAGED
+                || spec.constant("SHIFTED") == Some((pad > 0) as i32))
             && constant(&spec, "RMS") == (kind == Kind::RmsNorm) as usize;
         if !ok {
             return Err(bad(

@@ -4,18 +4,55 @@ use super::choose::*;
 use super::*;
 
 /// The grid of a split-row spec whose clusters loop over `rows`: as many clusters as the GPU
-/// holds at once (of `block` threads and `shared` dynamic bytes), balanced over the rows.
-/// Returns (blocks, clusters).
+/// holds at once (of `block` threads and `shared` dynamic bytes), balanced over the rows, and a
+/// multiple of `period` (`granule_period`) where clusters take several rows each, so that every
+/// row a cluster takes lies in its granules as the first does (the kernels' shifted columns then
+/// move whole vectors). Returns (blocks, clusters).
 fn cluster_grid(
     kernel: &LoadedKernel,
     spec: &KernelSpec,
     block: usize,
     shared: usize,
     rows: usize,
+    period: usize,
 ) -> Result<(usize, usize)> {
     let slots = kernel.max_active_clusters(block as u32, shared)?;
-    let clusters = balanced_grid(rows, slots);
+    let clusters = if rows <= slots || period == 1 {
+        balanced_grid(rows, slots)
+    } else {
+        // Fewer slots than the period (none on an H100): a second wave of clusters, still right.
+        let slots = (slots / period).max(1) * period;
+        let turns = rows.div_ceil(slots);
+        rows.div_ceil(turns).next_multiple_of(period)
+    };
     Ok((clusters * constant(spec, "CLUSTER"), clusters))
+}
+
+/// The rows after which a split spec's rows start as the first did again, where its columns are
+/// shifted (vectors on rows that are alike but not aligned); 1 elsewhere.
+fn shift_period(spec: &KernelSpec, layout: Rows, strides: &[i64]) -> usize {
+    if layout == Rows::Alike && spec.n_reads > 1 && shifts_columns(spec.template) {
+        granule_period(strides, spec.dtype.size())
+    } else {
+        1
+    }
+}
+
+/// Rows after which views of rows `strides` elements apart (of `size`-byte elements) all start
+/// at the same offset within their 16-byte granules again: 1 when every row does.
+pub(super) fn granule_period(strides: &[i64], size: usize) -> usize {
+    strides
+        .iter()
+        .map(|&stride| {
+            let bytes = (stride.rem_euclid(16) as usize * size) % 16;
+            if bytes == 0 {
+                1
+            } else {
+                16 >> bytes.trailing_zeros()
+            }
+        })
+        .max()
+        .unwrap_or(1)
 }
 
 /// The longest row the kernels take: they index a row with 32-bit ints (`int d`), and step
@@ -119,21 +156,32 @@ pub(super) fn aligned(a: &Array) -> bool {
     a.device_ptr() % 16 == 0
 }
 
-/// Whether 16-byte loads are legal on these row views and parameters.
-pub(super) fn can_vectorize(dtype: DType, d: usize, rows: &[(&Array, i64)]) -> bool {
-    let v = dtype.vec_width();
-    d % v == 0
-        && rows
+/// How row views (device address, row stride in elements) of `d` elements, and an output of
+/// rows `d` apart at a fresh (aligned) address, lie in their granules: 16-byte loads legal on
+/// every row, rows alike (each starting as far into its granule as the same row of the others),
+/// or neither.
+pub(super) fn row_layout(dtype: DType, d: usize, views: &[(u64, i64)]) -> Rows {
+    let v = dtype.vec_width() as i64;
+    let all_aligned = views.iter().all(|&(address, _)| address % 16 == 0);
+    if all_aligned && d as i64 % v == 0 && views.iter().all(|(_, stride)| stride % v == 0) {
+        Rows::Aligned
+    } else if all_aligned
+        && views
             .iter()
-            .all(|(a, stride)| aligned(a) && stride % v as i64 == 0)
+            .all(|(_, stride)| stride.rem_euclid(v) == d as i64 % v)
+    {
+        Rows::Alike
+    } else {
+        Rows::Scattered
+    }
 }
 
-pub(super) fn param_args(p: Option<&Array>, vectorized: bool) -> (u64, i64, i32) {
+pub(super) fn param_args(p: Option<&Array>, rows: Rows) -> (u64, i64, i32) {
     match p {
         None => (0, 0, 0),
         Some(p) => {
             let stride = p.strides()[0] as i64;
-            let vec = vectorized && stride == 1 && aligned(p);
+            let vec = rows == Rows::Aligned && stride == 1 && aligned(p);
             (p.device_ptr(), stride, vec as i32)
         }
     }
@@ -164,12 +212,12 @@ pub(super) fn forward(
     }
     let rows = x.size() / d;
     let (xr, x_stride) = as_rows(enc, x)?;
-    let vectorized = can_vectorize(x.dtype(), d, &[(&xr, x_stride)]);
+    let layout = row_layout(x.dtype(), d, &[(xr.device_ptr(), x_stride)]);
     let spec = match chosen {
-        Some(spec) => check_chosen(spec, Pass::Forward, kind, x.dtype(), d, vectorized)?,
+        Some(spec) => check_chosen(spec, Pass::Forward, kind, x.dtype(), d, layout)?,
         None => {
             let gpu = Gpu::of(enc.device());
-            let spec = choose_spec(Pass::Forward, kind, x.dtype(), d, vectorized, gpu);
+            let spec = choose_spec(Pass::Forward, kind, x.dtype(), d, layout, gpu);
             // 16-bit rows past what the staged clusters take (65,536 elements) fall to the
             // register split, whose few bytes in flight lose to the one-block-per-row streamed
             // path once there are rows for every SM (H100, 256 x 131,072 LayerNorm: 31% of copy
@@ -180,7 +228,7 @@ pub(super) fn forward(
                     clusters: false,
                     ..gpu
                 };
-                choose_spec(Pass::Forward, kind, x.dtype(), d, vectorized, streamed)
+                choose_spec(Pass::Forward, kind, x.dtype(), d, layout, streamed)
             } else {
                 spec
             }
@@ -194,7 +242,7 @@ pub(super) fn forward(
             let gpu = Gpu::of(enc.device());
             let columns_per_thread = if d % 4 == 0 { 4 } else { 1 };
             let next = [
-                choose_spec(Pass::Vjp, kind, x.dtype(), d, vectorized, gpu),
+                choose_spec(Pass::Vjp, kind, x.dtype(), d, layout, gpu),
                 reduce_cols_spec(x.dtype(), columns_per_thread),
             ];
             if chosen.is_some() {
@@ -205,8 +253,8 @@ pub(super) fn forward(
             }
         }
     };
-    let (wp, ws, wv) = param_args(w, vectorized);
-    let (bp, bs, bv) = param_args(b, vectorized);
+    let (wp, ws, wv) = param_args(w, layout);
+    let (bp, bs, bv) = param_args(b, layout);
     let mut args = KernelArgs::new();
     args.push(xr.device_ptr())
         .push(wp)
@@ -225,7 +273,8 @@ pub(super) fn forward(
     let grid = if is_split(&spec) {
         // Clusters of consecutive blocks loop over rows: as many as the GPU holds at once.
         kernel.allow_shared(shared)?;
-        cluster_grid(&kernel, &spec, block, shared, rows)?.0
+        let period = shift_period(&spec, layout, &[x_stride, d as i64]);
+        cluster_grid(&kernel, &spec, block, shared, rows, period)?.0
     } else if shared > 0 {
         // Each block loops over rows, with the next rows' loads in flight.
         kernel.allow_shared(shared)?;
@@ -320,14 +369,14 @@ pub(super) fn vjp(
     let rows = x.size() / d;
     let (xr, xs) = as_rows(enc, x)?;
     let (gr, gs) = as_rows(enc, g)?;
-    let vectorized = can_vectorize(dtype, d, &[(&xr, xs), (&gr, gs)]);
+    let layout = row_layout(dtype, d, &[(xr.device_ptr(), xs), (gr.device_ptr(), gs)]);
     let (spec, kernel) = match chosen {
         Some(spec) => {
-            let spec = check_chosen(spec, Pass::Vjp, kind, dtype, d, vectorized)?;
+            let spec = check_chosen(spec, Pass::Vjp, kind, dtype, d, layout)?;
             (spec, enc.device().kernel(&spec)?)
         }
         None => {
-            let spec = choose_spec(Pass::Vjp, kind, dtype, d, vectorized, Gpu::of(enc.device()));
+            let spec = choose_spec(Pass::Vjp, kind, dtype, d, layout, Gpu::of(enc.device()));
             stand_in::kernel_for(enc.device(), spec, &[])?
         }
     };
@@ -346,7 +395,8 @@ pub(super) fn vjp(
     // Each block (split rows: each cluster) loops over rows, writing one partial row of dweight
     // and dbias, so fewer blocks means fewer partial rows to reduce.
     let (grid, partial_rows) = if is_vjp_split(&spec) {
-        cluster_grid(&kernel, &spec, block, shared, rows)?
+        let period = shift_period(&spec, layout, &[xs, gs, d as i64]);
+        cluster_grid(&kernel, &spec, block, shared, rows, period)?
     } else {
         let grid = resident_grid(enc, &kernel, block, shared, rows.div_ceil(groups))?;
         (grid, grid)
@@ -367,7 +417,7 @@ pub(super) fn vjp(
         (false, true) => (0, set_ptr(0)),
         (false, false) => (0, 0),
     };
-    let (wp, ws, wv) = param_args(w, vectorized);
+    let (wp, ws, wv) = param_args(w, layout);
     let mut args = KernelArgs::new();
     args.push(xr.device_ptr())
         .push(wp)

@@ -62,7 +62,7 @@ pub static FORWARD_STAGED: TemplateDef = TemplateDef {
     name: "norm_fwd_staged",
     source: include_str!("../../../templates/norm_fwd_staged.cu"),
     kernel: "kiln_norm_fwd_staged",
-    const_names: &["RMS", "ITEMS", "CLUSTER"],
+    const_names: &["RMS", "ITEMS", "CLUSTER", "SHIFTED"],
     arch_specific: false,
     only_arch: Some(SPLIT_ARCH),
 };
@@ -154,7 +154,7 @@ mod tests;
 #[doc(hidden)]
 pub mod tuning;
 
-pub use choose::{choose_spec, reduce_cols_spec, specs};
+pub use choose::{choose_spec, reduce_cols_spec, specs, Rows};
 pub use launch::{layer_norm, layer_norm_vjp, reduce_cols, rms_norm, rms_norm_vjp, MAX_ROW};
 #[doc(hidden)]
 pub use reference::{reference_forward, reference_vjp};

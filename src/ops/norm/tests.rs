@@ -69,7 +69,7 @@ fn constants_are_declared() {
         Kind::RmsNorm,
         DType::BF16,
         100_000,
-        true,
+        Rows::Aligned,
         Gpu::for_arch(90),
     );
     assert!(is_vjp_split(&spec) && is_rms(&spec));
@@ -114,11 +114,12 @@ fn every_chosen_spec_is_registered_for(gpu: Gpu) {
                     131073,
                     1 << 20,
                 ]) {
-                    for vectorized in [false, true] {
+                    for rows in [Rows::Scattered, Rows::Alike, Rows::Aligned] {
+                        let vectorized = rows == Rows::Aligned;
                         if vectorized && d % dtype.vec_width() != 0 {
                             continue;
                         }
-                        let s = choose_spec(pass, kind, dtype, d, vectorized, gpu);
+                        let s = choose_spec(pass, kind, dtype, d, rows, gpu);
                         assert!(
                             registered.contains(&s),
                             "{s} chosen for d={d} but not registered"
@@ -127,15 +128,16 @@ fn every_chosen_spec_is_registered_for(gpu: Gpu) {
                         assert_eq!(
                             is_split(&s) && pass == Pass::Forward,
                             gpu.clusters && pass == Pass::Forward && {
-                                let n_reads = s.n_reads as usize;
+                                // The row's width decides (split specs may shift to vectors).
+                                let n_reads = if vectorized { dtype.vec_width() } else { 1 };
                                 d.div_ceil(n_reads) > 1024 * max_items(pass, n_reads)
-                                    && split_spec(kind, dtype, n_reads, d.div_ceil(n_reads))
-                                        .is_some()
-                            }
+                                    && split_spec(kind, dtype, d, rows).is_some()
+                            },
+                            "{s} for d={d}"
                         );
                         // The split VJP takes what a block's registers and shared memory
                         // do not, up to what a cluster's registers hold.
-                        let n_reads = s.n_reads as usize;
+                        let n_reads = if vectorized { dtype.vec_width() } else { 1 };
                         let vectors = d.div_ceil(n_reads);
                         if pass == Pass::Vjp && gpu.clusters {
                             let beyond_a_block = vectors > 1024 * max_items(pass, n_reads);
@@ -149,7 +151,21 @@ fn every_chosen_spec_is_registered_for(gpu: Gpu) {
                         }
                         if is_split(&s) {
                             let (items, cluster) = (constant(&s, "ITEMS"), constant(&s, "CLUSTER"));
-                            assert!(split_chunk(d, cluster) <= split_capacity(&s), "{s}: d={d}");
+                            // Shifted columns cover a vector less one element more.
+                            let pad = if shifts_columns(s.template) {
+                                split_pad(s.n_reads as usize, rows)
+                            } else {
+                                0
+                            };
+                            assert!(
+                                split_chunk(d, cluster) + pad <= split_capacity(&s),
+                                "{s}: d={d}"
+                            );
+                            // Unaligned rows take shifted vectors on the ring kernels, but
+                            // where the widest clusters' blocks cannot cover a vector more.
+                            if rows == Rows::Alike && shifts_columns(s.template) && d <= 130_944 {
+                                assert_eq!(s.n_reads as usize, dtype.vec_width(), "{s}: d={d}");
+                            }
                             if pass == Pass::Forward {
                                 // 16-bit rows through the staged ring (clusters of up to 8),
                                 // f32 and longer rows in registers.
@@ -161,7 +177,7 @@ fn every_chosen_spec_is_registered_for(gpu: Gpu) {
                                 covered * s.n_reads as usize >= d,
                                 "{s} does not cover d={d}"
                             );
-                            assert!(check_chosen(s, pass, kind, dtype, d, vectorized).is_ok());
+                            assert!(check_chosen(s, pass, kind, dtype, d, rows).is_ok());
                             continue;
                         }
                         let (group, items) = (constant(&s, "GROUP"), constant(&s, "ITEMS"));
@@ -228,7 +244,7 @@ fn references_agree_with_finite_differences() {
 fn the_split_vjp_pipelines_16_bit_rms_rows_in_large_clusters_only() {
     let gpu = Gpu::for_arch(90);
     let pipelined = |kind, dtype, d| {
-        let spec = choose_spec(Pass::Vjp, kind, dtype, d, true, gpu);
+        let spec = choose_spec(Pass::Vjp, kind, dtype, d, Rows::Aligned, gpu);
         assert!(choose::is_vjp_split(&spec), "{spec}");
         (
             spec.constant("CLUSTER").unwrap(),
@@ -244,4 +260,95 @@ fn the_split_vjp_pipelines_16_bit_rms_rows_in_large_clusters_only() {
     assert_eq!(pipelined(Kind::LayerNorm, DType::BF16, 65536), (8, false));
     assert_eq!(pipelined(Kind::LayerNorm, DType::F16, 131072), (16, false));
     assert!(!pipelined(Kind::RmsNorm, DType::F32, 131072).1);
+}
+
+#[test]
+fn unaligned_long_rows_take_vectors_on_the_ring_kernels() {
+    let gpu = Gpu::for_arch(90);
+    for dtype in DType::ALL {
+        for (pass, d) in [
+            (Pass::Forward, 16385),
+            (Pass::Forward, 100_001),
+            (Pass::Vjp, 16385),
+        ] {
+            for kind in [Kind::LayerNorm, Kind::RmsNorm] {
+                let spec = choose_spec(pass, kind, dtype, d, Rows::Alike, gpu);
+                assert!(is_split(&spec), "{spec}");
+                // The 16-bit forward's ring shifts its columns; the register split forward
+                // (f32) and the VJP take one element a vector.
+                let shifted = pass == Pass::Forward && dtype.size() == 2;
+                let width = if shifted { dtype.vec_width() } else { 1 };
+                assert_eq!(spec.n_reads as usize, width, "{spec} for d={d}");
+                assert_eq!(
+                    spec.constant("SHIFTED").unwrap_or(0),
+                    shifted as i32,
+                    "{spec}"
+                );
+                assert!(check_chosen(spec, pass, kind, dtype, d, Rows::Alike).is_ok());
+                // Rows laid out otherwise take one element at a time.
+                let scattered = choose_spec(pass, kind, dtype, d, Rows::Scattered, gpu);
+                assert_eq!(scattered.n_reads, 1, "{scattered}");
+                if spec.n_reads > 1 {
+                    assert!(check_chosen(spec, pass, kind, dtype, d, Rows::Scattered).is_err());
+                    assert!(check_chosen(spec, pass, kind, dtype, d, Rows::Aligned).is_err());
+                }
+            }
+        }
+    }
+    // The longest rows a layout holds take single elements where shifted vectors would not fit:
+    // 8 blocks of 16,384 elements hold aligned rows of 131,072 and unaligned ones of 131,071.
+    let forward = |d, rows| choose_spec(Pass::Forward, Kind::RmsNorm, DType::BF16, d, rows, gpu);
+    let (aligned, unaligned) = (forward(131072, Rows::Aligned), forward(131071, Rows::Alike));
+    assert_eq!((aligned.n_reads, unaligned.n_reads), (8, 1));
+    assert!(is_split(&unaligned), "{unaligned}");
+    // The aligned spec's blocks cover their chunk exactly: a row that may start off a granule
+    // needs a vector more, so it is refused there (and takes SHIFTED anyway).
+    assert_eq!(split_capacity(&aligned), split_chunk(131072, 8));
+    let check = |rows| {
+        check_chosen(
+            aligned,
+            Pass::Forward,
+            Kind::RmsNorm,
+            DType::BF16,
+            131064,
+            rows,
+        )
+    };
+    assert!(check(Rows::Aligned).is_ok());
+    assert!(check(Rows::Alike).is_err());
+}
+
+#[test]
+fn the_granule_period_is_the_rows_until_offsets_repeat() {
+    use super::launch::granule_period;
+    assert_eq!(granule_period(&[16384], 2), 1);
+    assert_eq!(granule_period(&[16385], 2), 8);
+    assert_eq!(granule_period(&[16386], 2), 4);
+    assert_eq!(granule_period(&[16388], 2), 2);
+    assert_eq!(granule_period(&[16385], 4), 4);
+    assert_eq!(granule_period(&[16386], 4), 2);
+    assert_eq!(granule_period(&[16388, 16385], 4), 4);
+    assert_eq!(granule_period(&[0, 8], 2), 1);
+    assert_eq!(granule_period(&[], 2), 1);
+}
+
+#[test]
+fn rows_are_aligned_alike_or_scattered() {
+    use super::launch::row_layout;
+    let bf16 = |d, views: &[(u64, i64)]| row_layout(DType::BF16, d, views);
+    assert_eq!(bf16(4096, &[(256, 4096), (512, 4096)]), Rows::Aligned);
+    // Odd lengths, contiguous: every operand's row r starts 2r bytes (mod 16) into a granule.
+    assert_eq!(bf16(16385, &[(256, 16385), (512, 16385)]), Rows::Alike);
+    // A strided view whose rows advance otherwise than the output's (stride 2d).
+    assert_eq!(bf16(16385, &[(256, 32770)]), Rows::Scattered);
+    // Rows of a wider matrix whose stride matches d's residue are alike.
+    assert_eq!(bf16(16385, &[(256, 16393)]), Rows::Alike);
+    // A view at an odd offset, or a cotangent laid out otherwise.
+    assert_eq!(bf16(16385, &[(262, 16385)]), Rows::Scattered);
+    assert_eq!(bf16(4096, &[(256, 4096), (258, 4096)]), Rows::Scattered);
+    assert_eq!(
+        row_layout(DType::F32, 4099, &[(0, 4099), (64, 8195)]),
+        Rows::Alike
+    );
+    assert_eq!(row_layout(DType::F32, 4099, &[(0, 4100)]), Rows::Scattered);
 }
