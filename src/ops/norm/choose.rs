@@ -700,9 +700,11 @@ pub(super) fn check_chosen(
             && VJP_SPLIT_CLUSTERS.contains(&cluster)
             && spec.block_dim as usize == SPLIT_BLOCK
             && split_chunk(d, cluster) + pad <= split_capacity(&spec)
-            // Shifted columns exactly where the rows need them.
+            // Shifted columns exactly where the rows need them, and on blocks that each hold
+            // part of the row (their masks take a chunk of at least one element).
             && (*spec.template != FORWARD_STAGED
                 || spec.constant("SHIFTED") == Some((pad > 0) as i32))
+            && (pad == 0 || (cluster - 1) * split_chunk(d, cluster) < d)
             && constant(&spec, "RMS") == (kind == Kind::RmsNorm) as usize;
         if !ok {
             return Err(bad(

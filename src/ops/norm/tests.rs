@@ -352,3 +352,39 @@ fn rows_are_aligned_alike_or_scattered() {
     );
     assert_eq!(row_layout(DType::F32, 4099, &[(0, 4100)]), Rows::Scattered);
 }
+
+#[test]
+fn a_shifted_spec_is_refused_where_a_block_would_hold_none_of_the_row() {
+    let gpu = Gpu::for_arch(90);
+    let spec = choose_spec(
+        Pass::Forward,
+        Kind::RmsNorm,
+        DType::BF16,
+        16385,
+        Rows::Alike,
+        gpu,
+    );
+    assert_eq!(spec.constant("SHIFTED"), Some(1), "{spec}");
+    let cluster = constant(&spec, "CLUSTER");
+    assert!(check_chosen(
+        spec,
+        Pass::Forward,
+        Kind::RmsNorm,
+        DType::BF16,
+        16385,
+        Rows::Alike
+    )
+    .is_ok());
+    // Rows so short that the last block's chunk starts past their end.
+    let d = (cluster - 1) * 8 - 1;
+    assert!((cluster - 1) * split_chunk(d, cluster) >= d);
+    assert!(check_chosen(
+        spec,
+        Pass::Forward,
+        Kind::RmsNorm,
+        DType::BF16,
+        d,
+        Rows::Alike
+    )
+    .is_err());
+}
