@@ -20,7 +20,8 @@ fn cluster_grid(
     let clusters = if rows <= slots || period == 1 {
         balanced_grid(rows, slots)
     } else {
-        // Fewer slots than the period (none on an H100): a second wave of clusters, still right.
+        // Fewer slots than the period: a second wave of clusters, still right (kiln's own
+        // choices never come here: shifted_grid_idles sends them to the unshifted spec).
         let slots = (slots / period).max(1) * period;
         let turns = rows.div_ceil(slots);
         rows.div_ceil(turns).next_multiple_of(period)
