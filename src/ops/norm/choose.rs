@@ -300,12 +300,14 @@ pub(super) fn shifts_columns(family: &TemplateDef) -> bool {
 /// The vector widths split kernels try on `rows`, in order of preference. Shifted columns cover
 /// a vector more than the chunk, so the longest unaligned rows a layout holds fall back to single
 /// elements.
-fn split_widths(dtype: DType, rows: Rows) -> Vec<usize> {
-    match rows {
-        Rows::Aligned => vec![dtype.vec_width()],
-        Rows::Alike => vec![dtype.vec_width(), 1],
-        Rows::Scattered => vec![1],
-    }
+fn split_widths(dtype: DType, rows: Rows) -> impl Iterator<Item = usize> {
+    [dtype.vec_width(), 1]
+        .into_iter()
+        .filter(move |&n_reads| match rows {
+            Rows::Aligned => n_reads > 1,
+            Rows::Alike => true,
+            Rows::Scattered => n_reads == 1,
+        })
 }
 
 /// Whether `family` takes vectors of `n_reads` on `rows`.
@@ -352,7 +354,6 @@ fn fit_cluster(
 /// the layout's) whose threads, each holding a power of two of vectors, cover the row.
 pub(super) fn split_spec(kind: Kind, dtype: DType, d: usize, rows: Rows) -> Option<KernelSpec> {
     split_widths(dtype, rows)
-        .into_iter()
         .flat_map(|n_reads| {
             split_layouts(dtype)
                 .iter()
@@ -431,7 +432,6 @@ pub(super) fn vjp_split_pipeline(kind: Kind, dtype: DType, cluster: usize) -> bo
 /// cover the row.
 pub(super) fn vjp_split_spec(kind: Kind, dtype: DType, d: usize, rows: Rows) -> Option<KernelSpec> {
     split_widths(dtype, rows)
-        .into_iter()
         .filter(|&n_reads| split_takes(&VJP_SPLIT, dtype, rows, n_reads))
         .flat_map(|n_reads| {
             vjp_split_layouts(dtype)
@@ -474,9 +474,9 @@ pub enum Rows {
     /// Every row starts on a granule and holds whole vectors: 16-byte loads on every path.
     Aligned,
     /// Rows that do not (odd lengths), but start as far into their granules as the same row of
-    /// every other operand does (the output's, the cotangent's): the split kernels, a cluster of
-    /// blocks a row, shift their columns onto the granules and still load 16 bytes at a time;
-    /// the others take one element at a time.
+    /// every other operand does (the output's, the cotangent's): the 16-bit split forward (a
+    /// cluster of blocks a row) shifts its columns onto the granules and still loads 16 bytes at
+    /// a time; the other kernels take one element at a time.
     Alike,
     /// Anything else (views at odd offsets or strides): one element at a time.
     Scattered,
@@ -650,8 +650,8 @@ pub(super) fn check_chosen(
     if legal_width && spec == super::stand_in::spec(pass, kind, dtype, n_reads) {
         return Ok(spec);
     }
-    // Split families that shift their columns take vectors on any row, covering a vector more
-    // where rows may start off a granule.
+    // A split family that shifts its columns takes vectors on alike rows too, covering a vector
+    // more than its chunk there.
     let (legal_width, pad) = if split_takes(spec.template, dtype, rows, n_reads) {
         (true, split_pad(n_reads, rows))
     } else {

@@ -281,13 +281,15 @@ pub(super) fn forward(
     };
     // Shifted columns on a grid cut too short for them: one element a vector instead.
     let period = shift_period(&spec, layout, &[x_stride, d as i64]);
-    let (spec, kernel) = if chosen.is_none() && shifted_grid_idles(&kernel, &spec, rows, period)? {
-        let gpu = Gpu::of(enc.device());
-        let spec = choose_spec(Pass::Forward, kind, x.dtype(), d, Rows::Scattered, gpu);
-        stand_in::kernel_for(enc.device(), spec, &[])?
-    } else {
-        (spec, kernel)
-    };
+    let (spec, kernel, period) =
+        if chosen.is_none() && shifted_grid_idles(&kernel, &spec, rows, period)? {
+            let gpu = Gpu::of(enc.device());
+            let spec = choose_spec(Pass::Forward, kind, x.dtype(), d, Rows::Scattered, gpu);
+            let (spec, kernel) = stand_in::kernel_for(enc.device(), spec, &[])?;
+            (spec, kernel, 1)
+        } else {
+            (spec, kernel, period)
+        };
     let (wp, ws, wv) = param_args(w, layout);
     let (bp, bs, bv) = param_args(b, layout);
     let mut args = KernelArgs::new();
@@ -308,7 +310,6 @@ pub(super) fn forward(
     let grid = if is_split(&spec) {
         // Clusters of consecutive blocks loop over rows: as many as the GPU holds at once.
         kernel.allow_shared(shared)?;
-        let period = shift_period(&spec, layout, &[x_stride, d as i64]);
         cluster_grid(&kernel, &spec, block, shared, rows, period)?.0
     } else if shared > 0 {
         // Each block loops over rows, with the next rows' loads in flight.
