@@ -1,7 +1,9 @@
 //! Times NVRTC on registered specs, with extra options.
 //! Usage: compile_time TARGET TEXT EVERY [OPTION ...]: every EVERY-th spec of TARGET's warm set
 //! (`kiln warm --arch TARGET`) whose description contains TEXT, compiled for TARGET with the
-//! OPTIONs added; prints each spec's time, registers and cubin size, then the median and total.
+//! OPTIONs added; prints each spec's time, registers and cubin size (and NVRTC's errors for a
+//! spec that does not compile), then the median, the total and the failures (exit status 1 if
+//! any).
 use kiln::jit::{Jit, Target};
 use kiln::Error;
 use std::time::Instant;
@@ -33,6 +35,7 @@ fn main() -> kiln::Result<()> {
         .step_by(every)
         .collect();
     let mut times = Vec::new();
+    let mut failed = 0;
     for spec in specs {
         let target = jit.resolve_target(&spec, target)?;
         let parts = jit.key_parts(&spec, target)?;
@@ -45,7 +48,15 @@ fn main() -> kiln::Result<()> {
         let ms = start.elapsed().as_secs_f64() * 1e3;
         let (log, size) = match out {
             Ok(o) => (o.log, o.image.len()),
-            Err(f) => (f.log, 0),
+            Err(f) => {
+                // A spec that does not compile is what matters most here: say so, with why.
+                println!("FAILED {spec}:");
+                for l in f.log.lines().filter(|l| l.contains("error")) {
+                    println!("    {l}");
+                }
+                failed += 1;
+                (f.log, 0)
+            }
         };
         let regs: Vec<String> = log
             .lines()
@@ -73,11 +84,14 @@ fn main() -> kiln::Result<()> {
     times.sort_by(f64::total_cmp);
     let total: f64 = times.iter().sum();
     println!(
-        "specs {}  median {:.1} ms  max {:.1} ms  total {:.1} s",
+        "specs {}  median {:.1} ms  max {:.1} ms  total {:.1} s  failed {failed}",
         times.len(),
         times[times.len() / 2],
         times[times.len() - 1],
         total / 1e3
     );
+    if failed > 0 {
+        std::process::exit(1);
+    }
     Ok(())
 }
