@@ -17,6 +17,9 @@
 //! `--no-anchor` skips PyTorch: both for comparing kernel variants quickly, not for the targets.
 //! `--twice` times every op twice and prints both, with the driver allocations each made.
 //! `--long --ds 5001,50257` measures other row lengths the same way (held-out checks).
+//! `--sweep` measures every candidate spec of the rows one block holds (with `--long`, the long
+//! ones); `--sweep --split --long [--dtype f32|f16|bf16]` every split-row layout of the longer
+//! rows, both norms, forward and VJP. Both mark the spec the ops choose.
 
 mod common;
 
@@ -254,6 +257,107 @@ fn sweep(enc: &mut CommandEncoder, only: &str) {
     }
 }
 
+/// `--sweep --split`: GB/s of every split-row spec (`tuning::split_candidates`: vectors a
+/// thread, cluster widths, the VJP's partial sums and pipelining) for the `--long` rows past one
+/// block, both norms, forward and VJP, in `--dtype` (bf16 unless given). `--only TEXT` keeps the
+/// cases whose "ROWSxD kind Pass" contains TEXT.
+fn sweep_split(enc: &mut CommandEncoder, only: &str) {
+    use kiln::ops::norm::{tuning, Kind, Pass};
+    let args: Vec<String> = std::env::args().collect();
+    let dtype = match args.iter().position(|a| a == "--dtype") {
+        Some(i) => match args.get(i + 1).map(String::as_str) {
+            Some("f32") => DType::F32,
+            Some("f16") => DType::F16,
+            Some("bf16") => DType::BF16,
+            other => panic!("--dtype takes f32, f16 or bf16, not {other:?}"),
+        },
+        None => DType::BF16,
+    };
+    let gpu = norm::Gpu::of(enc.device());
+    let mut cases = Vec::new();
+    for (rows, d) in long_shapes()
+        .into_iter()
+        .filter(|&(rows, d)| rows > 16 && d > 16384)
+    {
+        for kind in [Kind::LayerNorm, Kind::RmsNorm] {
+            for pass in [Pass::Forward, Pass::Vjp] {
+                if format!("{rows}x{d} {kind:?} {pass:?}").contains(only) {
+                    cases.push((
+                        rows,
+                        d,
+                        kind,
+                        pass,
+                        tuning::split_candidates(pass, kind, dtype, d),
+                    ));
+                }
+            }
+        }
+    }
+    let specs: Vec<_> = cases.iter().flat_map(|c| c.4.iter().copied()).collect();
+    let jit = kiln::jit::Jit::global().unwrap();
+    let target = enc.device().target();
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    std::thread::scope(|scope| {
+        for _ in 0..std::thread::available_parallelism().map_or(4, |n| n.get()) {
+            scope.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(spec) = specs.get(i) else { break };
+                if let Err(e) = jit.compile(spec, target) {
+                    println!("sweep: {spec} does not compile: {e}");
+                }
+            });
+        }
+    });
+    for (rows, d, kind, pass, candidates) in cases {
+        let n = rows * d;
+        let mut rng = TestRng::new(7);
+        let xs: Vec<Array> = (0..SETS)
+            .map(|_| Array::from_f64(enc, dtype, &rng.values(n, 2.0, 0.0), &[rows, d]).unwrap())
+            .collect();
+        let g = Array::from_f64(enc, dtype, &rng.values(n, 1.0, 0.0), &[rows, d]).unwrap();
+        let w = Array::from_f64(enc, dtype, &rng.values(d, 1.0, 1.0), &[d]).unwrap();
+        let b = (kind == Kind::LayerNorm).then_some(&w);
+        let bytes = (n * dtype.size()) as f64;
+        let chosen = norm::choose_spec(pass, kind, dtype, d, norm::Rows::Aligned, gpu);
+        let run = |e: &mut CommandEncoder, i: usize, spec| match pass {
+            Pass::Forward => {
+                tuning::forward_with(e, kind, &xs[i % SETS], Some(&w), b, 1e-5, spec).map(|_| ())
+            }
+            Pass::Vjp => tuning::vjp_with(
+                e,
+                kind,
+                &xs[i % SETS],
+                Some(&w),
+                b.is_some(),
+                &g,
+                1e-5,
+                spec,
+            )
+            .map(|_| ()),
+        };
+        for spec in candidates {
+            if let Err(e) = run(enc, 0, spec) {
+                println!("sweep {rows}x{d} {kind:?} {pass:?} {spec}: {e}");
+                continue;
+            }
+            let secs = seconds_per_call(enc, |e, i| run(e, i, spec).unwrap());
+            let passes = if pass == Pass::Vjp { 3.0 } else { 2.0 };
+            let consts: Vec<String> = spec
+                .named_consts()
+                .skip(1)
+                .map(|(name, value)| format!("{name}={value}"))
+                .collect();
+            println!(
+                "sweep {rows}x{d} {dtype} {kind:?} {pass:?} {} {}: {:.0} GB/s{}",
+                spec.template.name,
+                consts.join(" "),
+                passes * bytes / secs / 1e9,
+                if spec == chosen { " <- chosen" } else { "" }
+            );
+        }
+    }
+}
+
 fn main() {
     // Timings are of the kernels the ops choose: no cold-start stand-ins (see KILN_STAND_INS),
     // set before anything reads the environment.
@@ -269,7 +373,10 @@ fn main() {
     };
     let mut enc = CommandEncoder::new(&dev).unwrap();
     let (only, no_anchor) = common::variant_flags();
-    if std::env::args().any(|a| a == "--sweep") {
+    if std::env::args().any(|a| a == "--sweep") && std::env::args().any(|a| a == "--split") {
+        sweep_split(&mut enc, &only);
+        return;
+    } else if std::env::args().any(|a| a == "--sweep") {
         sweep(&mut enc, &only);
         return;
     }

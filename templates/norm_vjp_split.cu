@@ -26,7 +26,7 @@ constexpr int CLUSTER = {{CLUSTER}};
 // exchanges' latency).
 constexpr bool SMEM_SUMS = {{SMEM_SUMS}};
 // PIPELINE: each row's exchange overlapped with the next row's (see the row loop). It pays
-// where exchanges are slow, in large clusters, and costs a second read of each staged chunk.
+// where exchanges are slowest, in clusters of 16, and costs a second read of each staged chunk.
 constexpr bool PIPELINE = {{PIPELINE}};
 static_assert(CLUSTER >= 2 && CLUSTER <= 16, "a cluster of at least two blocks");
 // Elements of a row one block holds: ITEMS vectors of N_READS per thread.

@@ -266,15 +266,23 @@ pub(super) fn split_chunk(d: usize, blocks: usize) -> usize {
 /// The split-row forward's layouts in order of preference: (kernel, most blocks per cluster,
 /// most elements per thread). f32 rows (registers, norm_fwd_split.cu): up to 8 elements (x and
 /// the next row's x in 16 registers), two blocks share each SM; longer rows take up to 16
-/// elements. 16-bit rows (the staged ring, norm_fwd_staged.cu): 16 elements, 16 KiB chunks, each
-/// worth its exchange (with 8 KiB chunks LayerNorm, then two exchanges a row, ran at 45-61% of
-/// copy against 66-80% for RMSNorm's one), then 32 (32 KiB chunks, one block an SM: 79-81% of
-/// copy at 131,072, where the register kernel in clusters of 16 ran at 47-60%), in clusters of
-/// up to 8 blocks: with Hopper's non-portable 16, compute-sanitizer's synccheck reported
-/// "missing init" on the exchange's mbarrier (not understood yet).
-pub(super) fn split_layouts(dtype: DType) -> &'static [SplitLayout] {
+/// elements. 16-bit rows (the staged ring, norm_fwd_staged.cu), in clusters of up to 8 blocks
+/// (with Hopper's non-portable 16, compute-sanitizer's synccheck reported "missing init" on the
+/// exchange's mbarrier, not understood yet):
+/// - RMSNorm: 16 elements, 16 KiB chunks, each worth its exchange, then 32 (32 KiB chunks, one
+///   block an SM: 79-81% of copy at 131,072 on an H100, where the register kernel in clusters of
+///   16 ran at 47-60%). On an H200, 32 elements in fewer blocks ran at 0.99-1.00x of 16.
+/// - LayerNorm: 32 elements, the fewest blocks a row. Its exchange waits on the whole cluster
+///   once a row and combines every warp's moments, so fewer, larger blocks pay: on an H200, bf16
+///   (`--sweep --split`) 1.04x at 18,432 (clusters of 2 against 3), 1.16x at 30,000 (2 against
+///   4), 1.13x at 65,536 (4 against 8).
+pub(super) fn split_layouts(kind: Kind, dtype: DType) -> &'static [SplitLayout] {
     static SIXTEEN_BIT: [SplitLayout; 2] = [(&FORWARD_STAGED, 8, 16), (&FORWARD_STAGED, 8, 32)];
+    static SIXTEEN_BIT_LAYER: [SplitLayout; 1] = [(&FORWARD_STAGED, 8, 32)];
     static F32: [SplitLayout; 2] = [(&FORWARD_SPLIT, 8, 8), (&FORWARD_SPLIT, 16, 16)];
+    if dtype.size() == 2 && kind == Kind::LayerNorm {
+        return &SIXTEEN_BIT_LAYER;
+    }
     if dtype.size() == 2 {
         &SIXTEEN_BIT
     } else {
@@ -355,7 +363,7 @@ fn fit_cluster(
 pub(super) fn split_spec(kind: Kind, dtype: DType, d: usize, rows: Rows) -> Option<KernelSpec> {
     split_widths(dtype, rows)
         .flat_map(|n_reads| {
-            split_layouts(dtype)
+            split_layouts(kind, dtype)
                 .iter()
                 .filter(move |(family, ..)| split_takes(family, dtype, rows, n_reads))
                 .map(move |&(family, most, elements)| (family, most, elements, n_reads))
@@ -416,14 +424,16 @@ pub(super) fn vjp_split_layouts(dtype: DType) -> &'static [(usize, usize, bool)]
 
 /// Whether the split-row VJP overlaps each row's exchange with the next row's (PIPELINE in
 /// norm_vjp_split.cu), which costs a second read of each staged chunk: 16-bit RMSNorm rows in
-/// clusters whose exchanges are slow enough to be worth it. H100, direct mode, same call as
-/// without, all rows pipelined: bf16 RMSNorm gained 6-8% in clusters of 4, 8 and 16 (d 30,000 to
-/// 131,072) and lost 9% in clusters of 3 (18,432); f32 rows, twice the bytes for the same
-/// exchanges, lost up to 2%. LayerNorm, whose exchange from a stage takes two passes over it
-/// (the warp's mean, then the sums about it), ran 7-8% slower pipelined than not in clusters of
-/// 4 and 8 and 2% slower in clusters of 16 (bf16, 30,000 to 131,072).
+/// Hopper's non-portable clusters of 16, whose exchanges are the slowest. H200, direct mode, the
+/// norm bench's 16-bit rows, same call, two rounds each, pipelined in clusters of 4 and more
+/// against only in clusters of 16: unpipelined RMSNorm ran 1.13-1.14x at 30,000 (clusters of 4)
+/// and 1.03-1.04x at 65,536 (8), pipelined 1.07-1.08x at 131,072 (16). LayerNorm, whose
+/// exchange from a stage takes two passes over it (the warp's mean, then the sums about it), ran
+/// 2-8% slower pipelined at every width (H100; `--sweep --split` on an H200, bf16). f32 rows
+/// are not pipelined: they lost up to 2% on an H100; one H200 sweep had f32 LayerNorm gaining
+/// 7-9% in clusters of 3 and 4, not yet confirmed in a same-call comparison.
 pub(super) fn vjp_split_pipeline(kind: Kind, dtype: DType, cluster: usize) -> bool {
-    dtype.size() == 2 && kind == Kind::RmsNorm && cluster >= 4
+    dtype.size() == 2 && kind == Kind::RmsNorm && cluster == 16
 }
 
 /// The split-row VJP for rows of `d` elements, if a cluster's registers hold them: the first
@@ -687,7 +697,7 @@ pub(super) fn check_chosen(
         // Any power of two of vectors a thread that, over the cluster, covers the row, within
         // one of the dtype's layouts.
         let (items, cluster) = (constant(&spec, "ITEMS"), constant(&spec, "CLUSTER"));
-        let in_layout = split_layouts(dtype)
+        let in_layout = split_layouts(kind, dtype)
             .iter()
             .any(|&(family, most, elements)| {
                 *spec.template == *family && cluster <= most && items * n_reads <= elements

@@ -241,25 +241,40 @@ fn references_agree_with_finite_differences() {
 }
 
 #[test]
-fn the_split_vjp_pipelines_16_bit_rms_rows_in_large_clusters_only() {
+fn split_rows_pipeline_and_fill_blocks_as_measured() {
     let gpu = Gpu::for_arch(90);
-    let pipelined = |kind, dtype, d| {
-        let spec = choose_spec(Pass::Vjp, kind, dtype, d, Rows::Aligned, gpu);
-        assert!(choose::is_vjp_split(&spec), "{spec}");
+    let chosen = |pass, kind, dtype, d| {
+        let spec = choose_spec(pass, kind, dtype, d, Rows::Aligned, gpu);
+        assert!(is_split(&spec), "{spec}");
+        spec
+    };
+    // The VJP pipelines 16-bit RMSNorm rows in clusters of 16 only.
+    for kind in [Kind::LayerNorm, Kind::RmsNorm] {
+        for dtype in DType::ALL {
+            for d in [18432, 30000, 65536, 65544, 131072] {
+                let spec = chosen(Pass::Vjp, kind, dtype, d);
+                let pipelined = kind == Kind::RmsNorm && dtype.size() == 2 && d > 65536;
+                assert_eq!(spec.constant("CLUSTER") == Some(16), d > 65536, "{spec}");
+                assert_eq!(spec.constant("PIPELINE"), Some(pipelined as i32), "{spec}");
+            }
+        }
+    }
+    // 16-bit LayerNorm: 32 elements a thread in the fewest blocks; RMSNorm 16 while 8 blocks
+    // of 16 hold the row.
+    let layout = |kind, d| {
+        let spec = chosen(Pass::Forward, kind, DType::BF16, d);
         (
+            spec.constant("ITEMS").unwrap(),
             spec.constant("CLUSTER").unwrap(),
-            spec.constant("PIPELINE").unwrap() == 1,
         )
     };
-    // RMSNorm from clusters of 4; LayerNorm (whose staged exchange takes two passes) and f32
-    // never.
-    assert_eq!(pipelined(Kind::RmsNorm, DType::BF16, 18432), (3, false));
-    assert_eq!(pipelined(Kind::RmsNorm, DType::F16, 30000), (4, true));
-    assert_eq!(pipelined(Kind::RmsNorm, DType::BF16, 131072), (16, true));
-    assert_eq!(pipelined(Kind::LayerNorm, DType::BF16, 30000), (4, false));
-    assert_eq!(pipelined(Kind::LayerNorm, DType::BF16, 65536), (8, false));
-    assert_eq!(pipelined(Kind::LayerNorm, DType::F16, 131072), (16, false));
-    assert!(!pipelined(Kind::RmsNorm, DType::F32, 131072).1);
+    assert_eq!(layout(Kind::LayerNorm, 18432), (4, 2));
+    assert_eq!(layout(Kind::LayerNorm, 30000), (4, 2));
+    assert_eq!(layout(Kind::LayerNorm, 65536), (4, 4));
+    assert_eq!(layout(Kind::LayerNorm, 131072), (4, 8));
+    assert_eq!(layout(Kind::RmsNorm, 18432), (2, 3));
+    assert_eq!(layout(Kind::RmsNorm, 65536), (2, 8));
+    assert_eq!(layout(Kind::RmsNorm, 131072), (4, 8));
 }
 
 #[test]
@@ -387,4 +402,29 @@ fn a_shifted_spec_is_refused_where_a_block_would_hold_none_of_the_row() {
         Rows::Alike
     )
     .is_err());
+}
+
+#[test]
+fn the_split_sweep_measures_the_chosen_spec_among_others() {
+    let gpu = Gpu::for_arch(90);
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        for d in [16392, 18432, 30000, 65536, 131072] {
+            for kind in [Kind::LayerNorm, Kind::RmsNorm] {
+                for pass in [Pass::Forward, Pass::Vjp] {
+                    let candidates = super::tuning::split_candidates(pass, kind, dtype, d);
+                    let chosen = choose_spec(pass, kind, dtype, d, Rows::Aligned, gpu);
+                    if is_split(&chosen) {
+                        assert!(
+                            candidates.contains(&chosen),
+                            "{chosen} missing from the sweep of {kind:?} {pass:?} {dtype} {d}"
+                        );
+                    }
+                    assert!(!candidates.is_empty(), "{kind:?} {pass:?} {dtype} {d}");
+                    for spec in &candidates {
+                        assert!(check_chosen(*spec, pass, kind, dtype, d, Rows::Aligned).is_ok());
+                    }
+                }
+            }
+        }
+    }
 }

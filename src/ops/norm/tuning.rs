@@ -68,3 +68,63 @@ pub fn vjp_with(
 ) -> Result<(Array, Option<Array>, Option<Array>)> {
     vjp(enc, kind, x, w, want_db, g, eps, Some(spec))
 }
+
+/// Every split-row spec (a cluster of blocks a row) that could serve aligned rows of `d`: a
+/// power of two of vectors a thread, each cluster width that covers the row up to twice the
+/// fewest, and for the VJP the partial sums in registers or shared memory, pipelined or not.
+/// Each passes the same check as a caller's spec. For `--sweep --split` to measure the choices
+/// of `split_layouts`, `vjp_split_layouts` and `vjp_split_pipeline`.
+pub fn split_candidates(pass: Pass, kind: Kind, dtype: DType, d: usize) -> Vec<KernelSpec> {
+    let n_reads = dtype.vec_width();
+    let rms = (kind == Kind::RmsNorm) as i32;
+    let mut specs = Vec::new();
+    for items in [1usize, 2, 4, 8] {
+        for &cluster in VJP_SPLIT_CLUSTERS.iter() {
+            let (items, cluster) = (items as i32, cluster as i32);
+            match pass {
+                Pass::Vjp => {
+                    for smem_sums in [0, 1] {
+                        for pipeline in [0, 1] {
+                            specs.push(KernelSpec::new(
+                                &VJP_SPLIT,
+                                dtype,
+                                VJP_SPLIT_BLOCK as u16,
+                                n_reads as u8,
+                                &[rms, items, cluster, smem_sums, pipeline],
+                            ));
+                        }
+                    }
+                }
+                Pass::Forward => {
+                    for &(family, ..) in split_layouts(kind, dtype) {
+                        let mut consts = vec![rms, items, cluster];
+                        if *family == FORWARD_STAGED {
+                            consts.push(0);
+                        }
+                        specs.push(KernelSpec::new(
+                            family,
+                            dtype,
+                            SPLIT_BLOCK as u16,
+                            n_reads as u8,
+                            &consts,
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    specs.dedup();
+    let legal: Vec<KernelSpec> = specs
+        .into_iter()
+        .filter(|&spec| check_chosen(spec, pass, kind, dtype, d, Rows::Aligned).is_ok())
+        .collect();
+    let fewest = legal
+        .iter()
+        .map(|spec| constant(spec, "CLUSTER"))
+        .min()
+        .unwrap_or(0);
+    legal
+        .into_iter()
+        .filter(|spec| constant(spec, "CLUSTER") <= 2 * fewest)
+        .collect()
+}
