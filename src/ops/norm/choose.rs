@@ -430,8 +430,11 @@ pub(super) fn vjp_split_layouts(dtype: DType) -> &'static [(usize, usize, bool)]
 /// and 1.03-1.04x at 65,536 (8), pipelined 1.07-1.08x at 131,072 (16). LayerNorm, whose
 /// exchange from a stage takes two passes over it (the warp's mean, then the sums about it), ran
 /// 2-8% slower pipelined at every width (H100; `--sweep --split` on an H200, bf16). f32 rows
-/// are not pipelined: they lost up to 2% on an H100; one H200 sweep had f32 LayerNorm gaining
-/// 7-9% in clusters of 3 and 4, not yet confirmed in a same-call comparison.
+/// are not pipelined: they lost up to 2% on an H100. On an H200 (same call, two rounds),
+/// pipelined f32 LayerNorm rows in clusters of up to 8 ran 1.08-1.09x on aligned rows of 18,432
+/// and 30,000 (clusters of 3 and 4) and 1.01x at 65,536, but 0.93x on the element-at-a-time
+/// rows of 16,385; a rule for vectorised rows only is the next step, once checked against the
+/// reference.
 pub(super) fn vjp_split_pipeline(kind: Kind, dtype: DType, cluster: usize) -> bool {
     dtype.size() == 2 && kind == Kind::RmsNorm && cluster == 16
 }
