@@ -126,57 +126,8 @@ fn copy_gbs(dev: &Arc<Device>, enc: &mut CommandEncoder) -> f64 {
     2.0 * n as f64 / t / 1e9
 }
 
-/// `--sweep`: GB/s of every candidate spec (`tuning::candidates`: threads per row, vectors
-/// per thread, ring of stages, resident rows) for the 16-bit shapes that tune worst (with
-/// `--long`, the long rows one block holds), to choose the policy in `choose_spec` from
-/// measurements. `--only TEXT` keeps the cases whose "ROWSxD Pass" contains TEXT.
-fn sweep(enc: &mut CommandEncoder, only: &str) {
-    use kiln::ops::norm::{tuning, Kind, Pass};
-    let dtype = DType::BF16;
-    let mut cases = Vec::new();
-    // With `--long`: the long rows one block holds (rows of up to 16,384 elements).
-    let shapes: Vec<(usize, usize)> = if std::env::args().any(|a| a == "--long") {
-        long_shapes()
-            .into_iter()
-            .filter(|&(rows, d)| rows > 16 && d <= 16384)
-            .collect()
-    } else {
-        SHAPES.to_vec()
-    };
-    for &(rows, d) in &shapes {
-        for pass in [Pass::Forward, Pass::Vjp] {
-            if format!("{rows}x{d} {pass:?}").contains(only) {
-                // `--stand-ins`: the cold-start stand-in (see KILN_STAND_INS) and the looped
-                // kernel it is compiled from, fully optimised, beside the chosen kernel.
-                let candidates = if std::env::args().any(|a| a == "--stand-ins") {
-                    let gpu = norm::Gpu::of(enc.device());
-                    let chosen = norm::choose_spec(
-                        pass,
-                        Kind::LayerNorm,
-                        dtype,
-                        d,
-                        norm::Rows::Aligned,
-                        gpu,
-                    );
-                    let quick = norm::stand_in::spec(pass, Kind::LayerNorm, dtype, 8);
-                    let family = match pass {
-                        Pass::Forward => &norm::FORWARD,
-                        Pass::Vjp => &norm::VJP,
-                    };
-                    let looped = kiln::jit::KernelSpec {
-                        template: family,
-                        ..quick
-                    };
-                    vec![chosen, quick, looped]
-                } else {
-                    tuning::candidates(pass, Kind::LayerNorm, dtype, d)
-                };
-                cases.push((rows, d, pass, candidates));
-            }
-        }
-    }
-    // Compile every candidate first, on all cores.
-    let specs: Vec<_> = cases.iter().flat_map(|c| c.3.iter().copied()).collect();
+/// Compiles `specs` on every core before a sweep times them, printing those that fail.
+fn compile_all(enc: &CommandEncoder, specs: &[kiln::jit::KernelSpec]) {
     let jit = kiln::jit::Jit::global().unwrap();
     let target = enc.device().target();
     let next = std::sync::atomic::AtomicUsize::new(0);
@@ -191,77 +142,100 @@ fn sweep(enc: &mut CommandEncoder, only: &str) {
             });
         }
     });
-    for (rows, d, pass, candidates) in cases {
-        let n = rows * d;
-        let mut rng = TestRng::new(7);
-        let xs: Vec<Array> = (0..SETS)
-            .map(|_| Array::from_f64(enc, dtype, &rng.values(n, 2.0, 0.0), &[rows, d]).unwrap())
-            .collect();
-        let g = Array::from_f64(enc, dtype, &rng.values(n, 1.0, 0.0), &[rows, d]).unwrap();
-        let w = Array::from_f64(enc, dtype, &rng.values(d, 1.0, 1.0), &[d]).unwrap();
-        let bytes = (n * dtype.size()) as f64;
-        let chosen = norm::choose_spec(
-            pass,
-            Kind::LayerNorm,
-            dtype,
-            d,
-            norm::Rows::Aligned,
-            norm::Gpu::of(enc.device()),
-        );
-        let run = |e: &mut CommandEncoder, i: usize, spec| match pass {
-            Pass::Forward => tuning::forward_with(
-                e,
-                Kind::LayerNorm,
-                &xs[i % SETS],
-                Some(&w),
-                Some(&w),
-                1e-5,
-                spec,
-            )
-            .map(|_| ()),
-            Pass::Vjp => tuning::vjp_with(
-                e,
-                Kind::LayerNorm,
-                &xs[i % SETS],
-                Some(&w),
-                true,
-                &g,
-                1e-5,
-                spec,
-            )
-            .map(|_| ()),
-        };
-        for spec in candidates {
-            if let Err(e) = run(enc, 0, spec) {
-                println!("sweep {rows}x{d} {pass:?} {spec}: {e}");
-                continue;
-            }
-            let secs = seconds_per_call(enc, |e, i| run(e, i, spec).unwrap());
-            let passes = if pass == Pass::Vjp { 3.0 } else { 2.0 };
-            let c = &spec.consts;
-            println!(
-                "sweep {rows}x{d} {dtype} {pass:?} {} GROUP={} ITEMS={} STAGES={}{}: {:.0} GB/s{}",
-                spec.template.name,
-                c[1],
-                c[2],
-                c[3],
-                if c.len() > 4 && c[4] != 0 {
-                    " RESIDENT"
-                } else {
-                    ""
-                },
-                passes * bytes / secs / 1e9,
-                if spec == chosen { " <- chosen" } else { "" }
-            );
-        }
-    }
 }
 
-/// `--sweep --split`: GB/s of every split-row spec (`tuning::split_candidates`: vectors a
+/// A sweep's operands for `rows` x `d` in `dtype`: SETS inputs, which the timed calls take in
+/// turn, a cotangent and a weight.
+fn sweep_operands(
+    enc: &mut CommandEncoder,
+    dtype: DType,
+    rows: usize,
+    d: usize,
+) -> (Vec<Array>, Array, Array) {
+    let n = rows * d;
+    let mut rng = TestRng::new(7);
+    let xs: Vec<Array> = (0..SETS)
+        .map(|_| Array::from_f64(enc, dtype, &rng.values(n, 2.0, 0.0), &[rows, d]).unwrap())
+        .collect();
+    let g = Array::from_f64(enc, dtype, &rng.values(n, 1.0, 0.0), &[rows, d]).unwrap();
+    let w = Array::from_f64(enc, dtype, &rng.values(d, 1.0, 1.0), &[d]).unwrap();
+    (xs, g, w)
+}
+
+/// One case of a sweep: rows x d, the norm and pass, and the specs to time on it.
+type SweepCase = (
+    usize,
+    usize,
+    norm::Kind,
+    norm::Pass,
+    Vec<kiln::jit::KernelSpec>,
+);
+
+/// `--sweep`'s cases: every candidate spec (`tuning::candidates`: threads per row, vectors per
+/// thread, ring of stages, resident rows) of LayerNorm on the shapes that tune worst (with
+/// `--long`, the long rows one block holds), to choose the policy in `choose_spec` from
+/// measurements. `--stand-ins`: the cold-start stand-in (see KILN_STAND_INS) and the looped
+/// kernel it is compiled from, fully optimised, beside the chosen kernel.
+fn block_cases(enc: &CommandEncoder, dtype: DType) -> Vec<SweepCase> {
+    use kiln::ops::norm::{tuning, Kind, Pass};
+    let kind = Kind::LayerNorm;
+    let shapes: Vec<(usize, usize)> = if std::env::args().any(|a| a == "--long") {
+        long_shapes()
+            .into_iter()
+            .filter(|&(rows, d)| rows > 16 && d <= 16384)
+            .collect()
+    } else {
+        SHAPES.to_vec()
+    };
+    let mut cases = Vec::new();
+    for &(rows, d) in &shapes {
+        for pass in [Pass::Forward, Pass::Vjp] {
+            let candidates = if std::env::args().any(|a| a == "--stand-ins") {
+                let gpu = norm::Gpu::of(enc.device());
+                let chosen = norm::choose_spec(pass, kind, dtype, d, norm::Rows::Aligned, gpu);
+                let quick = norm::stand_in::spec(pass, kind, dtype, dtype.vec_width());
+                let family = match pass {
+                    Pass::Forward => &norm::FORWARD,
+                    Pass::Vjp => &norm::VJP,
+                };
+                let looped = kiln::jit::KernelSpec {
+                    template: family,
+                    ..quick
+                };
+                vec![chosen, quick, looped]
+            } else {
+                tuning::candidates(pass, kind, dtype, d)
+            };
+            cases.push((rows, d, kind, pass, candidates));
+        }
+    }
+    cases
+}
+
+/// `--sweep --split`'s cases: every split-row spec (`tuning::split_candidates`: vectors a
 /// thread, cluster widths, the VJP's partial sums and pipelining) for the `--long` rows past one
-/// block, both norms, forward and VJP, in `--dtype` (bf16 unless given). `--only TEXT` keeps the
-/// cases whose "ROWSxD kind Pass" contains TEXT.
-fn sweep_split(enc: &mut CommandEncoder, only: &str) {
+/// block, both norms, forward and VJP.
+fn split_cases(dtype: DType) -> Vec<SweepCase> {
+    use kiln::ops::norm::{tuning, Kind, Pass};
+    let mut cases = Vec::new();
+    for (rows, d) in long_shapes()
+        .into_iter()
+        .filter(|&(rows, d)| rows > 16 && d > 16384)
+    {
+        for kind in [Kind::LayerNorm, Kind::RmsNorm] {
+            for pass in [Pass::Forward, Pass::Vjp] {
+                let candidates = tuning::split_candidates(pass, kind, dtype, d);
+                cases.push((rows, d, kind, pass, candidates));
+            }
+        }
+    }
+    cases
+}
+
+/// `--sweep`: GB/s of each case's specs (`block_cases`, or with `--split` `split_cases`), in
+/// `--dtype` (bf16 unless given), the spec the ops choose marked. `--only TEXT` keeps the cases
+/// whose "ROWSxD Kind Pass" contains TEXT.
+fn sweep(enc: &mut CommandEncoder, only: &str) {
     use kiln::ops::norm::{tuning, Kind, Pass};
     let args: Vec<String> = std::env::args().collect();
     let dtype = match args.iter().position(|a| a == "--dtype") {
@@ -273,67 +247,30 @@ fn sweep_split(enc: &mut CommandEncoder, only: &str) {
         },
         None => DType::BF16,
     };
-    let gpu = norm::Gpu::of(enc.device());
-    let mut cases = Vec::new();
-    for (rows, d) in long_shapes()
-        .into_iter()
-        .filter(|&(rows, d)| rows > 16 && d > 16384)
-    {
-        for kind in [Kind::LayerNorm, Kind::RmsNorm] {
-            for pass in [Pass::Forward, Pass::Vjp] {
-                if format!("{rows}x{d} {kind:?} {pass:?}").contains(only) {
-                    cases.push((
-                        rows,
-                        d,
-                        kind,
-                        pass,
-                        tuning::split_candidates(pass, kind, dtype, d),
-                    ));
-                }
-            }
-        }
+    let cases: Vec<SweepCase> = if args.iter().any(|a| a == "--split") {
+        split_cases(dtype)
+    } else {
+        block_cases(enc, dtype)
     }
+    .into_iter()
+    .filter(|(rows, d, kind, pass, _)| format!("{rows}x{d} {kind:?} {pass:?}").contains(only))
+    .collect();
     let specs: Vec<_> = cases.iter().flat_map(|c| c.4.iter().copied()).collect();
-    let jit = kiln::jit::Jit::global().unwrap();
-    let target = enc.device().target();
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    std::thread::scope(|scope| {
-        for _ in 0..std::thread::available_parallelism().map_or(4, |n| n.get()) {
-            scope.spawn(|| loop {
-                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let Some(spec) = specs.get(i) else { break };
-                if let Err(e) = jit.compile(spec, target) {
-                    println!("sweep: {spec} does not compile: {e}");
-                }
-            });
-        }
-    });
+    compile_all(enc, &specs);
+    let gpu = norm::Gpu::of(enc.device());
     for (rows, d, kind, pass, candidates) in cases {
-        let n = rows * d;
-        let mut rng = TestRng::new(7);
-        let xs: Vec<Array> = (0..SETS)
-            .map(|_| Array::from_f64(enc, dtype, &rng.values(n, 2.0, 0.0), &[rows, d]).unwrap())
-            .collect();
-        let g = Array::from_f64(enc, dtype, &rng.values(n, 1.0, 0.0), &[rows, d]).unwrap();
-        let w = Array::from_f64(enc, dtype, &rng.values(d, 1.0, 1.0), &[d]).unwrap();
+        let (xs, g, w) = sweep_operands(enc, dtype, rows, d);
         let b = (kind == Kind::LayerNorm).then_some(&w);
-        let bytes = (n * dtype.size()) as f64;
+        let bytes = (rows * d * dtype.size()) as f64;
         let chosen = norm::choose_spec(pass, kind, dtype, d, norm::Rows::Aligned, gpu);
         let run = |e: &mut CommandEncoder, i: usize, spec| match pass {
             Pass::Forward => {
                 tuning::forward_with(e, kind, &xs[i % SETS], Some(&w), b, 1e-5, spec).map(|_| ())
             }
-            Pass::Vjp => tuning::vjp_with(
-                e,
-                kind,
-                &xs[i % SETS],
-                Some(&w),
-                b.is_some(),
-                &g,
-                1e-5,
-                spec,
-            )
-            .map(|_| ()),
+            Pass::Vjp => {
+                let x = &xs[i % SETS];
+                tuning::vjp_with(e, kind, x, Some(&w), b.is_some(), &g, 1e-5, spec).map(|_| ())
+            }
         };
         for spec in candidates {
             if let Err(e) = run(enc, 0, spec) {
@@ -342,6 +279,7 @@ fn sweep_split(enc: &mut CommandEncoder, only: &str) {
             }
             let secs = seconds_per_call(enc, |e, i| run(e, i, spec).unwrap());
             let passes = if pass == Pass::Vjp { 3.0 } else { 2.0 };
+            // The constants but RMS, which the kind gives.
             let consts: Vec<String> = spec
                 .named_consts()
                 .skip(1)
@@ -373,10 +311,7 @@ fn main() {
     };
     let mut enc = CommandEncoder::new(&dev).unwrap();
     let (only, no_anchor) = common::variant_flags();
-    if std::env::args().any(|a| a == "--sweep") && std::env::args().any(|a| a == "--split") {
-        sweep_split(&mut enc, &only);
-        return;
-    } else if std::env::args().any(|a| a == "--sweep") {
+    if std::env::args().any(|a| a == "--sweep") {
         sweep(&mut enc, &only);
         return;
     }
@@ -426,7 +361,7 @@ fn main() {
                 .collect();
             let w = Array::from_f64(&mut enc, dtype, &rng.values(d, 1.0, 1.0), &[d]).unwrap();
             let b = Array::from_f64(&mut enc, dtype, &rng.values(d, 1.0, 0.0), &[d]).unwrap();
-            let bytes = (n * dtype.size()) as f64;
+            let bytes = (rows * d * dtype.size()) as f64;
             let mut runs: Vec<(&str, f64, f64)> = Vec::new();
             if wanted("layer_norm") {
                 let secs = seconds_per_call(&mut enc, |e, i| {
