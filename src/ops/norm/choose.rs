@@ -280,13 +280,10 @@ pub(super) fn split_layouts(kind: Kind, dtype: DType) -> &'static [SplitLayout] 
     static SIXTEEN_BIT: [SplitLayout; 2] = [(&FORWARD_STAGED, 8, 16), (&FORWARD_STAGED, 8, 32)];
     static SIXTEEN_BIT_LAYER: [SplitLayout; 1] = [(&FORWARD_STAGED, 8, 32)];
     static F32: [SplitLayout; 2] = [(&FORWARD_SPLIT, 8, 8), (&FORWARD_SPLIT, 16, 16)];
-    if dtype.size() == 2 && kind == Kind::LayerNorm {
-        return &SIXTEEN_BIT_LAYER;
-    }
-    if dtype.size() == 2 {
-        &SIXTEEN_BIT
-    } else {
-        &F32
+    match (dtype.size(), kind) {
+        (2, Kind::LayerNorm) => &SIXTEEN_BIT_LAYER,
+        (2, Kind::RmsNorm) => &SIXTEEN_BIT,
+        _ => &F32,
     }
 }
 /// A split-row forward layout: (kernel, most blocks per cluster, most elements per thread).

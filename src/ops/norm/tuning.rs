@@ -96,24 +96,23 @@ pub fn split_candidates(pass: Pass, kind: Kind, dtype: DType, d: usize) -> Vec<K
                     }
                 }
                 Pass::Forward => {
-                    for &(family, ..) in split_layouts(kind, dtype) {
-                        let mut consts = vec![rms, items, cluster];
-                        if *family == FORWARD_STAGED {
-                            consts.push(0);
-                        }
-                        specs.push(KernelSpec::new(
-                            family,
-                            dtype,
-                            SPLIT_BLOCK as u16,
-                            n_reads as u8,
-                            &consts,
-                        ));
+                    // Every layout of a dtype is of the same kernel.
+                    let family = split_layouts(kind, dtype)[0].0;
+                    let mut consts = vec![rms, items, cluster];
+                    if *family == FORWARD_STAGED {
+                        consts.push(0);
                     }
+                    specs.push(KernelSpec::new(
+                        family,
+                        dtype,
+                        SPLIT_BLOCK as u16,
+                        n_reads as u8,
+                        &consts,
+                    ));
                 }
             }
         }
     }
-    specs.dedup();
     let legal: Vec<KernelSpec> = specs
         .into_iter()
         .filter(|&spec| check_chosen(spec, pass, kind, dtype, d, Rows::Aligned).is_ok())
