@@ -29,6 +29,7 @@
 // columns a band, tiles_h segments and tiles_w bands an image; the grid is (batch * tiles_h *
 // tiles_w, chunks), one block a segment of a band.
 {{> prelude}}
+{{> depthwise}}
 
 typedef {{dtype}} T;
 constexpr int PASS = {{PASS}};
@@ -79,7 +80,7 @@ __device__ __forceinline__ void kiln_rows_backward_weight(const kiln_depthwise& 
                                                           int rows, int steps, Issue& issue,
                                                           T* __restrict__ out,
                                                           float* __restrict__ partial) {
-  const int tx = threadIdx.x, ty = threadIdx.y, groups = blockDim.y;
+  const int tx = threadIdx.x, ty = threadIdx.y;
   float sum[KSIZE][V];
 #pragma unroll
   for (int t = 0; t < KSIZE; ++t)
@@ -127,28 +128,12 @@ __device__ __forceinline__ void kiln_rows_backward_weight(const kiln_depthwise& 
       }
     }
   }
-  // The ring is done: it becomes the column groups' sums, [group][tap][channel].
+  // The ring is done: it becomes the column groups' sums, added in order as the block's
+  // partial.
   kiln_cp_async_wait<0>();
   __syncthreads();
-  float* sums = reinterpret_cast<float*>(ring);
-#pragma unroll
-  for (int t = 0; t < KSIZE; ++t)
-#pragma unroll
-    for (int v = 0; v < V; ++v) sums[(ty * KSIZE + t) * chans + tx * V + v] = sum[t][v];
-  __syncthreads();
-  const int threads = blockDim.x * groups;
-  const int c0 = blockIdx.y * chans;
-  for (int e = ty * blockDim.x + tx; e < KSIZE * chans; e += threads) {
-    const int t = e / chans, k = e - t * chans;
-    if (c0 + k >= p.out_c) continue;
-    float v = 0.0f;
-    for (int w = 0; w < groups; ++w) v += sums[(w * KSIZE + t) * chans + k];
-    const long long at = (long long)(c0 + k) * KSIZE + (p.reverse ? KSIZE - 1 - t : t);
-    if (partial)
-      partial[(long long)blockIdx.x * p.out_c * KSIZE + at] = v;
-    else
-      out[at] = kiln_from_float<T>(v);
-  }
+  kiln_depthwise_block_sums(sum, reinterpret_cast<float*>(ring), chans, blockIdx.y * chans,
+                            p.out_c, p.reverse, out, partial);
 }
 
 // Shared memory: DEPTH buffers of (tile_w + KW - 1) columns x (blockDim.x * V) channels of T;

@@ -373,7 +373,7 @@ fn matrix(graphs: bool) {
     let mut failures = Vec::new();
     let (mut checked, mut on_hopper, mut on_direct, mut on_stem) = (0, 0, 0, 0);
     let (mut on_depthwise, mut on_depthwise_tc, mut on_grouped) = (0, 0, 0);
-    let (mut on_depthwise_rows, mut widened) = (0, 0);
+    let (mut on_depthwise_rows, mut on_depthwise_columns, mut widened) = (0, 0, 0);
     let path = Config::from_env().unwrap().conv_path;
     for (ci, c) in cases().iter().enumerate() {
         for dtype in DType::ALL {
@@ -429,10 +429,14 @@ fn matrix(graphs: bool) {
                     .map(|l| l.shape.variant);
                 on_depthwise_tc += (variant == Some(depthwise::Variant::Tensor)) as usize;
                 on_depthwise_rows += (variant == Some(depthwise::Variant::Rows)) as usize;
+                let columns = matches!(variant, Some(depthwise::Variant::Columns { .. }));
+                on_depthwise_columns += columns as usize;
                 let expected = if variant == Some(depthwise::Variant::Tensor) {
                     "conv_depthwise_tc"
                 } else if variant == Some(depthwise::Variant::Rows) {
                     "conv_depthwise_rows"
+                } else if columns {
+                    "conv_depthwise_cols"
                 } else if depthwise {
                     "conv_depthwise"
                 } else if grouped {
@@ -464,7 +468,7 @@ fn matrix(graphs: bool) {
     eprintln!(
         "conv matrix ({}): {checked} checks ({on_hopper} on the Hopper path, {on_depthwise} on \
          the depthwise family ({on_depthwise_tc} on its tensor cores, {on_depthwise_rows} on its \
-         streamed rows), {on_grouped} on the grouped family, \
+         streamed rows, {on_depthwise_columns} on its column walks), {on_grouped} on the grouped family, \
          {on_direct} on the direct family, {on_stem} on the stem family, {widened} widened), {} \
          failed",
         if graphs { "graph" } else { "direct" },

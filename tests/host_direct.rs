@@ -339,6 +339,30 @@ fn run_host_depthwise_rows(
     run_depthwise_launch(cxx, dtype, pass, g, ops, launch)
 }
 
+/// The depthwise family's column-walks launch of backward-weight of `g`, or None where that
+/// kernel cannot run it.
+fn depthwise_columns_launch(dtype: DType, g: &Geometry) -> Option<depthwise::Launch> {
+    let key = host_key(dtype, Pass::BackwardWeight, g);
+    let taken = depthwise::unsupported(kiln::env::ConvPath::Auto, &key).is_none()
+        && depthwise::columns_fit(&key);
+    taken
+        .then(|| depthwise::columns_launch(&key, SMS, 227 * 1024))
+        .flatten()
+}
+
+/// Runs backward-weight of `g` through the host build of the depthwise family's column walks.
+fn run_host_depthwise_columns(
+    cxx: &str,
+    dtype: DType,
+    pass: Pass,
+    g: &Geometry,
+    ops: [&[f64]; 2],
+) -> Vec<f64> {
+    assert_eq!(pass, Pass::BackwardWeight);
+    let launch = depthwise_columns_launch(dtype, g).expect("the column walks take the case");
+    run_depthwise_launch(cxx, dtype, pass, g, ops, launch)
+}
+
 /// Runs `pass` of `g` through the host build of the depthwise family's tensor-core kernel.
 fn run_host_depthwise_tc(
     cxx: &str,
@@ -642,21 +666,75 @@ fn random_depthwise_rows(seed: u64, n: usize, stride: usize) -> Vec<Case> {
         } else {
             (8 * pick(1, 12), [pick(2, 7), pick(1, 7)])
         };
-        let lo = [pick(0, k[0] - 1), pick(0, k[1] - 1)];
-        let hi = [pick(0, k[0] - 1), pick(0, k[1] - 1)];
-        // Images at least as large as the padded kernel needs (one output row and column).
-        let least = |d: usize| (k[d] + 1).saturating_sub(1 + lo[d] + hi[d]).max(1);
-        let x = vec![pick(1, 2), pick(least(0), 19), pick(least(1), 40), c];
-        let w = vec![c, k[0], k[1], 1];
-        let p = ConvParams::default()
-            .groups(c)
-            .strides(&[stride])
-            .padding_lo(&lo)
-            .padding_hi(&hi)
-            .flip(pick(0, 2) == 0);
-        if Geometry::new(&x, &w, &p).is_ok() {
-            out.push((format!("random depthwise rows {x:?} {w:?} {p:?}"), x, w, p));
-        }
+        out.extend(random_depthwise_layer(
+            &mut pick,
+            "rows",
+            c,
+            k,
+            stride,
+            [2, 19],
+        ));
+    }
+    out
+}
+
+/// A random 2-D depthwise layer (`kind` names it) of `c` channels, kernel `k` and `stride`:
+/// uneven padding, flip, batch 1 to `most[0]`, images from what the padded kernel needs for one
+/// output row and column up to `most[1]` rows and 40 columns; None where the geometry is invalid.
+fn random_depthwise_layer(
+    pick: &mut impl FnMut(usize, usize) -> usize,
+    kind: &str,
+    c: usize,
+    k: [usize; 2],
+    stride: usize,
+    most: [usize; 2],
+) -> Option<Case> {
+    let lo = [pick(0, k[0] - 1), pick(0, k[1] - 1)];
+    let hi = [pick(0, k[0] - 1), pick(0, k[1] - 1)];
+    let least = |d: usize| (k[d] + 1).saturating_sub(1 + lo[d] + hi[d]).max(1);
+    let x = vec![
+        pick(1, most[0]),
+        pick(least(0), most[1]),
+        pick(least(1), 40),
+        c,
+    ];
+    let w = vec![c, k[0], k[1], 1];
+    let p = ConvParams::default()
+        .groups(c)
+        .strides(&[stride])
+        .padding_lo(&lo)
+        .padding_hi(&hi)
+        .flip(pick(0, 2) == 0);
+    Geometry::new(&x, &w, &p).is_ok().then(|| {
+        (
+            format!("random depthwise {kind} {x:?} {w:?} {p:?}"),
+            x,
+            w,
+            p,
+        )
+    })
+}
+
+/// `n` random layers the depthwise column walks take (seeded): 2-D, one output channel a
+/// group, 1 to 70 channels (vectors of 4, 2 and 1), kernels of 2-7 rows and 1-7 columns at
+/// stride 1 or 2, images from one output row and column to several segments and bands, uneven
+/// padding and flip.
+fn random_depthwise_columns(seed: u64, n: usize) -> Vec<Case> {
+    let mut rng = TestRng::new(0xc015 + seed);
+    let mut pick = |lo: usize, hi: usize| rng.pick(lo, hi);
+    let mut out = Vec::new();
+    while out.len() < n {
+        let c = pick(1, 70);
+        let k = [pick(2, 7), pick(1, 7)];
+        let stride = pick(1, 2);
+        out.extend(random_depthwise_layer(
+            &mut pick,
+            "columns",
+            c,
+            k,
+            stride,
+            [3, 21],
+        ));
     }
     out
 }
@@ -858,6 +936,26 @@ fn check_depthwise_rows(pass: Pass) {
     check_cases("host_depthwise_rows", pass, &cases, run_host_depthwise_rows);
 }
 
+/// The depthwise column walks (backward-weight): the fixed depthwise cases they take and random
+/// ones, every dtype.
+fn check_depthwise_columns() {
+    let taken = |x: &[usize], w: &[usize], p: &ConvParams| {
+        let g = Geometry::new(x, w, p).unwrap();
+        DType::ALL
+            .iter()
+            .all(|&dtype| depthwise_columns_launch(dtype, &g).is_some())
+    };
+    let random = random_depthwise_columns(0, 10);
+    assert!(random.iter().all(|(_, x, w, p)| taken(x, w, p)));
+    let cases: Vec<_> = fixed_depthwise(taken).into_iter().chain(random).collect();
+    check_cases(
+        "host_depthwise_columns",
+        Pass::BackwardWeight,
+        &cases,
+        run_host_depthwise_columns,
+    );
+}
+
 /// The grouped family is 16-bit only.
 fn check_grouped(pass: Pass) {
     check_grouped_with(pass, 6, run_host_grouped::<true>);
@@ -1019,6 +1117,11 @@ fn depthwise_rows_backward_data_matches_the_reference() {
 #[test]
 fn depthwise_rows_backward_weight_matches_the_reference() {
     check_depthwise_rows(Pass::BackwardWeight);
+}
+
+#[test]
+fn depthwise_columns_backward_weight_matches_the_reference() {
+    check_depthwise_columns();
 }
 
 #[test]

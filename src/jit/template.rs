@@ -22,6 +22,7 @@ pub const PARTIALS: &[(&str, &str)] = &[
     ("cluster", include_str!("../../templates/cluster.cuh")),
     ("bulk", include_str!("../../templates/bulk.cuh")),
     ("mma", include_str!("../../templates/mma.cuh")),
+    ("depthwise", include_str!("../../templates/depthwise.cuh")),
 ];
 
 /// CUDA source for one spec, ready for NVRTC.

@@ -233,6 +233,18 @@ pub fn depthwise() -> Vec<ConvCase> {
                 .padding_hi(&[2, 3]),
         ),
         ConvCase::new(
+            "depthwise 3x3 stride 2 flip, odd image, 36 channels",
+            &[3, 25, 19, 36],
+            &[36, 3, 3, 1],
+            d().groups(36).strides(&[2]).flip(true).padding(&[1]),
+        ),
+        ConvCase::new(
+            "depthwise 2x3, 6 channels, uneven padding, several segments",
+            &[5, 61, 13, 6],
+            &[6, 2, 3, 1],
+            d().groups(6).padding_lo(&[1, 0]).padding_hi(&[0, 2]),
+        ),
+        ConvCase::new(
             "depthwise 3x3 flip, rows of 150 in two tiles, uneven padding, 24 channels",
             &[1, 5, 150, 24],
             &[24, 3, 3, 1],

@@ -29,6 +29,13 @@
 //! rows; the tensor-core kernel (stride 1) or the stencil (stride 2) keeps the others, and the
 //! tensor-core kernel the layers with one kernel row (1-D) or strides of 2 and 1.
 //!
+//! Backward-weight of kernels up to 3x3 whose channel count would leave many of the 32-channel
+//! lanes idle (6, 8, 16, 36 channels) runs on column walks (`templates/conv_depthwise_cols.cu`),
+//! any architecture, strides up to 2: a thread takes a vector of up to 4 channels of two output
+//! columns and walks down a segment of source rows straight from global memory, one row's loads
+//! in flight ahead of the one it adds, keeping the cotangent rows still open and its KH x KW
+//! sums in registers; blocks are persistent and write one f32 partial each.
+//!
 //! Strided backward-data runs on the stencil as the forward of the transposed convolution: its
 //! source is the cotangent spread by the stride with zeros between, of which only the real rows
 //! and columns are staged, and tiles start where the spread source has a real row and column
@@ -75,6 +82,17 @@ pub static DEPTHWISE_ROWS: TemplateDef = TemplateDef {
     source: include_str!("../../../templates/conv_depthwise_rows.cu"),
     kernel: "kiln_conv_depthwise_rows",
     const_names: &["PASS", "KH", "KW", "TW", "V", "S"],
+    arch_specific: false,
+    only_arch: None,
+};
+/// The column-walks variant (`templates/conv_depthwise_cols.cu`): backward-weight with one
+/// output channel a group, the same stride (1 or 2) along both dims, kernels up to 7x7, any
+/// architecture.
+pub static DEPTHWISE_COLS: TemplateDef = TemplateDef {
+    name: "conv_depthwise_cols",
+    source: include_str!("../../../templates/conv_depthwise_cols.cu"),
+    kernel: "kiln_conv_depthwise_cols",
+    const_names: &["KH", "KW", "TW", "V", "S"],
     arch_specific: false,
     only_arch: None,
 };
@@ -148,6 +166,8 @@ pub enum Variant {
     /// Streamed rows (`conv_depthwise_rows.cu`): kernels up to 7x7, every pass at stride 1 and
     /// the forward at stride 2.
     Rows,
+    /// Column walks (`conv_depthwise_cols.cu`): backward-weight, `vector` channels a thread.
+    Columns { vector: usize },
 }
 
 impl Shape {
@@ -232,6 +252,21 @@ fn stencil_tile(pass: Pass, one_row: bool, stride: [usize; 2]) -> [usize; 2] {
 }
 
 pub fn spec(dtype: DType, pass: Pass, s: Shape) -> KernelSpec {
+    if let Variant::Columns { vector } = s.variant {
+        return KernelSpec::new(
+            &DEPTHWISE_COLS,
+            dtype,
+            THREADS,
+            1,
+            &[
+                s.kernel[0] as i32,
+                s.kernel[1] as i32,
+                s.out_tile[1] as i32,
+                vector as i32,
+                s.stride[0] as i32,
+            ],
+        );
+    }
     if s.variant == Variant::Rows {
         return KernelSpec::new(
             &DEPTHWISE_ROWS,
@@ -276,7 +311,8 @@ pub fn spec(dtype: DType, pass: Pass, s: Shape) -> KernelSpec {
 /// and 2) and backward-data (stride 1) are the rows kernel's (16-bit 5x5 and 7x7: the
 /// tensor-core kernel's at stride 1 and the stencil's at stride 2, and for 5x5 the rows
 /// kernel's too, which takes 7x7 images), and stride-1 backward-weight is listed on both the
-/// rows kernel (large images) and the stencil (16-bit 5x5 and 7x7: the stencil).
+/// rows kernel (large images) and the stencil (16-bit 5x5 and 7x7: the stencil); 3x3
+/// backward-weight also on the column walks, which take few channels (16: MobileNetV3).
 pub fn specs(arch: u32) -> Vec<KernelSpec> {
     let mut shapes = Vec::new();
     for k in [3, 5, 7] {
@@ -321,10 +357,25 @@ pub fn specs(arch: u32) -> Vec<KernelSpec> {
                             Variant::Rows => [1, rows_columns(dtype, [k, k])],
                             Variant::Tensor => [1, SEGMENT],
                             Variant::Stencil => stencil_tile(pass, false, [s, s]),
+                            Variant::Columns { .. } => [1, COLUMNS_TW],
                         },
                         variant,
                     };
                     out.push(spec(dtype, pass, shape));
+                }
+                // Backward-weight of 3x3 layers with few channels (16: MobileNetV3) is the
+                // column walks'.
+                if !gather && mg == 1 && k == 3 {
+                    let columns = Shape {
+                        mg,
+                        kernel: [k, k],
+                        stride: [s, s],
+                        out_tile: [1, COLUMNS_TW],
+                        variant: Variant::Columns {
+                            vector: columns_most_vector(dtype, [k, k]),
+                        },
+                    };
+                    out.push(spec(dtype, pass, columns));
                 }
             }
         }
@@ -580,42 +631,11 @@ fn choose_rows(key: &PlanKey, sms: usize, limit: usize, any_walk: bool) -> Optio
 pub fn rows_launch(key: &PlanKey, sms: usize, limit: usize, any_walk: bool) -> Option<Launch> {
     let g = &key.geometry;
     let pass = key.pass;
-    let (out, src) = match pass {
-        Pass::BackwardData => (g.input, g.output),
-        _ => (g.output, g.input),
-    };
     let shape = Shape::rows(g, key.dtype);
     let walk = choose_rows(key, sms.max(1), limit, any_walk)?;
     let tile = [walk.segment, walk.groups * shape.out_tile[1]];
-    let tiles_h = out[1].div_ceil(tile[0]);
-    let tiles = g.batch * tiles_h * walk.bands;
-    if tiles > i32::MAX as usize || walk.chunks > 65535 {
-        return None;
-    }
-    let off = |d: usize| source_offset(g, pass, d);
-    let problem = Problem {
-        batch: g.batch as i32,
-        src_h: src[1] as i32,
-        src_w: src[2] as i32,
-        src_c: g.cin as i32,
-        out_h: out[1] as i32,
-        out_w: out[2] as i32,
-        out_c: g.cin as i32,
-        off_h: off(1) as i32,
-        off_w: off(2) as i32,
-        tile_h: tile[0] as i32,
-        tile_w: tile[1] as i32,
-        tiles_h: tiles_h as i32,
-        tiles_w: walk.bands as i32,
-        tiles: tiles as i32,
-        chunks: walk.chunks as i32,
-        reverse: (g.flip != (pass == Pass::BackwardData)) as i32,
-        vec_src: 1,
-        vec_dy: 0,
-        tiles_per_split: 0,
-        base_h: 0,
-        base_w: 0,
-    };
+    let problem = walk_problem(g, pass, tile, walk.bands, walk.chunks)?;
+    let tiles = problem.tiles as usize;
     Some(Launch {
         pass,
         shape,
@@ -629,6 +649,180 @@ pub fn rows_launch(key: &PlanKey, sms: usize, limit: usize, any_walk: bool) -> O
         } else {
             1
         },
+    })
+}
+
+/// The problem of a rows or column-walks launch over `g`'s gather output for `pass`: segments of
+/// `tile[0]` rows, bands of `tile[1]` columns (`bands` an image), `chunks` of channels; whole
+/// copies, no tile base. None where the tiles or chunks overflow the grid.
+fn walk_problem(
+    g: &Geometry,
+    pass: Pass,
+    tile: [usize; 2],
+    bands: usize,
+    chunks: usize,
+) -> Option<Problem> {
+    let (out, src) = match pass {
+        Pass::BackwardData => (g.input, g.output),
+        _ => (g.output, g.input),
+    };
+    let tiles_h = out[1].div_ceil(tile[0]);
+    let tiles = g.batch * tiles_h * bands;
+    if tiles > i32::MAX as usize || chunks > 65535 {
+        return None;
+    }
+    let off = |d: usize| source_offset(g, pass, d) as i32;
+    Some(Problem {
+        batch: g.batch as i32,
+        src_h: src[1] as i32,
+        src_w: src[2] as i32,
+        src_c: g.cin as i32,
+        out_h: out[1] as i32,
+        out_w: out[2] as i32,
+        out_c: g.cin as i32,
+        off_h: off(1),
+        off_w: off(2),
+        tile_h: tile[0] as i32,
+        tile_w: tile[1] as i32,
+        tiles_h: tiles_h as i32,
+        tiles_w: bands as i32,
+        tiles: tiles as i32,
+        chunks: chunks as i32,
+        reverse: (g.flip != (pass == Pass::BackwardData)) as i32,
+        vec_src: 1,
+        vec_dy: 0,
+        tiles_per_split: 0,
+        base_h: 0,
+        base_w: 0,
+    })
+}
+
+/// Channels a column walk's thread takes at most (its vector), by kernel size: 4 up to 3x3,
+/// 2 up to 25 taps, else 1, so that its KH x KW x V sums stay in registers beside its window.
+fn columns_most_vector(dtype: DType, kernel: [usize; 2]) -> usize {
+    let most = match kernel[0] * kernel[1] {
+        0..=9 => 4,
+        10..=25 => 2,
+        _ => 1,
+    };
+    if dtype == DType::F32 {
+        (most / 2).max(1)
+    } else {
+        most
+    }
+}
+
+/// Output columns a thread of the column walks takes (the template's TW).
+const COLUMNS_TW: usize = 2;
+/// Channel vectors a column-walk block takes at most along x.
+const COLUMNS_MAX_VECTORS: usize = 64;
+
+/// Whether the column walks can run `key` (which the family takes): backward-weight with one
+/// output channel a group, kernels of 2-7 rows, the same stride along both dims, and offsets
+/// within one image of either operand that fit 32 bits. Any architecture: plain loads.
+pub fn columns_fit(key: &PlanKey) -> bool {
+    let g = &key.geometry;
+    let image = |e: [usize; 3], c: usize| e.iter().product::<usize>() * c <= i32::MAX as usize;
+    key.pass == Pass::BackwardWeight
+        && g.cout == g.groups
+        && g.stride[1] == g.stride[2]
+        && (2..=MAX_KERNEL).contains(&g.kernel[1])
+        && g.kernel[2] <= MAX_KERNEL
+        && image(g.input, g.cin)
+        && image(g.output, g.cout)
+}
+
+/// Whether the plan runs `key` (backward-weight, which the family takes) on the column walks,
+/// given whether the rows kernel would (`rows_runs`): where they can ([`columns_fit`]), kernels
+/// of up to 9 taps, and a channel count that leaves many of the other kernels' 32-channel lanes
+/// idle: fewer than 3 in 5 busy (6, 8, 16, 17, 36 channels), or at stride 1 fewer than 4 in 5
+/// where the rows kernel does not run the layer (the stencil would: 20, 100 channels).
+/// H200, column walks / the kernels before them, 3x3 layers, two rounds, every dtype: fewer
+/// than 3 in 5 busy 1.15-12.6x (3-36 channels, strides 1 and 2); 20 and 100 channels at 28x28
+/// (stencil) 0.98-3.2x; where the rows kernel runs 40-72 channels 0.82-1.26x (f32 and bf16
+/// slower), so it keeps them; the stencil's 40 channels at stride 2 0.86-1.08x; full chunks
+/// (32-1,280 channels) 0.53-1.21x and 5x5 and 7x7 kernels 0.55-0.96x.
+pub fn takes_columns(key: &PlanKey, rows_runs: bool) -> bool {
+    let g = &key.geometry;
+    let lanes = LANES * g.cin.div_ceil(LANES);
+    let sparse = 5 * g.cin < 3 * lanes;
+    let stencil_sparse = !rows_runs && g.stride[1] == 1 && 5 * g.cin < 4 * lanes;
+    columns_fit(key) && g.kernel[1] * g.kernel[2] <= 9 && (sparse || stencil_sparse)
+}
+
+/// The column walks' vector: the widest of 4, 2 and 1 that the kernel allows
+/// ([`columns_most_vector`]) and the channel count divides, 1 for operands not 16-byte aligned.
+fn columns_vector(dtype: DType, kernel: [usize; 2], channels: usize, aligned: bool) -> usize {
+    let most = if aligned {
+        columns_most_vector(dtype, kernel)
+    } else {
+        1
+    };
+    [4, 2, 1]
+        .into_iter()
+        .find(|&v| v <= most && channels % v == 0)
+        .unwrap_or(1)
+}
+
+/// The column walks' launch of `key` (which they can run: [`columns_fit`]) on `sms`
+/// multiprocessors with `limit` bytes of shared memory a block, or None where the block's sums
+/// do not fit. A block takes a chunk of at most [`COLUMNS_MAX_VECTORS`] channel vectors (chunks
+/// balanced) and as many column groups of [`COLUMNS_TW`] as [`THREADS`] allows (bands
+/// balanced); blocks are persistent, as many as the SMs hold at 16 warps each (the launch bound
+/// allows 128 registers). The segment is the one with the least modelled time: the busiest
+/// block's tiles times the source rows a tile walks (shorter segments give more tiles to share
+/// out and read KH - S halo rows more each).
+pub fn columns_launch(key: &PlanKey, sms: usize, limit: usize) -> Option<Launch> {
+    let g = &key.geometry;
+    let pass = key.pass;
+    let kernel = [g.kernel[1], g.kernel[2]];
+    let stride = g.stride[1];
+    let out = g.output;
+    let v = columns_vector(key.dtype, kernel, g.cin, key.aligned);
+    let vectors_all = g.cin / v;
+    let chunks = vectors_all.div_ceil(COLUMNS_MAX_VECTORS);
+    let vectors = vectors_all.div_ceil(chunks);
+    let column_groups = out[2].div_ceil(COLUMNS_TW);
+    let most = (THREADS as usize / vectors).clamp(1, column_groups);
+    let bands = column_groups.div_ceil(most);
+    let groups = column_groups.div_ceil(bands);
+    let shared = groups * kernel[0] * kernel[1] * vectors * v * 4;
+    if shared > limit {
+        return None;
+    }
+    let warps = (vectors * groups).div_ceil(32);
+    let per_sm = (16 / warps).clamp(1, ((limit + 1024) / (shared + 1024)).max(1));
+    let slots = (per_sm * sms.max(1) / chunks).max(1);
+    // (cost, segment)
+    let mut best: Option<(usize, usize)> = None;
+    for segments in 1..=out[1] {
+        let segment = out[1].div_ceil(segments);
+        if out[1].div_ceil(segment) != segments {
+            continue; // the same segments as a shorter one
+        }
+        let tiles = g.batch * segments * bands;
+        let source_rows = (segment - 1) * stride + kernel[0];
+        let cost = tiles.div_ceil(tiles.min(slots)) * source_rows;
+        if best.map_or(true, |(c, _)| cost < c) {
+            best = Some((cost, segment));
+        }
+    }
+    let (_, segment) = best?;
+    let problem = walk_problem(g, pass, [segment, groups * COLUMNS_TW], bands, chunks)?;
+    let blocks = (problem.tiles as usize).min(slots);
+    Some(Launch {
+        pass,
+        shape: Shape {
+            out_tile: [1, COLUMNS_TW],
+            variant: Variant::Columns { vector: v },
+            ..Shape::of(pass, g)
+        },
+        problem,
+        grid: (blocks as u32, chunks as u32, 1),
+        block: (vectors as u32, groups as u32, 1),
+        shared,
+        // One f32 partial a block along x.
+        splits: blocks,
     })
 }
 
@@ -859,10 +1053,16 @@ pub fn launch_for(key: &PlanKey, sms: usize, limit: usize) -> Option<Launch> {
     };
     let off = |d: usize| source_offset(g, pass, d);
     let sms = sms.max(1);
-    if takes_rows(key) {
-        if let Some(launch) = rows_launch(key, sms, limit, false) {
+    let rows = takes_rows(key)
+        .then(|| rows_launch(key, sms, limit, false))
+        .flatten();
+    if takes_columns(key, rows.is_some()) {
+        if let Some(launch) = columns_launch(key, sms, limit) {
             return Some(launch);
         }
+    }
+    if rows.is_some() {
+        return rows;
     }
     let extents = [out[1], out[2]];
     // The tensor-core kernel where it takes the layer and a tile fits, else the FMA stencil.
@@ -1248,6 +1448,135 @@ mod tests {
     }
 
     #[test]
+    fn columns_take_3x3_backward_weight_with_many_idle_lanes() {
+        let variant = |dtype, pass, c: usize, k: usize, stride: usize, arch, aligned| {
+            let p = ConvParams::default()
+                .groups(c)
+                .strides(&[stride])
+                .padding(&[k / 2]);
+            let kk = PlanKey {
+                arch,
+                aligned,
+                ..key(dtype, pass, &[8, 33, 47, c], &[c, k, k, 1], &p)
+            };
+            launch_for(&kk, 132, H100_SHARED).unwrap().shape.variant
+        };
+        for dtype in DType::ALL {
+            let columns = |c, k, stride, arch, aligned| {
+                let v = variant(dtype, Pass::BackwardWeight, c, k, stride, arch, aligned);
+                matches!(v, Variant::Columns { .. })
+            };
+            for c in [1, 6, 8, 16, 17, 33, 36] {
+                assert!(columns(c, 3, 1, 90, true), "{c} channels");
+                assert!(columns(c, 3, 2, 75, false), "{c} channels, stride 2, sm_75");
+            }
+            // Up to 4 in 5 lanes busy at stride 1 where the rows kernel does not run it: here
+            // on 8 images of 33x47 it does not (its blocks would fill too little of the GPU),
+            // nor before sm_80.
+            for c in [20, 24, 40, 70, 100] {
+                assert!(columns(c, 3, 1, 90, true), "{c} channels");
+                assert!(columns(c, 3, 1, 75, true), "{c} channels, sm_75");
+                assert!(!columns(c, 3, 2, 90, true), "{c} channels, stride 2");
+            }
+            for c in [32, 144, 192] {
+                assert!(!columns(c, 3, 1, 90, true), "{c} channels");
+            }
+            // Where the rows kernel runs 40 channels (150x150 images), it keeps them.
+            let p = ConvParams::default().groups(40).padding(&[1]);
+            let large = key(
+                dtype,
+                Pass::BackwardWeight,
+                &[32, 150, 150, 40],
+                &[40, 3, 3, 1],
+                &p,
+            );
+            let v = launch_for(&large, 132, H100_SHARED).unwrap().shape.variant;
+            assert_eq!(v, Variant::Rows, "{dtype:?}");
+            assert!(!columns(36, 5, 1, 90, true), "5x5");
+            for pass in [Pass::Forward, Pass::BackwardData] {
+                let v = variant(dtype, pass, 36, 3, 1, 90, true);
+                assert!(!matches!(v, Variant::Columns { .. }), "{pass:?}");
+            }
+            // Vectors: as wide as the kernel and dtype allow and the channels divide.
+            let vector = |c, aligned| {
+                let v = variant(dtype, Pass::BackwardWeight, c, 3, 1, 90, aligned);
+                match v {
+                    Variant::Columns { vector } => vector,
+                    _ => 0,
+                }
+            };
+            let widest = if dtype == DType::F32 { 2 } else { 4 };
+            assert_eq!(vector(36, true), widest);
+            assert_eq!(vector(6, true), 2);
+            assert_eq!(vector(17, true), 1);
+            assert_eq!(vector(36, false), 1);
+        }
+    }
+
+    #[test]
+    fn columns_launches_cover_the_output_within_the_block_and_shared_memory() {
+        let cases = [([3, 3], 1), ([3, 3], 2), ([2, 3], 1), ([7, 7], 2)];
+        let sizes = [[1, 1], [5, 3], [7, 7], [33, 47], [112, 112], [9, 300]];
+        for dtype in DType::ALL {
+            for (kernel, stride) in cases {
+                for c in [1, 6, 17, 36, 100, 1000] {
+                    for size in sizes {
+                        for (batch, sms) in [(1, 132), (64, 132), (3, 4)] {
+                            columns_launch_covers(dtype, kernel, stride, c, size, batch, sms);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn columns_launch_covers(
+        dtype: DType,
+        kernel: [usize; 2],
+        stride: usize,
+        c: usize,
+        size: [usize; 2],
+        batch: usize,
+        sms: usize,
+    ) {
+        let pad = kernel[0] / 2;
+        let p = ConvParams::default()
+            .groups(c)
+            .strides(&[stride])
+            .padding(&[pad]);
+        let x = [batch, size[0], size[1], c];
+        let w = [c, kernel[0], kernel[1], 1];
+        let kk = key(dtype, Pass::BackwardWeight, &x, &w, &p);
+        assert!(columns_fit(&kk), "{kk:?}");
+        let l = columns_launch(&kk, sms, H100_SHARED).unwrap();
+        let Variant::Columns { vector } = l.shape.variant else {
+            panic!("{kk:?}");
+        };
+        let pr = l.problem;
+        assert_eq!(c % vector, 0, "{kk:?}");
+        let (vectors, groups, _) = l.block;
+        assert!(vectors * groups <= THREADS as u32, "{kk:?}");
+        // Every channel, column and row is some tile's.
+        let chans = vectors as usize * vector;
+        assert!(l.grid.1 as usize * chans >= c, "{kk:?}");
+        assert!((l.grid.1 as usize - 1) * chans < c, "{kk:?}");
+        assert_eq!(pr.chunks as u32, l.grid.1);
+        assert_eq!(pr.tile_w as usize, groups as usize * COLUMNS_TW);
+        assert!(pr.tiles_w * pr.tile_w >= pr.out_w, "{kk:?}");
+        assert!((pr.tiles_w - 1) * pr.tile_w < pr.out_w, "{kk:?}");
+        assert!(pr.tiles_h * pr.tile_h >= pr.out_h, "{kk:?}");
+        assert!((pr.tiles_h - 1) * pr.tile_h < pr.out_h, "{kk:?}");
+        assert_eq!(pr.tiles, batch as i32 * pr.tiles_h * pr.tiles_w);
+        assert_eq!([pr.off_h, pr.off_w], [-(pad as i32); 2]);
+        // Persistent blocks, each with a tile, one partial each.
+        assert!(l.grid.0 >= 1 && l.grid.0 as i32 <= pr.tiles, "{kk:?}");
+        assert_eq!(l.splits, l.grid.0 as usize);
+        let taps = kernel[0] * kernel[1];
+        assert_eq!(l.shared, groups as usize * taps * chans * 4);
+        assert!(l.shared <= H100_SHARED);
+    }
+
+    #[test]
     fn tensor_tiles_fit_the_staging_threads_and_shared_memory() {
         for width in [1, 7, 14, 56, 112, 120, 121, 224, 1000] {
             // (Kernels of 2-7 rows are the rows kernel's.)
@@ -1334,6 +1663,11 @@ mod tests {
                             if l.shape.variant == Variant::Rows {
                                 // Not persistent; its own test checks the rest.
                                 assert_eq!(l.grid.0 as i32, pr.tiles);
+                            } else if let Variant::Columns { .. } = l.shape.variant {
+                                // Persistent blocks, one partial each; its own test checks the
+                                // rest.
+                                assert!(l.grid.0 >= 1 && l.grid.0 as i32 <= pr.tiles, "{kk:?}");
+                                assert_eq!(l.splits, l.grid.0 as usize);
                             } else if pass == Pass::BackwardWeight {
                                 // Every split has a tile; all tiles are covered.
                                 let s = l.splits as i32;
