@@ -9,7 +9,8 @@
 // cache serves): each source row is loaded once, a window of WIN columns, and meets the
 // cotangent rows open at that step (at most NACC: an output row opens at its tap row 0, where
 // its TW x V cotangent values are loaded, and closes after tap row KH - 1). No shared memory and
-// no barriers in the walk: copies in flight are the loads the unrolled steps issue ahead.
+// no barriers in the walk: the next source row's loads (and those of the cotangent row it
+// opens) are issued a step ahead of the row being added, so they are in flight meanwhile.
 //
 // The sums stay in registers over all of a block's tiles (blocks are persistent: tile
 // blockIdx.x, then every gridDim.x-th); then the block adds its column groups in a fixed order
@@ -130,8 +131,8 @@ __device__ __forceinline__ void kiln_walk_tile(const T* __restrict__ src, const 
       kiln_chans x_row[WIN];
 #pragma unroll
       for (int q = 0; q < WIN; ++q) x_row[q] = x_next[q];
-      // Loads stay a step ahead, no more: hoisted further they would take the registers the
-      // sums need.
+      // Meant to keep the loads from being hoisted more than a step ahead, where they would
+      // take the registers the sums need (ptxas reported the same registers without it).
       asm volatile("" ::: "memory");
       load_source(s + 1, x_next);
       if ((u + 1) % S == 0) load_cotangent((s + 1) / S, g_next);

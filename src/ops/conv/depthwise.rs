@@ -766,8 +766,8 @@ fn columns_vector(dtype: DType, kernel: [usize; 2], channels: usize, aligned: bo
 
 /// The column walks' launch of `key` (which they can run: [`columns_fit`]) on `sms`
 /// multiprocessors with `limit` bytes of shared memory a block, or None where the block's sums
-/// do not fit. A block takes a chunk of at most [`COLUMNS_MAX_VECTORS`] channel vectors (chunks
-/// balanced) and as many column groups of [`COLUMNS_TW`] as [`THREADS`] allows (bands
+/// do not fit. A block takes a chunk of at most `COLUMNS_MAX_VECTORS` channel vectors (chunks
+/// balanced) and as many column groups of `COLUMNS_TW` as [`THREADS`] allows (bands
 /// balanced); blocks are persistent, as many as the SMs hold at 16 warps each (the launch bound
 /// allows 128 registers). The segment is the one with the least modelled time: the busiest
 /// block's tiles times the source rows a tile walks (shorter segments give more tiles to share
