@@ -740,10 +740,10 @@ pub fn columns_fit(key: &PlanKey) -> bool {
 /// idle: fewer than 3 in 5 busy (6, 8, 16, 17, 36 channels), or at stride 1 fewer than 4 in 5
 /// where the rows kernel does not run the layer (the stencil would: 20, 100 channels).
 /// H200, column walks / the kernels before them, 3x3 layers, two rounds, every dtype: fewer
-/// than 3 in 5 busy 1.15-12.6x (3-36 channels, strides 1 and 2); 20 and 100 channels at 28x28
+/// than 3 in 5 busy 1.15-13.1x (3-36 channels, strides 1 and 2); 20 and 100 channels at 28x28
 /// (stencil) 0.98-3.2x; where the rows kernel runs 40-72 channels 0.82-1.26x (f32 and bf16
 /// slower), so it keeps them; the stencil's 40 channels at stride 2 0.86-1.08x; full chunks
-/// (32-1,280 channels) 0.53-1.21x and 5x5 and 7x7 kernels 0.55-0.96x.
+/// (32-1,280 channels) 0.53-1.21x and 5x5 and 7x7 kernels 0.53-0.96x.
 pub fn takes_columns(key: &PlanKey, rows_runs: bool) -> bool {
     let g = &key.geometry;
     let lanes = LANES * g.cin.div_ceil(LANES);
