@@ -23,7 +23,7 @@
 //   PASS 2 backward-weight: the forward's walk with the cotangent (staged beside the source)
 //                           as multiplier and the KH x KW tap sums as accumulators; a block
 //                           sums its tiles (a split of the batch's), its warps are added in a
-//                           fixed order, and splits write f32 partials that conv_split_sum adds
+//                           fixed order, and splits write f32 partials that reduce_cols.cu adds
 //                           up, so the result is deterministic.
 {{> prelude}}
 

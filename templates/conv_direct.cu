@@ -21,7 +21,7 @@
 // PASS 2 backward-weight: dw[oc, t, r] = sum over n, P of dy[n, P, oc] * x[n, Q(P, t), ...],
 // forward's Q. A thread holds NO cotangent channels x one row of KT taps along w, summing over
 // the output positions of its split; the lanes of a block are summed in a fixed order, and
-// splits write f32 partials that conv_split_sum adds up, so the result is deterministic.
+// splits write f32 partials that reduce_cols.cu adds up, so the result is deterministic.
 // The weights (forward, backward-data) are staged once per block in shared memory as f32, in
 // the order the taps are walked.
 {{> prelude}}

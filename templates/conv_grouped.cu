@@ -32,7 +32,7 @@
 //                           cotangent, B: the source at a tap, both ldmatrix .trans); a warp
 //                           holds every tap's sums for its chunk and half of its source
 //                           channels over its block's tiles (a split of the batch's) and writes
-//                           them, as f32 partials that conv_split_sum adds up when the sum is
+//                           them, as f32 partials that reduce_cols.cu adds up when the sum is
 //                           split, so the result is deterministic.
 {{> prelude}}
 {{> mma}}

@@ -14,7 +14,7 @@
 // units, each thread a square tile: f32, and 16-bit types where the GPU has no tensor cores for
 // them (bf16 before sm_80, everything before sm_75), widened to f32 as they leave shared memory. Before sm_80 there is no cp.async:
 // operands go through registers (fetched a tile ahead, stored after the tile's math). Backward-weight may split k over blocks
-// (blockIdx.z), writing f32 partial sums that conv_split_sum adds up. Strided backward-data
+// (blockIdx.z), writing f32 partial sums that reduce_cols.cu adds up. Strided backward-data
 // without dilation runs one GEMM per stride phase (blockIdx.z too): input pixels whose position
 // plus padding is congruent to the phase modulo the stride are reached only by the kernel taps
 // congruent to it, so no block gathers taps that can only read zeros.

@@ -12,7 +12,7 @@
 //                           time, so that its lanes share their taps.
 //   PASS 2 backward-weight: part[cout, (kh, kw, c)] = sum over the block's pixels of
 //                           cotangent[pixel, cout] * patch(pixel), in f32, one partial a block
-//                           (blockIdx.x), which conv_split_sum adds up in a fixed order.
+//                           (blockIdx.x), which reduce_cols.cu adds up in a fixed order.
 // A tile is TH x TW output pixels of one image; blocks are persistent, walking the tiles with a
 // grid stride; blockIdx.y picks NB output channels.
 // TENSOR (16-bit types where the GPU has tensor cores): mma.sync m16n8k16. The patch keeps 4

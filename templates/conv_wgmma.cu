@@ -18,7 +18,7 @@
 // Backward-data at stride s runs one launch per stride phase: the input pixels f, f + s, ...
 // along each dim, which a stride-1 problem over the cotangent with that phase's taps gives
 // (a phase no tap reaches writes zeros). Backward-weight splits its pixels over tiles and writes f32 partial sums per split, which
-// conv_split_sum adds up in a fixed order.
+// reduce_cols.cu adds up in a fixed order.
 //
 // Shared-memory layouts, all 128-byte swizzled as the copy engine writes them:
 //   K-major (rows of 64 k elements, 128 bytes): A of forward and backward-data, B of forward.

@@ -663,11 +663,14 @@ fn the_column_reduce_sums_any_number_of_rows() {
     let mut enc = encoder(&dev, true);
     let mut rng = TestRng::new(5);
     // d a multiple of 4 takes 16-byte loads; the VJP's partial sums of d = 768 (528 blocks) and
-    // 16384 (132 blocks) take few and many column threads per block.
+    // 16384 (132 blocks) take few and many column threads per block; few rows take rows of up
+    // to a block of column threads (a split convolution's weight gradient: 1,296 values in 256
+    // splits, 294,912 in 16).
     let shapes = [1usize, 3, 31, 40, 300, 1500]
         .into_iter()
         .flat_map(|rows| [1usize, 70, 1000].map(|d| (rows, d)))
-        .chain([(528, 768), (132, 16384), (7, 4), (5, 36)]);
+        .chain([(528, 768), (132, 16384), (7, 4), (5, 36)])
+        .chain([(256, 1296), (16, 294_912), (9, 20_001), (2, 3001)]);
     for (rows, d) in shapes {
         let p = q(DType::F32, rng.values(rows * d, 1.0, 0.0));
         let pa = Array::from_f64(&mut enc, DType::F32, &p, &[rows, d]).unwrap();

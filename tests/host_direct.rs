@@ -140,7 +140,8 @@ fn problem_bytes<P: Copy>(p: &P) -> &[u8] {
 }
 
 /// Runs `launch` of the executable built for `spec` on operands `ops`; the result as f64 (the
-/// partials summed in order in f32, as conv_split_sum does, when there are several).
+/// partials summed in f32 when there are several, in order: the split sum's fixed order differs
+/// only in rounding).
 fn run_launch(
     exe: &Path,
     spec: &kiln::jit::KernelSpec,

@@ -2,6 +2,7 @@
 //! choose, so `kiln warm` compiles them all ahead of time.
 
 pub mod axpby;
+pub mod col_sums;
 pub mod conv;
 pub mod norm;
 
@@ -23,6 +24,7 @@ pub fn registered_specs_for(arch: u32) -> Vec<KernelSpec> {
     let mut out = Vec::new();
     out.extend(norm::specs(norm::Gpu::for_arch(arch)));
     out.extend(conv::specs(arch));
+    out.extend(col_sums::specs());
     out.extend(copy::specs());
     out.extend(axpby::specs());
     out.extend(crate::dist::specs());

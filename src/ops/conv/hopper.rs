@@ -733,7 +733,7 @@ impl Launch {
         }
     }
 
-    /// Whether the kernel writes f32 partial sums (one set a split) for `conv_split_sum` to add
+    /// Whether the kernel writes f32 partial sums (one set a split) for the column sum to add
     /// up, instead of the output: a split backward-weight, and every swapped tile.
     pub fn writes_partials(&self) -> bool {
         self.splits > 1 || self.tile.swapped

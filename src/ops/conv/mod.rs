@@ -629,27 +629,8 @@ fn launch(enc: &mut CommandEncoder, plan: &Plan, a: &Array, b: &Array, out: &Arr
             )?;
         }
     }
-    if let (Some(p), Some(kernel)) = (&partial, &plan.split_sum) {
-        let n = out.size();
-        let mut args = KernelArgs::new();
-        args.push(p.device_ptr())
-            .push(out.device_ptr())
-            .push(n as i64)
-            .push(plan.splits as i32);
-        let blocks = super::grid_stride_blocks(enc, n, plan::SPLIT_SUM_BLOCK);
-        // SAFETY: the arguments are conv_split_sum's (partial, out, n, splits); partial holds
-        // splits x n f32, out n elements.
-        unsafe {
-            enc.launch(
-                kernel,
-                blocks as u32,
-                plan::SPLIT_SUM_BLOCK as u32,
-                0,
-                args,
-                &[p],
-                &[out],
-            )
-        }?;
+    if let (Some(p), Some(sum)) = (&partial, &plan.split_sum) {
+        sum.launch(enc, p, plan.splits, out.size(), &[out])?;
     }
     Ok(())
 }

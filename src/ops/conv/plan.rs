@@ -19,6 +19,7 @@ use crate::dtype::DType;
 use crate::env::{Config, ConvPath, DEFAULT_CONV_CACHE_SIZE};
 use crate::error::{Error, Result};
 use crate::jit::{KernelSpec, LoadedKernel, TemplateDef};
+use crate::ops::col_sums::{self, ColumnSum};
 use crate::runtime::Device;
 
 pub static IGEMM: TemplateDef = TemplateDef {
@@ -46,17 +47,6 @@ pub(super) const IGEMM_FIELDS: TemplateDef = TemplateDef {
     arch_specific: false,
     only_arch: None,
 };
-
-pub static SPLIT_SUM: TemplateDef = TemplateDef {
-    name: "conv_split_sum",
-    source: include_str!("../../../templates/conv_split_sum.cu"),
-    kernel: "kiln_conv_split_sum",
-    const_names: &[],
-    arch_specific: false,
-    only_arch: None,
-};
-
-pub const SPLIT_SUM_BLOCK: u16 = 256;
 
 /// A block's tile of C: `bm x bn`, with `wm x wn` warps on tensor cores (unused by the FMA
 /// path, whose threads each take a square sub-tile).
@@ -219,8 +209,10 @@ pub fn igemm_spec(
     )
 }
 
-pub fn split_sum_spec(dtype: DType) -> KernelSpec {
-    KernelSpec::new(&SPLIT_SUM, dtype, SPLIT_SUM_BLOCK, 1, &[])
+/// The split sum of `key`'s pass: the column sum of its per-split f32 partials, one row a split
+/// and a column an output element (the weight gradient's).
+pub fn split_sum_spec(key: &PlanKey) -> KernelSpec {
+    col_sums::spec_for(key.dtype, key.geometry.weight_shape().iter().product())
 }
 
 /// Every spec a plan can choose on architecture `arch` at the default precision (the
@@ -239,7 +231,6 @@ pub fn specs(arch: u32) -> Vec<KernelSpec> {
                 }
             }
         }
-        out.push(split_sum_spec(dtype));
     }
     out.extend(depthwise::specs(arch));
     if arch >= grouped::MIN_ARCH {
@@ -282,9 +273,10 @@ pub struct Plan {
     /// Blocks along the reduction (backward-weight), each writing one set of f32 partials when
     /// the plan has a `split_sum`.
     pub splits: usize,
-    /// The kernel that adds the partials up into the output, when the plan's kernel writes f32
-    /// partials (a split reduction, or a swapped Hopper tile even unsplit).
-    pub split_sum: Option<Arc<LoadedKernel>>,
+    /// The column sum that adds the partials up into the output (one row of `splits` a split),
+    /// when the plan's kernel writes f32 partials (a split reduction, or a swapped Hopper tile
+    /// even unsplit).
+    pub split_sum: Option<ColumnSum>,
     pub kind: Kind,
 }
 
@@ -476,7 +468,7 @@ impl Choice {
         };
         let mut out = vec![spec];
         if partials {
-            out.push(split_sum_spec(key.dtype));
+            out.push(split_sum_spec(key));
         }
         if matches!(self, Choice::Wgmma(_, l) if l.turns_weight() || l.turns_cotangent()) {
             out.push(crate::runtime::copy::transpose_spec(key.dtype));
@@ -800,7 +792,7 @@ fn build(device: &Device, key: &PlanKey, t: Tile, splits: usize) -> Result<Plan>
 pub(super) fn build_igemm(device: &Device, key: &PlanKey, launch: IgemmLaunch) -> Result<Plan> {
     let kernel = device.kernel(&launch.spec)?;
     kernel.allow_shared(launch.shared)?;
-    let split_sum = split_sum_for(device, key.dtype, launch.splits > 1)?;
+    let split_sum = split_sum_for(device, key, launch.splits > 1)?;
     Ok(Plan {
         kernel,
         spec: launch.spec,
@@ -813,14 +805,11 @@ pub(super) fn build_igemm(device: &Device, key: &PlanKey, launch: IgemmLaunch) -
     })
 }
 
-/// The kernel that adds the f32 partials up, when the plan's kernel writes them.
-fn split_sum_for(
-    device: &Device,
-    dtype: DType,
-    partials: bool,
-) -> Result<Option<Arc<LoadedKernel>>> {
+/// The column sum that adds the f32 partials up, when the plan's kernel writes them.
+fn split_sum_for(device: &Device, key: &PlanKey, partials: bool) -> Result<Option<ColumnSum>> {
     if partials {
-        Ok(Some(device.kernel(&split_sum_spec(dtype))?))
+        let n = key.geometry.weight_shape().iter().product();
+        Ok(Some(ColumnSum::load(device, key.dtype, n)?))
     } else {
         Ok(None)
     }
@@ -839,7 +828,7 @@ fn build_wgmma(
         launch.set_clusters(kernel.max_active_clusters(hopper::THREADS as u32, shared)?);
     }
     let splits = launch.splits;
-    let split_sum = split_sum_for(device, key.dtype, launch.writes_partials())?;
+    let split_sum = split_sum_for(device, key, launch.writes_partials())?;
     Ok(Plan {
         kernel,
         spec,
@@ -912,7 +901,7 @@ fn build_gather(
 ) -> Result<Plan> {
     let kernel = device.kernel(&spec)?;
     kernel.allow_shared(shared)?;
-    let split_sum = split_sum_for(device, key.dtype, splits > 1)?;
+    let split_sum = split_sum_for(device, key, splits > 1)?;
     Ok(Plan {
         kernel,
         spec,

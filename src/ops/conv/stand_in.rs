@@ -55,7 +55,7 @@ pub fn spec(key: &PlanKey) -> KernelSpec {
 
 /// The stand-in's kernels for `key`: its spec, and the split sum.
 pub fn specs(key: &PlanKey) -> [KernelSpec; 2] {
-    [spec(key), plan::split_sum_spec(key.dtype)]
+    [spec(key), plan::split_sum_spec(key)]
 }
 
 /// A plan that runs `key` on its stand-in (compiled now if it is not yet). Not cached.

@@ -563,7 +563,7 @@ pub fn choose_spec(
 }
 
 /// Every spec the norm ops can choose where blocks may use `shared_limit` bytes of shared
-/// memory, and the column reductions: `choose_spec` depends on d only through its count of
+/// memory (their column sums are `ops::col_sums`'): `choose_spec` depends on d only through its count of
 /// vectors and is the same past the longest rows held in registers, so every count up to one
 /// past those gives every choice.
 pub fn specs(gpu: Gpu) -> Vec<KernelSpec> {
@@ -601,43 +601,7 @@ pub fn specs(gpu: Gpu) -> Vec<KernelSpec> {
             }
         }
     }
-    for dtype in DType::ALL {
-        for columns_per_thread in [1, 4] {
-            out.push(reduce_cols_spec(dtype, columns_per_thread));
-        }
-    }
     out
-}
-
-/// The column sum storing `dtype`, each thread summing `columns_per_thread` adjacent columns
-/// (4: one 16-byte load per row).
-pub fn reduce_cols_spec(dtype: DType, columns_per_thread: usize) -> KernelSpec {
-    KernelSpec::new(
-        &REDUCE_COLS,
-        dtype,
-        REDUCE_BLOCK as u16,
-        columns_per_thread as u8,
-        &[],
-    )
-}
-
-pub(super) const REDUCE_BLOCK: usize = 256;
-
-/// Column threads per block of the column sum (the rest of the block are row lanes): as many
-/// as 32 (whole 128-byte rows per warp), fewer while that leaves the GPU's SMs with under two
-/// blocks each, down to one 32-byte sector per row.
-pub(super) fn reduce_col_threads(
-    d: usize,
-    sets: usize,
-    columns_per_thread: usize,
-    sms: usize,
-) -> usize {
-    let fewest = 8 / columns_per_thread;
-    let mut col_threads = 32;
-    while col_threads > fewest && d.div_ceil(col_threads * columns_per_thread) * sets < 2 * sms {
-        col_threads /= 2;
-    }
-    col_threads
 }
 
 /// Checks a caller-chosen spec: the right family, kind and dtype, a legal vector width, enough

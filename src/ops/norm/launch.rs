@@ -2,6 +2,7 @@
 
 use super::choose::*;
 use super::*;
+use crate::ops::col_sums::{self, ColumnSum};
 
 /// The grid of a split-row spec whose clusters loop over `rows`: as many clusters as the GPU
 /// holds at once (of `block` threads and `shared` dynamic bytes), balanced over the rows, and a
@@ -266,10 +267,9 @@ pub(super) fn forward(
             // A first forward of this shape: training calls the VJP next (with a cotangent laid
             // out like x), whose kernel and column sums compile in the background meanwhile.
             let gpu = Gpu::of(enc.device());
-            let columns_per_thread = if d % 4 == 0 { 4 } else { 1 };
             let next = [
                 choose_spec(Pass::Vjp, kind, x.dtype(), d, layout, gpu),
-                reduce_cols_spec(x.dtype(), columns_per_thread),
+                col_sums::spec_for(x.dtype(), d),
             ];
             if chosen.is_some() {
                 enc.device().prefetch(next);
@@ -495,7 +495,7 @@ pub(super) fn vjp(
     };
     if let Some(partial) = &partial {
         let outs: Vec<&Array> = dw.iter().chain(db.iter()).collect();
-        reduce_col_sets(enc, partial, partial_rows, d, &outs)?;
+        ColumnSum::load(enc.device(), dtype, d)?.launch(enc, partial, partial_rows, d, &outs)?;
     }
     Ok((dx, dw, db))
 }
@@ -523,46 +523,8 @@ pub fn reduce_cols(enc: &mut CommandEncoder, partial: &Array, dtype: DType) -> R
     let partial = partial.contiguous(enc)?;
     let partial = &partial;
     let out = Array::empty_on(enc, dtype, &[d])?;
-    reduce_col_sets(enc, partial, rows, d, &[&out])?;
+    ColumnSum::load(enc.device(), dtype, d)?.launch(enc, partial, rows, d, &[&out])?;
     Ok(out)
-}
-
-/// Column sums of `outs.len()` f32 [rows, d] matrices stored one after another in `partial`,
-/// into `outs` (one launch for all).
-pub(super) fn reduce_col_sets(
-    enc: &mut CommandEncoder,
-    partial: &Array,
-    rows: usize,
-    d: usize,
-    outs: &[&Array],
-) -> Result<()> {
-    // 16-byte loads when every row starts 16-byte aligned.
-    let columns_per_thread = if d % 4 == 0 { 4 } else { 1 };
-    let spec = reduce_cols_spec(outs[0].dtype(), columns_per_thread);
-    let kernel = enc.device().kernel(&spec)?;
-    let sms = enc.device().info().multiprocessors as usize;
-    let col_threads = reduce_col_threads(d, outs.len(), columns_per_thread, sms);
-    let mut args = KernelArgs::new();
-    args.push(partial.device_ptr())
-        .push(outs[0].device_ptr())
-        .push(outs.last().expect("one output at least").device_ptr())
-        .push(rows as i64)
-        .push(d as i32)
-        .push(col_threads as i32);
-    let blocks = d.div_ceil(col_threads * columns_per_thread);
-    // SAFETY: the arguments are reduce_cols' in order and type; partial holds rows x d f32 per
-    // output, every output d elements.
-    unsafe {
-        enc.launch(
-            &kernel,
-            (blocks as u32, outs.len() as u32, 1),
-            REDUCE_BLOCK as u32,
-            0,
-            args,
-            &[partial],
-            outs,
-        )
-    }
 }
 
 /// LayerNorm's VJP: (dx, dweight if weight is given, dbias if bias is given).

@@ -78,17 +78,6 @@ pub static VJP_SPLIT: TemplateDef = TemplateDef {
     only_arch: Some(SPLIT_ARCH),
 };
 
-/// Column sums of f32 matrices, stored as the dtype: the VJP's partial sums into dweight and
-/// dbias (`templates/reduce_cols.cu`).
-pub static REDUCE_COLS: TemplateDef = TemplateDef {
-    name: "reduce_cols",
-    source: include_str!("../../../templates/reduce_cols.cu"),
-    kernel: "kiln_reduce_cols",
-    const_names: &[],
-    arch_specific: false,
-    only_arch: None,
-};
-
 /// What the spec choice needs to know of a GPU.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Gpu {
@@ -154,7 +143,8 @@ mod tests;
 #[doc(hidden)]
 pub mod tuning;
 
-pub use choose::{choose_spec, reduce_cols_spec, specs, Rows};
+pub use crate::ops::col_sums::{reduce_cols_spec, REDUCE_COLS};
+pub use choose::{choose_spec, specs, Rows};
 pub use launch::{layer_norm, layer_norm_vjp, reduce_cols, rms_norm, rms_norm_vjp, MAX_ROW};
 #[doc(hidden)]
 pub use reference::{reference_forward, reference_vjp};
