@@ -124,7 +124,7 @@ impl ColumnSum {
                 format!("at most 2 sets a launch, got {}", outs.len()),
             ));
         }
-        if d > i32::MAX as usize - 32 * 4 {
+        if d > i32::MAX as usize - BLOCK * 4 {
             return Err(bad("d", format!("{d} columns do not fit 32-bit indices")));
         }
         if spec_for(first.dtype(), d) != self.spec {
