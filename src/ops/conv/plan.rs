@@ -212,7 +212,12 @@ pub fn igemm_spec(
 /// The split sum of `key`'s pass: the column sum of its per-split f32 partials, one row a split
 /// and a column an output element (the weight gradient's).
 pub fn split_sum_spec(key: &PlanKey) -> KernelSpec {
-    col_sums::spec_for(key.dtype, key.geometry.weight_shape().iter().product())
+    col_sums::spec_for(key.dtype, split_sum_columns(key))
+}
+
+/// Columns of `key`'s split sum: the weight gradient's elements.
+fn split_sum_columns(key: &PlanKey) -> usize {
+    key.geometry.weight_shape().iter().product()
 }
 
 /// Every spec a plan can choose on architecture `arch` at the default precision (the
@@ -808,8 +813,8 @@ pub(super) fn build_igemm(device: &Device, key: &PlanKey, launch: IgemmLaunch) -
 /// The column sum that adds the f32 partials up, when the plan's kernel writes them.
 fn split_sum_for(device: &Device, key: &PlanKey, partials: bool) -> Result<Option<ColumnSum>> {
     if partials {
-        let n = key.geometry.weight_shape().iter().product();
-        Ok(Some(ColumnSum::load(device, key.dtype, n)?))
+        let columns = split_sum_columns(key);
+        Ok(Some(ColumnSum::load(device, key.dtype, columns)?))
     } else {
         Ok(None)
     }

@@ -563,9 +563,9 @@ pub fn choose_spec(
 }
 
 /// Every spec the norm ops can choose where blocks may use `shared_limit` bytes of shared
-/// memory (their column sums are `ops::col_sums`'): `choose_spec` depends on d only through its count of
-/// vectors and is the same past the longest rows held in registers, so every count up to one
-/// past those gives every choice.
+/// memory (their column sums are `ops::col_sums`'): `choose_spec` depends on d only through its
+/// count of vectors and is the same past the longest rows held in registers, so every count up
+/// to one past those gives every choice.
 pub fn specs(gpu: Gpu) -> Vec<KernelSpec> {
     let mut out = Vec::new();
     let mut seen = std::collections::HashSet::new();
