@@ -86,12 +86,12 @@ __device__ __forceinline__ int kiln_cols(const kiln_depthwise& p) {
 // (n, ext_h, ext_w, chans) array, into s[pixel * P + k] as they are; zeros outside the array.
 // With `vec`, in 16-byte pieces that land asynchronously (kiln_cp_async_commit/wait); else one
 // element at a time, at once.
-// `start`: kiln_walk_start_of(tid / (P / V), THREADS / (P / V), cols), see kiln_walks_of.
+// `start`: kiln_copy_start_of(tid / (P / V), THREADS / (P / V), cols), see kiln_walks_of.
 template <int P>
 __device__ __forceinline__ void kiln_copy_tile(const T* __restrict__ src, T* s, int n, int h0,
                                                int w0, int rows, int cols, int ext_h, int ext_w,
                                                int chans, int c0, bool vec,
-                                               const kiln_walk_start& start) {
+                                               const kiln_copy_start& start) {
   const int tid = threadIdx.y * LANES + threadIdx.x;
   const long long image = (long long)n * ext_h;
   if (vec) {
@@ -101,8 +101,14 @@ __device__ __forceinline__ void kiln_copy_tile(const T* __restrict__ src, T* s, 
     constexpr int STEP = THREADS / UPP;
     const int part = tid % UPP, c = c0 + part * V;
     const bool in_chans = c < chans;  // pieces past the channels are zero-filled
+    const kiln_walk_start& w = start.walk;
+    if (w.step_q == 0) {  // whole rows a pass: the thread's column, down the rows
+      kiln_copy_column(src, s + (w.r * cols + w.q) * P + part * V, w.step_r * cols * P, start,
+                       image, h0, w0, rows, ext_h, ext_w, chans, c, in_chans);
+      return;
+    }
     const int pixels = rows * cols;
-    kiln_tile_walk walk(start, cols, image, h0, w0, ext_w, chans, c);
+    kiln_tile_walk walk(w, cols, image, h0, w0, ext_w, chans, c);
     for (int pixel = tid / UPP; pixel < pixels; pixel += STEP, walk.next()) {
       const bool ok = in_chans && walk.inside(ext_h, ext_w);
       kiln_cp_async<16, false>(s + pixel * P + part * V, ok ? src + walk.at : src, ok);
@@ -119,33 +125,52 @@ __device__ __forceinline__ void kiln_copy_tile(const T* __restrict__ src, T* s, 
   }
 }
 
+// A tile as its image, row and column of tiles; also a step of several tiles in the same form.
+// A block walks tiles first, first + step, ...: the walk adds the step with carries, as the
+// divisions of a tile index cost some 70 instructions a warp and tile.
+struct kiln_tile_pos {
+  int n, th, tw;
+};
+__device__ __forceinline__ kiln_tile_pos kiln_tile_pos_of(const kiln_depthwise& p, int tile) {
+  const int tw = tile % p.tiles_w, rest = tile / p.tiles_w;
+  return {rest / p.tiles_h, rest % p.tiles_h, tw};
+}
+__device__ __forceinline__ kiln_tile_pos kiln_tile_after(const kiln_depthwise& p,
+                                                         kiln_tile_pos t,
+                                                         const kiln_tile_pos& step) {
+  t.n += step.n;
+  t.th += step.th;
+  t.tw += step.tw;
+  if (t.tw >= p.tiles_w) t.tw -= p.tiles_w, ++t.th;  // step.tw < tiles_w: one carry at most
+  if (t.th >= p.tiles_h) t.th -= p.tiles_h, ++t.n;
+  return t;
+}
 // The tile's image and its first output row and column.
 struct kiln_tile {
   int n, oh, ow;
 };
-__device__ __forceinline__ kiln_tile kiln_tile_at(const kiln_depthwise& p, int tile) {
-  const int tw = tile % p.tiles_w, rest = tile / p.tiles_w;
-  const int th = rest % p.tiles_h;
-  return {rest / p.tiles_h, th * p.tile_h + p.base_h, tw * p.tile_w + p.base_w};
+__device__ __forceinline__ kiln_tile kiln_tile_of(const kiln_depthwise& p, const kiln_tile_pos& t) {
+  return {t.n, t.th * p.tile_h + p.base_h, t.tw * p.tile_w + p.base_w};
 }
 
 // Where a thread's walks over a tile's staged source and (backward-weight) cotangent start;
 // the same for every tile.
 struct kiln_walks {
-  kiln_walk_start src, dy;
+  kiln_copy_start src, dy;
 };
 __device__ __forceinline__ kiln_walks kiln_walks_of(const kiln_depthwise& p) {
   const int tid = threadIdx.y * LANES + threadIdx.x;
   constexpr int SRC_UPP = PER / V, DY_UPP = LANES / V;
-  return {kiln_walk_start_of(tid / SRC_UPP, THREADS / SRC_UPP, kiln_cols(p)),
-          kiln_walk_start_of(tid / DY_UPP, THREADS / DY_UPP, p.tile_w)};
+  return {kiln_copy_start_of(tid / SRC_UPP, THREADS / SRC_UPP, kiln_cols(p)),
+          kiln_copy_start_of(tid / DY_UPP, THREADS / DY_UPP, p.tile_w)};
 }
 
 // Starts copying tile `tile`'s source (and for backward-weight its cotangent) into `s`.
 __device__ __forceinline__ void kiln_issue(const T* __restrict__ src, const T* __restrict__ dy,
-                                           const kiln_depthwise& p, T* s, int tile, int c0,
+                                           const kiln_depthwise& p, T* s,
+                                           const kiln_tile_pos& tile, int c0,
                                            const kiln_walks& walks) {
-  const kiln_tile t = kiln_tile_at(p, tile);
+  const kiln_tile t = kiln_tile_of(p, tile);
   const int rows = kiln_rows(p), cols = kiln_cols(p);
   // The tile's first staged row and column (backward-data at stride 2: spread position
   // t.oh + off_h is a real row, a multiple of DH).
@@ -226,7 +251,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{kernel}}(
   const int end = PASS == 2 ? min(p.tiles, first + p.tiles_per_split) : p.tiles;
   const int step = PASS == 2 ? 1 : gridDim.x;
   const kiln_walks walks = kiln_walks_of(p);
-  if (first < end) kiln_issue(src, dy, p, bufs, first, c0, walks);
+  const kiln_tile_pos step_pos = kiln_tile_pos_of(p, step);
+  kiln_tile_pos pos = kiln_tile_pos_of(p, first);
+  if (first < end) kiln_issue(src, dy, p, bufs, pos, c0, walks);
+  // A warp's sub-tiles s = warp, warp + WARPS, ... of a tile, as rows and columns of sub-tiles:
+  // the first, and the step between two, stepped rather than divided for each.
+  const int si0 = warp / subs_w, sj0 = warp - si0 * subs_w;
+  const int step_si = WARPS / subs_w, step_sj = WARPS - step_si * subs_w;
 
   float wt[KH][KW];
   float dw[KH][KW];
@@ -262,18 +293,21 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{kernel}}(
   for (int tile = first; tile < end; tile += step, ++k) {
     // Start the next tile's copy into the other buffer, then wait for this one's.
     const int next = tile + step;
+    const kiln_tile_pos next_pos = kiln_tile_after(p, pos, step_pos);
     T* buf = bufs + (k & 1) * buffer;
     if (next < end) {
-      kiln_issue(src, dy, p, bufs + ((k + 1) & 1) * buffer, next, c0, walks);
+      kiln_issue(src, dy, p, bufs + ((k + 1) & 1) * buffer, next_pos, c0, walks);
       kiln_cp_async_wait<1>();
     } else {
       kiln_cp_async_wait<0>();
     }
     __syncthreads();
-    const kiln_tile t = kiln_tile_at(p, tile);
+    const kiln_tile t = kiln_tile_of(p, pos);
+    pos = next_pos;
     if (oc < p.out_c) {
-      for (int s = warp; s < subs; s += WARPS) {
-        const int si = s / subs_w, sj = s - si * subs_w;
+      int si = si0, sj = sj0;
+      for (int s = warp; s < subs; s += WARPS, si += step_si, sj += step_sj) {
+        if (sj >= subs_w) sj -= subs_w, ++si;  // step_sj < subs_w: one carry at most
         const int oh = t.oh + si * OTH, ow = t.ow + sj * OTW;
         if (oh >= p.out_h || ow >= p.out_w) continue;
         const T* base =

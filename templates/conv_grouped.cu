@@ -110,12 +110,12 @@ __device__ __forceinline__ int kiln_at(int slot, int unit) { return slot * PITCH
 // from pixel (h0, w0) on, into the staged slots of `s` (pixel (r, c) to slot r * S * phase_cols
 // + (c % S) * phase_cols + c / S); zeros outside the array. With `vec`, in 16-byte pieces that
 // land asynchronously (kiln_cp_async_commit/wait); else one element at a time, at once.
-// `start`: kiln_walk_start_of(tid / UNITS, THREADS / UNITS, cols), see kiln_walks_of.
+// `start`: kiln_copy_start_of(tid / UNITS, THREADS / UNITS, cols), see kiln_walks_of.
 template <int S>
 __device__ __forceinline__ void kiln_stage(const T* __restrict__ src, T* s, int n, int h0, int w0,
                                            int rows, int cols, int phase_cols, int ext_h,
                                            int ext_w, int chans, int c0, bool vec,
-                                           const kiln_walk_start& start) {
+                                           const kiln_copy_start& start) {
   const int tid = threadIdx.y * 32 + threadIdx.x;
   const long long image = (long long)n * ext_h;
   const int pixels = rows * cols;
@@ -129,7 +129,13 @@ __device__ __forceinline__ void kiln_stage(const T* __restrict__ src, T* s, int 
     constexpr int STEP = THREADS / UNITS;
     const int e = tid % UNITS, c = c0 + e * 8;
     const bool in_chans = c < chans;  // units past the channels are zero-filled
-    kiln_tile_walk walk(start, cols, image, h0, w0, ext_w, chans, c);
+    const kiln_walk_start& w = start.walk;
+    if (w.step_q == 0) {  // whole rows a pass: the thread's column, down the rows
+      kiln_copy_column(src, s + kiln_at(slot_of(w.r, w.q), e), w.step_r * S * phase_cols * PITCH,
+                       start, image, h0, w0, rows, ext_h, ext_w, chans, c, in_chans);
+      return;
+    }
+    kiln_tile_walk walk(w, cols, image, h0, w0, ext_w, chans, c);
     for (int pixel = tid / UNITS; pixel < pixels; pixel += STEP, walk.next()) {
       const bool ok = in_chans && walk.inside(ext_h, ext_w);
       kiln_cp_async<16, false>(s + kiln_at(slot_of(walk.r, walk.q), e), ok ? src + walk.at : src,
@@ -165,13 +171,21 @@ __device__ __forceinline__ int kiln_buffer(const kiln_grouped& p) {
 // Where a thread's walks over a tile's staged source and (backward-weight) cotangent start;
 // the same for every tile.
 struct kiln_walks {
-  kiln_walk_start src, dy;
+  kiln_copy_start src, dy;
 };
+// Row passes (kiln_copy_start) only where they keep 3 in 4 of a pass's threads busy: this kernel
+// is not bound by its instructions as the depthwise stencil is, and where 14 of a pass's 32
+// pixels idled (18 staged columns) the busy threads' longer chains of copies cost 4-6%.
+__device__ __forceinline__ kiln_copy_start kiln_stage_start_of(int first, int step, int cols) {
+  if (step >= cols && step / cols * cols * 4 < step * 3)
+    return {kiln_walk_start_of(first, step, cols), true};
+  return kiln_copy_start_of(first, step, cols);
+}
 __device__ __forceinline__ kiln_walks kiln_walks_of(const kiln_grouped& p) {
   const int tid = threadIdx.y * 32 + threadIdx.x;
   constexpr int STEP = THREADS / UNITS;
-  return {kiln_walk_start_of(tid / UNITS, STEP, kiln_staged_of(p).cols),
-          kiln_walk_start_of(tid / UNITS, STEP, p.tile_w)};
+  return {kiln_stage_start_of(tid / UNITS, STEP, kiln_staged_of(p).cols),
+          kiln_stage_start_of(tid / UNITS, STEP, p.tile_w)};
 }
 
 // Starts copying tile `tile`'s source (and for backward-weight its cotangent) into `s`.

@@ -266,6 +266,43 @@ __device__ __forceinline__ kiln_walk_start kiln_walk_start_of(int first, int ste
   const int r = first / cols, step_r = step / cols;
   return {r, first - r * cols, step_r, step - step_r * cols};
 }
+// Where a pass of the block's threads covers whole rows of a tile (step >= cols), a staging loop
+// may instead keep each thread on one column and step it down the rows: its column test, and
+// the wrap at a row's end, then leave the loop (the depthwise stencil's copies took about 32
+// instructions a 16-byte piece, a third of a backward-weight block's, when every copy stepped to
+// a new column). kiln_copy_start is such a start: the walk's step is the pass's whole rows
+// (walk.step_q == 0), and threads past them idle; where a pass does not cover a row, it is the
+// plain walk.
+struct kiln_copy_start {
+  kiln_walk_start walk;
+  bool active;  // row passes: the thread has a column (the pass's pixels past whole rows idle)
+};
+__device__ __forceinline__ kiln_copy_start kiln_copy_start_of(int first, int step, int cols) {
+  if (step < cols) return {kiln_walk_start_of(first, step, cols), true};
+  const int whole = step / cols * cols;
+  return {kiln_walk_start_of(first, whole, cols), first < whole};
+}
+// A row pass's copies (start.walk.step_q == 0): the 16-byte piece at channel c of the thread's
+// column of rows start.walk.r, + step_r, ... (of `rows`) of a tile whose first pixel is (h0, w0)
+// of image rows `image` on of an (.., ext_h, ext_w, chans) array, into dst, dst + dst_step, ...;
+// zeros outside the array or past the channels (in_chans false). cp.async: see
+// kiln_cp_async_commit/wait.
+template <typename T>
+__device__ __forceinline__ void kiln_copy_column(const T* __restrict__ src, T* dst, int dst_step,
+                                                 const kiln_copy_start& start, long long image,
+                                                 int h0, int w0, int rows, int ext_h, int ext_w,
+                                                 int chans, int c, bool in_chans) {
+  if (!start.active) return;
+  const kiln_walk_start& w = start.walk;
+  const int col = w0 + w.q;
+  const bool col_ok = in_chans && col >= 0 && col < ext_w;
+  const long long step_at = (long long)w.step_r * ext_w * chans;
+  long long at = ((image + h0 + w.r) * ext_w + col) * chans + c;
+  for (int r = w.r; r < rows; r += w.step_r, at += step_at, dst += dst_step) {
+    const bool ok = col_ok && (unsigned)(h0 + r) < (unsigned)ext_h;
+    kiln_cp_async<16, false>(dst, ok ? src + at : src, ok);
+  }
+}
 struct kiln_tile_walk {
   int r, q, h0, w0, cols, step_r, step_q;
   long long at, step_at, wrap_at;
