@@ -56,6 +56,12 @@ constexpr int MIN_BLOCKS = KSIZE <= 9 ? 4 : KSIZE <= 25 ? 3 : 2;
 constexpr int V = 16 / (int)sizeof(T);
 static_assert(PER % V == 0 && LANES % V == 0, "staged pixels are whole 16-byte copies");
 static_assert(OTH % DH == 0 && OTW % DW == 0, "sub-tiles start on a real source row and column");
+// Forward and backward-data store a sub-tile's outputs from one base offset stepped by rows and
+// columns: with the offset recomputed in 64 bits and the bounds tested an output, a store took
+// about 16 instructions, more than a strided backward-data output's FMAs. Stride-1 f32 specs sit
+// at their launch bound's registers, where the stepped offset spilled (multiplier-2 layers
+// 6-7% slower): they keep the recomputed one. Its tiles start in the image (DH == DW == 1).
+constexpr bool STEPPED_STORES = sizeof(T) == 2 || DH > 1 || DW > 1;
 
 // Mirrors ops::conv::depthwise::Problem (repr(C)).
 struct kiln_depthwise {
@@ -336,17 +342,29 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{kernel}}(
             kiln_walk(base + lane * MG + m, cols, wt, acc, g, dw);
           }
         }
-        if constexpr (PASS != 2) {
+        if constexpr (PASS != 2 && STEPPED_STORES) {
+          // The sub-tile's outputs that lie in the image (tiles of strided backward-data may
+          // start before it): rows [i_lo, i_hi) and columns [j_lo, j_hi), stored from one base
+          // offset stepped by rows and columns.
+          const int i_lo = DH == 1 ? 0 : max(0, -oh), j_lo = DW == 1 ? 0 : max(0, -ow);
+          const int i_hi = min(OTH, p.out_h - oh), j_hi = min(OTW, p.out_w - ow);
+          const long long pitch = (long long)p.out_w * p.out_c;
+          long long line = ((long long)t.n * p.out_h + oh) * pitch + (long long)ow * p.out_c + oc;
+#pragma unroll
+          for (int i = 0; i < OTH; ++i, line += pitch) {
+            if (i < i_lo || i >= i_hi) continue;
+#pragma unroll
+            for (int j = 0; j < OTW; ++j)
+              if (j >= j_lo && j < j_hi) out[line + j * p.out_c] = kiln_from_float<T>(acc[i][j]);
+          }
+        } else if constexpr (PASS != 2) {
           const long long row0 = (long long)t.n * p.out_h + oh;
 #pragma unroll
           for (int i = 0; i < OTH; ++i)
 #pragma unroll
-            for (int j = 0; j < OTW; ++j) {
-              // Tiles of strided backward-data may start before the image.
-              const bool inside = (DH == 1 || oh + i >= 0) && (DW == 1 || ow + j >= 0);
-              if (inside && oh + i < p.out_h && ow + j < p.out_w)
+            for (int j = 0; j < OTW; ++j)
+              if (oh + i < p.out_h && ow + j < p.out_w)
                 out[((row0 + i) * p.out_w + ow + j) * p.out_c + oc] = kiln_from_float<T>(acc[i][j]);
-            }
         }
       }
     }
