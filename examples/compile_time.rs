@@ -1,6 +1,7 @@
 //! Times NVRTC on registered specs, with extra options.
-//! Usage: compile_time TARGET TEXT EVERY [OPTION ...]: every EVERY-th spec of TARGET's warm set
-//! (`kiln warm --arch TARGET`) whose description contains TEXT, compiled for TARGET with the
+//! Usage: compile_time TARGET TEXT EVERY[+OFFSET] [OPTION ...]: every EVERY-th spec (from the
+//! OFFSET-th, default 0) of TARGET's warm set (`kiln warm --arch TARGET`) whose description
+//! contains TEXT, compiled for TARGET with the
 //! OPTIONs added; prints each spec's time, registers and cubin size (and NVRTC's errors for a
 //! spec that does not compile), then the median, the total and the failures (exit status 1 if
 //! any).
@@ -11,17 +12,25 @@ use std::time::Instant;
 fn main() -> kiln::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if args.len() < 3 {
-        eprintln!("usage: compile_time TARGET TEXT EVERY [OPTION ...]");
+        eprintln!("usage: compile_time TARGET TEXT EVERY[+OFFSET] [OPTION ...]");
         std::process::exit(2);
     }
     let target: Target = args[0].parse()?;
     let only = &args[1];
-    let every: usize = match args[2].parse() {
-        Ok(n) if n > 0 => n,
+    // EVERY+OFFSET picks one of EVERY disjoint shards, so shards can run as separate processes.
+    let (every, offset) = match args[2].split_once('+') {
+        Some((e, o)) => (e.parse::<usize>(), o.parse::<usize>()),
+        None => (args[2].parse::<usize>(), Ok(0)),
+    };
+    let (every, offset) = match (every, offset) {
+        (Ok(e), Ok(o)) if e > 0 && o < e => (e, o),
         _ => {
             return Err(Error::InvalidArgument {
-                arg: "EVERY",
-                reason: format!("{:?} is not a count of 1 or more", args[2]),
+                arg: "EVERY[+OFFSET]",
+                reason: format!(
+                    "{:?} is not a count of 1 or more, optionally with an offset below it",
+                    args[2]
+                ),
             })
         }
     };
@@ -32,6 +41,7 @@ fn main() -> kiln::Result<()> {
     let specs: Vec<_> = kiln::ops::registered_specs_for(target.arch)
         .into_iter()
         .filter(|s| s.to_string().contains(only.as_str()) && s.builds_for(target.arch))
+        .skip(offset)
         .step_by(every)
         .collect();
     let mut times = Vec::new();
