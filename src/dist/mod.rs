@@ -18,6 +18,7 @@ mod comm;
 mod hash_words;
 pub mod library;
 
+pub(crate) use collective::COLLECTIVE_CHECK;
 pub use collective::{specs, ReduceOp};
 pub use comm::{Communicator, UniqueId};
 pub use library::Nccl;
