@@ -565,40 +565,64 @@ pub fn choose_spec(
 /// Every spec the norm ops can choose where blocks may use `shared_limit` bytes of shared
 /// memory (their column sums are `ops::col_sums`'): `choose_spec` depends on d only through its
 /// count of vectors and is the same past the longest rows held in registers, so every count up
-/// to one past those gives every choice.
+/// to one past those gives every choice. That is about two million choices, so each (pass,
+/// kind, dtype) runs on a thread of its own; the list comes out in the same order either way.
 pub fn specs(gpu: Gpu) -> Vec<KernelSpec> {
-    let mut out = Vec::new();
-    let mut seen = std::collections::HashSet::new();
+    let mut combos = Vec::new();
     for pass in [Pass::Forward, Pass::Vjp] {
         for kind in [Kind::LayerNorm, Kind::RmsNorm] {
             for dtype in DType::ALL {
-                for rows in [Rows::Scattered, Rows::Alike, Rows::Aligned] {
-                    let n_reads = if rows == Rows::Aligned {
-                        dtype.vec_width()
-                    } else {
-                        1
-                    };
-                    let longest = max_group(pass) * max_items(pass, n_reads);
-                    let mut longest = longest
-                        .max(RESIDENT_GROUP * RESIDENT_ITEMS)
-                        .max(SHARED_SUMS_GROUP * max_items(pass, n_reads));
-                    if pass == Pass::Forward && gpu.clusters {
-                        longest = longest.max(SPLIT_ROW / n_reads);
-                    }
-                    if pass == Pass::Vjp && gpu.clusters {
-                        let widest = VJP_SPLIT_CLUSTERS[VJP_SPLIT_CLUSTERS.len() - 1];
-                        longest =
-                            longest.max(VJP_SPLIT_BLOCK * widest * VJP_SPLIT_ELEMENTS / n_reads);
-                    }
-                    for vectors in 1..=longest + 1 {
-                        let d = vectors * n_reads;
-                        let spec = choose_spec(pass, kind, dtype, d, rows, gpu);
-                        if seen.insert(spec) {
-                            out.push(spec);
-                        }
-                    }
-                }
+                combos.push((pass, kind, dtype));
             }
+        }
+    }
+    let chosen: Vec<Vec<KernelSpec>> = std::thread::scope(|scope| {
+        let workers: Vec<_> = combos
+            .iter()
+            .map(|&(pass, kind, dtype)| scope.spawn(move || choices(pass, kind, dtype, gpu)))
+            .collect();
+        workers
+            .into_iter()
+            .map(|w| w.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
+            .collect()
+    });
+    let mut seen = std::collections::HashSet::new();
+    chosen
+        .into_iter()
+        .flatten()
+        .filter(|spec| seen.insert(*spec))
+        .collect()
+}
+
+/// The specs `choose_spec` picks for one (pass, kind, dtype) over every row length that can
+/// differ, in order of first choice, each once.
+fn choices(pass: Pass, kind: Kind, dtype: DType, gpu: Gpu) -> Vec<KernelSpec> {
+    let mut out = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    for rows in [Rows::Scattered, Rows::Alike, Rows::Aligned] {
+        let n_reads = if rows == Rows::Aligned {
+            dtype.vec_width()
+        } else {
+            1
+        };
+        let mut longest = (max_group(pass) * max_items(pass, n_reads))
+            .max(RESIDENT_GROUP * RESIDENT_ITEMS)
+            .max(SHARED_SUMS_GROUP * max_items(pass, n_reads));
+        if pass == Pass::Forward && gpu.clusters {
+            longest = longest.max(SPLIT_ROW / n_reads);
+        }
+        if pass == Pass::Vjp && gpu.clusters {
+            let widest = VJP_SPLIT_CLUSTERS[VJP_SPLIT_CLUSTERS.len() - 1];
+            longest = longest.max(VJP_SPLIT_BLOCK * widest * VJP_SPLIT_ELEMENTS / n_reads);
+        }
+        let mut last = None;
+        for vectors in 1..=longest + 1 {
+            let spec = choose_spec(pass, kind, dtype, vectors * n_reads, rows, gpu);
+            // Neighbouring lengths mostly choose alike: hash only a change.
+            if last != Some(spec) && seen.insert(spec) {
+                out.push(spec);
+            }
+            last = Some(spec);
         }
     }
     out
