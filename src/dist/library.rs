@@ -192,12 +192,16 @@ fn find_and_open(explicit: Option<&Path>) -> Result<(String, libloading::Library
             return Ok((format!("{name} (dynamic linker path)"), lib));
         }
     }
-    for dir in python_library_dirs(&["nvidia/nccl/lib", "nvidia/cu13/lib", "nvidia/cu12/lib"]) {
-        for name in NAMES {
-            let p = dir.join(name);
-            if p.exists() {
-                if let Some(lib) = open(&p) {
-                    return Ok((p.display().to_string(), lib));
+    // The active environment first: asking python3 starts a process.
+    let subdirs = ["nvidia/nccl/lib", "nvidia/cu13/lib", "nvidia/cu12/lib"];
+    for ask_python in [false, true] {
+        for dir in python_library_dirs(&subdirs, ask_python) {
+            for name in NAMES {
+                let p = dir.join(name);
+                if p.exists() {
+                    if let Some(lib) = open(&p) {
+                        return Ok((p.display().to_string(), lib));
+                    }
                 }
             }
         }

@@ -261,18 +261,19 @@ pub fn search_locations(explicit: Option<&Path>) -> Vec<Location> {
 }
 
 /// The last resort, asked only when [`search_locations`] found nothing: library folders of the
-/// `nvidia-cuda-nvrtc` wheel in the Python environments kiln can see.
-fn python_locations() -> Vec<Location> {
+/// `nvidia-cuda-nvrtc` wheel in the active Python environment (`ask_python` false), or in that
+/// of `python3` on the PATH (true; see [`python_library_dirs`]).
+fn python_locations(ask_python: bool) -> Vec<Location> {
     // cu13 wheels put the library in nvidia/cu13/lib, cu12 wheels in nvidia/cuda_nvrtc/lib.
-    let dirs = python_library_dirs(&[
+    let subdirs = [
         "nvidia/cu13/lib",
         "nvidia/cuda_nvrtc/lib",
         "nvidia/cu12/lib",
-    ]);
-    if dirs.is_empty() {
-        return vec![Location::NoWheel];
-    }
-    dirs.into_iter().map(Location::Dir).collect()
+    ];
+    python_library_dirs(&subdirs, ask_python)
+        .into_iter()
+        .map(Location::Dir)
+        .collect()
 }
 
 /// One place kiln looks for libnvrtc.
@@ -304,16 +305,20 @@ impl std::fmt::Display for Location {
 }
 
 /// The folders `subdirs` (relative to site-packages, where NVIDIA's wheels put their libraries)
-/// that exist in the Python environments kiln can see: the active virtual or conda environment,
-/// then the site-packages of `python3` on the PATH.
-pub(crate) fn python_library_dirs(subdirs: &[&str]) -> Vec<PathBuf> {
-    let mut prefixes: Vec<PathBuf> = ["VIRTUAL_ENV", "CONDA_PREFIX"]
-        .iter()
-        .filter_map(|v| std::env::var_os(v).filter(|v| !v.is_empty()))
-        .map(PathBuf::from)
-        .collect();
+/// that exist in a Python environment: with `ask_python` false the active virtual or conda
+/// environment's, with it true those of `python3` on the PATH. Starting `python3` costs 0.1-0.5
+/// s (more behind a pyenv shim), so callers ask it only when the active environment's folders
+/// did not have what they need.
+pub(crate) fn python_library_dirs(subdirs: &[&str], ask_python: bool) -> Vec<PathBuf> {
+    if ask_python {
+        return existing_subdirs(&python_sys_path(), subdirs);
+    }
     let mut site_dirs: Vec<PathBuf> = Vec::new();
-    for prefix in prefixes.drain(..) {
+    for var in ["VIRTUAL_ENV", "CONDA_PREFIX"] {
+        let Some(prefix) = std::env::var_os(var).filter(|v| !v.is_empty()) else {
+            continue;
+        };
+        let prefix = PathBuf::from(prefix);
         for lib in ["lib", "lib64"] {
             if let Ok(entries) = std::fs::read_dir(prefix.join(lib)) {
                 for e in entries.flatten() {
@@ -324,9 +329,13 @@ pub(crate) fn python_library_dirs(subdirs: &[&str]) -> Vec<PathBuf> {
             }
         }
     }
-    site_dirs.extend(python_sys_path());
+    existing_subdirs(&site_dirs, subdirs)
+}
+
+/// Each existing `site/sub` of `sites` x `subdirs`, in order, once.
+fn existing_subdirs(sites: &[PathBuf], subdirs: &[&str]) -> Vec<PathBuf> {
     let mut out = Vec::new();
-    for site in site_dirs {
+    for site in sites {
         for sub in subdirs {
             let dir = site.join(sub);
             if dir.is_dir() && !out.contains(&dir) {
@@ -337,7 +346,7 @@ pub(crate) fn python_library_dirs(subdirs: &[&str]) -> Vec<PathBuf> {
     out
 }
 
-/// `sys.path` of `python3` on the PATH, if there is one (asked only when nothing else was found).
+/// `sys.path` of `python3` on the PATH, if there is one.
 fn python_sys_path() -> Vec<PathBuf> {
     let output = std::process::Command::new("python3")
         .args([
@@ -399,7 +408,17 @@ fn find_and_open(explicit: Option<&Path>) -> Result<(String, libloading::Library
         return Ok(found);
     }
     if explicit.is_none() {
-        if let Some(found) = try_locations(python_locations()) {
+        // The active environment first: asking python3 starts a process.
+        let active = python_locations(false);
+        let none_active = active.is_empty();
+        if let Some(found) = try_locations(active) {
+            return Ok(found);
+        }
+        let mut asked = python_locations(true);
+        if asked.is_empty() && none_active {
+            asked.push(Location::NoWheel);
+        }
+        if let Some(found) = try_locations(asked) {
             return Ok(found);
         }
     }
