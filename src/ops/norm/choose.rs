@@ -430,8 +430,10 @@ pub(super) fn vjp_split_layouts(dtype: DType) -> &'static [(usize, usize, bool)]
 /// are not pipelined: they lost up to 2% on an H100. On an H200 (same call, two rounds),
 /// pipelined f32 LayerNorm rows in clusters of up to 8 ran 1.08-1.09x on aligned rows of 18,432
 /// and 30,000 (clusters of 3 and 4) and 1.01x at 65,536, but 0.93x on the element-at-a-time
-/// rows of 16,385; a rule for vectorised rows only is the next step, once checked against the
-/// reference.
+/// rows of 16,385. Pipelining only rows of whole vectors (clusters of up to 8) was then measured
+/// on eight lengths (H200, two rounds): 1.04-1.10x at 18,432-40,000, but 0.94-0.95x at 16,400
+/// (clusters of 3, like 18,432) and 0.92x at 50,000 (7), so no rule by width or by how full the
+/// chunks are separates them; not applied.
 pub(super) fn vjp_split_pipeline(kind: Kind, dtype: DType, cluster: usize) -> bool {
     dtype.size() == 2 && kind == Kind::RmsNorm && cluster == 16
 }
