@@ -1,10 +1,9 @@
 //! Times NVRTC on registered specs, with extra options.
 //! Usage: compile_time TARGET TEXT EVERY[+OFFSET] [OPTION ...]: every EVERY-th spec (from the
 //! OFFSET-th, default 0) of TARGET's warm set (`kiln warm --arch TARGET`) whose description
-//! contains TEXT, compiled for TARGET with the
-//! OPTIONs added; prints each spec's time, registers and cubin size (and NVRTC's errors for a
-//! spec that does not compile), then the median, the total and the failures (exit status 1 if
-//! any).
+//! contains TEXT, compiled for TARGET with the OPTIONs added; prints each spec's time, registers
+//! and cubin size (and NVRTC's errors for a spec that does not compile), then the median, the
+//! total and the failures (exit status 1 if any).
 use kiln::jit::{Jit, Target};
 use kiln::Error;
 use std::time::Instant;
