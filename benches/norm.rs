@@ -16,10 +16,13 @@
 //! `--only TEXT` keeps the rows whose "ROWSxD dtype op" contains TEXT (e.g. `--only "bf16 layer_norm"`),
 //! `--no-anchor` skips PyTorch: both for comparing kernel variants quickly, not for the targets.
 //! `--twice` times every op twice and prints both, with the driver allocations each made.
-//! `--long --ds 5001,50257` measures other row lengths the same way (held-out checks).
+//! `--long --ds 5001,50257` measures other row lengths the same way (held-out checks), and
+//! `--rows 66,132` those counts of rows of each length instead of 2^25 elements and 16.
 //! `--sweep` measures every candidate spec of the rows one block holds (with `--long`, the long
-//! ones); `--sweep --split --long [--dtype f32|f16|bf16]` every split-row layout of the longer
-//! rows, both norms, forward and VJP. Both mark the spec the ops choose.
+//! ones up to 32,768 elements, beside the spec the ops choose for fewer and for more rows than
+//! SMs, and past 16,384 RMSNorm too); `--sweep --split --long [--dtype f32|f16|bf16]` every
+//! split-row layout of the longer rows, both norms, forward and VJP. Both mark the spec the ops
+//! choose.
 
 mod common;
 
@@ -57,9 +60,26 @@ fn long_shapes() -> Vec<(usize, usize)> {
             .unwrap_or_default(),
         None => LONG_DS.to_vec(),
     };
+    // `--rows R,R,...`: those row counts instead of about 2^25 elements and 16.
+    let counts: Option<Vec<usize>> = args.iter().position(|a| a == "--rows").map(|i| {
+        args.get(i + 1)
+            .map(|list| {
+                list.split(',')
+                    .map(|r| r.parse().expect("--rows takes counts"))
+                    .collect()
+            })
+            .unwrap_or_default()
+    });
     ds.iter()
-        .flat_map(|&d| [(((1usize << 25) / d).max(1), d), (16, d)])
+        .flat_map(|&d| match &counts {
+            Some(counts) => counts.iter().map(|&r| (r, d)).collect::<Vec<_>>(),
+            None => vec![(((1usize << 25) / d).max(1), d), (16, d)],
+        })
         .collect()
+}
+
+fn args_have_rows() -> bool {
+    std::env::args().any(|a| a == "--rows")
 }
 
 const SETS: usize = 4;
@@ -178,21 +198,37 @@ type SweepCase = (
 /// kernel it is compiled from, fully optimised, beside the chosen kernel.
 fn block_cases(enc: &CommandEncoder, dtype: DType) -> Vec<SweepCase> {
     use kiln::ops::norm::{tuning, Kind, Pass};
-    let kind = Kind::LayerNorm;
     let shapes: Vec<(usize, usize)> = if std::env::args().any(|a| a == "--long") {
         long_shapes()
             .into_iter()
-            .filter(|&(rows, d)| rows > 16 && d <= 16384)
+            .filter(|&(rows, d)| (rows > 16 || args_have_rows()) && d <= 32768)
             .collect()
     } else {
         SHAPES.to_vec()
     };
     let mut cases = Vec::new();
     for &(rows, d) in &shapes {
-        for pass in [Pass::Forward, Pass::Vjp] {
+        // Rows past one block's registers: RMSNorm too, whose ring holds no bias.
+        let kinds: &[Kind] = if d > 16384 {
+            &[Kind::LayerNorm, Kind::RmsNorm]
+        } else {
+            &[Kind::LayerNorm]
+        };
+        for (&kind, pass) in kinds
+            .iter()
+            .flat_map(|k| [(k, Pass::Forward), (k, Pass::Vjp)])
+        {
             let candidates = if std::env::args().any(|a| a == "--stand-ins") {
                 let gpu = norm::Gpu::of(enc.device());
-                let chosen = norm::choose_spec(pass, kind, dtype, d, norm::Rows::Aligned, gpu);
+                let chosen = norm::choose_spec(
+                    pass,
+                    kind,
+                    dtype,
+                    d,
+                    norm::Rows::Aligned,
+                    norm::Count::of(rows, enc.device()),
+                    gpu,
+                );
                 let quick = norm::stand_in::spec(pass, kind, dtype, dtype.vec_width());
                 let family = match pass {
                     Pass::Forward => &norm::FORWARD,
@@ -204,7 +240,18 @@ fn block_cases(enc: &CommandEncoder, dtype: DType) -> Vec<SweepCase> {
                 };
                 vec![chosen, quick, looped]
             } else {
-                tuning::candidates(pass, kind, dtype, d)
+                let mut specs = tuning::candidates(pass, kind, dtype, d);
+                // Past one block's registers the ops choose by the count of rows (a block a row
+                // or a cluster a row): time both choices beside the candidates.
+                let gpu = norm::Gpu::of(enc.device());
+                for count in [norm::Count::Few, norm::Count::Many] {
+                    let rows = norm::Rows::Aligned;
+                    let spec = norm::choose_spec(pass, kind, dtype, d, rows, count, gpu);
+                    if !specs.contains(&spec) {
+                        specs.push(spec);
+                    }
+                }
+                specs
             };
             cases.push((rows, d, kind, pass, candidates));
         }
@@ -262,7 +309,15 @@ fn sweep(enc: &mut CommandEncoder, only: &str) {
         let (xs, g, w) = sweep_operands(enc, dtype, rows, d);
         let b = (kind == Kind::LayerNorm).then_some(&w);
         let bytes = (rows * d * dtype.size()) as f64;
-        let chosen = norm::choose_spec(pass, kind, dtype, d, norm::Rows::Aligned, gpu);
+        let chosen = norm::choose_spec(
+            pass,
+            kind,
+            dtype,
+            d,
+            norm::Rows::Aligned,
+            norm::Count::of(rows, enc.device()),
+            gpu,
+        );
         let run = |e: &mut CommandEncoder, i: usize, spec| match pass {
             Pass::Forward => {
                 tuning::forward_with(e, kind, &xs[i % SETS], Some(&w), b, 1e-5, spec).map(|_| ())

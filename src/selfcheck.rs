@@ -161,8 +161,15 @@ fn check_norms(gpu: &GpuInfo) -> Result<Vec<CheckResult>> {
                 norm::Rows::Alike
             };
             let limit = norm::Gpu::of(&dev);
-            let spec =
-                norm::choose_spec(Pass::Forward, Kind::LayerNorm, dtype, d, rows_layout, limit);
+            let spec = norm::choose_spec(
+                Pass::Forward,
+                Kind::LayerNorm,
+                dtype,
+                d,
+                rows_layout,
+                norm::Count::of(rows, &dev),
+                limit,
+            );
             let started = Instant::now();
             let origin = dev.kernel(&spec)?.origin;
             let load_ms = started.elapsed().as_secs_f64() * 1e3;
@@ -183,8 +190,15 @@ fn check_norms(gpu: &GpuInfo) -> Result<Vec<CheckResult>> {
             if d == 1000 || d == 65536 {
                 let g = q(rng.values(rows * d, 1.0, 0.0))?;
                 let ga = Array::from_f64(&mut enc, dtype, &g, &[rows, d])?;
-                let vspec =
-                    norm::choose_spec(Pass::Vjp, Kind::LayerNorm, dtype, d, rows_layout, limit);
+                let vspec = norm::choose_spec(
+                    Pass::Vjp,
+                    Kind::LayerNorm,
+                    dtype,
+                    d,
+                    rows_layout,
+                    norm::Count::of(rows, &dev),
+                    limit,
+                );
                 let started = Instant::now();
                 let origin = dev.kernel(&vspec)?.origin;
                 let load_ms = started.elapsed().as_secs_f64() * 1e3;

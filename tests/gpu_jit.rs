@@ -36,6 +36,7 @@ fn the_self_check_passes_on_every_gpu() {
             kiln::DType::BF16,
             4096,
             norm::Rows::Aligned,
+            norm::Count::Many,
             norm::Gpu::of(&dev),
         );
         let a = dev.kernel(&spec).unwrap();

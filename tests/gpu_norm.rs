@@ -284,6 +284,7 @@ fn every_chosen_kernel_matches_the_reference() {
                     dtype,
                     d,
                     norm::Rows::Aligned,
+                    norm::Count::Many,
                     limit,
                 ),
                 norm::choose_spec(
@@ -292,6 +293,7 @@ fn every_chosen_kernel_matches_the_reference() {
                     dtype,
                     d,
                     norm::Rows::Aligned,
+                    norm::Count::Many,
                     limit,
                 ),
             );
@@ -454,6 +456,77 @@ fn long_rows_match_the_reference() {
         }
     }
     assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// 16-bit forward rows of 16,385 to 32,768 elements take a block each (the ring of 3 or 4
+/// vectors a thread, where it and the weights fit) when a call has a row for every
+/// multiprocessor, and a cluster each on Hopper when it has fewer: both sides of that count (and
+/// many turns a block), both norms, every dtype, an outlier, a broadcast weight without bias,
+/// graph and direct mode.
+#[test]
+fn long_rows_a_block_each_match_the_reference() {
+    let Some(dev) = device("norm_long_ring") else {
+        return;
+    };
+    let sms = dev.info().multiprocessors as usize;
+    let gpu = norm::Gpu::of(&dev);
+    let (mut failures, mut on_the_ring) = (Vec::new(), 0);
+    let mut seed = 9500;
+    for graphs in [false, true] {
+        let mut enc = encoder(&dev, graphs);
+        for dtype in DType::ALL {
+            for d in [16392, 18432, 20480, 24576, 24584, 32768] {
+                let counts = if graphs {
+                    vec![(sms, Some(1000.0))]
+                } else {
+                    vec![(sms, Some(1000.0)), (sms - 1, None), (3 * sms + 5, None)]
+                };
+                for (rows, outlier) in counts {
+                    for kind in [Kind::LayerNorm, Kind::RmsNorm] {
+                        let count = norm::Count::of(rows, &dev);
+                        let spec = norm::choose_spec(
+                            Pass::Forward,
+                            kind,
+                            dtype,
+                            d,
+                            norm::Rows::Aligned,
+                            count,
+                            gpu,
+                        );
+                        if spec.template.name == "norm_fwd" && spec.constant("ITEMS") >= Some(3) {
+                            on_the_ring += 1;
+                        }
+                        let mut cases = vec![Case {
+                            outlier,
+                            ..Case::plain(kind, dtype, rows, d, EPS)
+                        }];
+                        if d == 18432 && rows == sms {
+                            cases.push(Case {
+                                weight: Some(WeightLayout::Broadcast),
+                                bias: false,
+                                ..Case::plain(kind, dtype, rows, d, EPS)
+                            });
+                        }
+                        for case in cases {
+                            seed += 1;
+                            let err = run_case(&mut enc, &case, seed);
+                            if err > tolerance(dtype) {
+                                failures.push(format!(
+                                    "graphs={graphs} {kind:?} {dtype} {rows}x{d} {spec}: {err:.3e}"
+                                ));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+    // Hopper's 227 KiB hold the ring of every 16-bit length here but LayerNorm's past 24,576:
+    // three counts of many rows (two direct, one graph) x two dtypes x (4 + 6) lengths.
+    if gpu.shared_limit >= 227 * 1024 {
+        assert_eq!(on_the_ring, 3 * 2 * (4 + 6), "cases on the long ring");
+    }
 }
 
 /// Rows that do not start on a 16-byte granule, long enough for a cluster a row on Hopper: odd

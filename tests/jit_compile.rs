@@ -198,6 +198,7 @@ fn concurrent_requests_for_one_spec_compile_once() {
         DType::BF16,
         768,
         norm::Rows::Aligned,
+        norm::Count::Many,
         norm::Gpu::for_arch(90),
     );
     let origins: Vec<Origin> = std::thread::scope(|scope| {
@@ -258,6 +259,7 @@ fn an_architecture_nvrtc_cannot_emit_sass_for_falls_back_to_ptx() {
         DType::F32,
         1000,
         norm::Rows::Scattered,
+        norm::Count::Many,
         norm::Gpu::for_arch(90),
     );
     // No NVRTC knows sm_990; the newest architecture it knows gets PTX.

@@ -240,35 +240,18 @@ pub(super) fn forward(
     let rows = x.size() / d;
     let (xr, x_stride) = as_rows(enc, x)?;
     let layout = row_layout(x.dtype(), d, &[(xr.device_ptr(), x_stride)]);
+    let (gpu, count) = (Gpu::of(enc.device()), Count::of(rows, enc.device()));
     let spec = match chosen {
         Some(spec) => check_chosen(spec, Pass::Forward, kind, x.dtype(), d, layout)?,
-        None => {
-            let gpu = Gpu::of(enc.device());
-            let spec = choose_spec(Pass::Forward, kind, x.dtype(), d, layout, gpu);
-            // 16-bit rows past what the staged clusters take (65,536 elements) fall to the
-            // register split, whose few bytes in flight lose to the one-block-per-row streamed
-            // path once there are rows for every SM (H100, 256 x 131,072 LayerNorm: 31% of copy
-            // against 47%).
-            let sms = enc.device().info().multiprocessors as usize;
-            if *spec.template == FORWARD_SPLIT && x.dtype().size() == 2 && rows >= sms {
-                let streamed = Gpu {
-                    clusters: false,
-                    ..gpu
-                };
-                choose_spec(Pass::Forward, kind, x.dtype(), d, layout, streamed)
-            } else {
-                spec
-            }
-        }
+        None => choose_spec(Pass::Forward, kind, x.dtype(), d, layout, count, gpu),
     };
     let (spec, kernel) = match enc.device().loaded(&spec) {
         Some(kernel) => (spec, kernel),
         None => {
             // A first forward of this shape: training calls the VJP next (with a cotangent laid
             // out like x), whose kernel and column sums compile in the background meanwhile.
-            let gpu = Gpu::of(enc.device());
             let next = [
-                choose_spec(Pass::Vjp, kind, x.dtype(), d, layout, gpu),
+                choose_spec(Pass::Vjp, kind, x.dtype(), d, layout, count, gpu),
                 col_sums::spec_for(x.dtype(), d),
             ];
             if chosen.is_some() {
@@ -283,8 +266,15 @@ pub(super) fn forward(
     let period = shift_period(&spec, layout, &[x_stride, d as i64]);
     let (spec, kernel, period) =
         if chosen.is_none() && shifted_grid_idles(&kernel, &spec, rows, period)? {
-            let gpu = Gpu::of(enc.device());
-            let spec = choose_spec(Pass::Forward, kind, x.dtype(), d, Rows::Scattered, gpu);
+            let spec = choose_spec(
+                Pass::Forward,
+                kind,
+                x.dtype(),
+                d,
+                Rows::Scattered,
+                count,
+                gpu,
+            );
             let (spec, kernel) = stand_in::kernel_for(enc.device(), spec, &[])?;
             (spec, kernel, 1)
         } else {
@@ -412,7 +402,8 @@ pub(super) fn vjp(
             (spec, enc.device().kernel(&spec)?)
         }
         None => {
-            let spec = choose_spec(Pass::Vjp, kind, dtype, d, layout, Gpu::of(enc.device()));
+            let (gpu, count) = (Gpu::of(enc.device()), Count::of(rows, enc.device()));
+            let spec = choose_spec(Pass::Vjp, kind, dtype, d, layout, count, gpu);
             stand_in::kernel_for(enc.device(), spec, &[])?
         }
     };

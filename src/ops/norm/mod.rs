@@ -3,8 +3,10 @@
 //!
 //! Spec choice: GROUP threads per row, as a power of two in [32, 1024]; rows that fit stay in
 //! registers (ITEMS vectors of 16 bytes per thread), several short rows share a block, longer
-//! rows loop. Vectorised 16-bit rows keep the next row in flight in shared memory (STAGES), and
-//! 16-bit VJP rows too long for registers are read from there on every pass (RESIDENT); other VJP
+//! rows loop. Vectorised 16-bit rows keep the next row in flight in shared memory (STAGES); on
+//! Hopper, forward rows past one block's registers take a cluster of blocks each where a call has
+//! fewer rows than SMs, and a block each (up to 4 vectors a thread) where it has more. 16-bit
+//! VJP rows too long for registers are read from their stages on every pass (RESIDENT); other VJP
 //! rows of up to 1,024 threads' registers keep their weights and partial sums in shared memory
 //! (SHARED_SUMS). The VJP writes per-block f32 partial sums of dweight/dbias and reduces them
 //! with one column-sum launch.
@@ -144,7 +146,7 @@ mod tests;
 pub mod tuning;
 
 pub use crate::ops::col_sums::{reduce_cols_spec, REDUCE_COLS};
-pub use choose::{choose_spec, specs, Rows};
+pub use choose::{choose_spec, specs, Count, Rows};
 pub use launch::{layer_norm, layer_norm_vjp, reduce_cols, rms_norm, rms_norm_vjp, MAX_ROW};
 #[doc(hidden)]
 pub use reference::{reference_forward, reference_vjp};

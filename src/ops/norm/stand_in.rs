@@ -102,7 +102,15 @@ mod tests {
         let gpu = Gpu::for_arch(90);
         for pass in [Pass::Forward, Pass::Vjp] {
             for d in [1, 320, 4096, 30000, 131072] {
-                let chosen = choose_spec(pass, Kind::RmsNorm, DType::BF16, d, Rows::Aligned, gpu);
+                let chosen = choose_spec(
+                    pass,
+                    Kind::RmsNorm,
+                    DType::BF16,
+                    d,
+                    Rows::Aligned,
+                    Count::Many,
+                    gpu,
+                );
                 let s = stand_in_of(&chosen).unwrap();
                 assert_eq!(s, spec(pass, Kind::RmsNorm, DType::BF16, 8), "{chosen}");
                 assert_eq!((constant(&s, "ITEMS"), s.block_dim), (0, 1024));

@@ -70,6 +70,7 @@ fn constants_are_declared() {
         DType::BF16,
         100_000,
         Rows::Aligned,
+        Count::Many,
         Gpu::for_arch(90),
     );
     assert!(is_vjp_split(&spec) && is_rms(&spec));
@@ -114,12 +115,15 @@ fn every_chosen_spec_is_registered_for(gpu: Gpu) {
                     131073,
                     1 << 20,
                 ]) {
-                    for rows in [Rows::Scattered, Rows::Alike, Rows::Aligned] {
+                    for (rows, count) in [Rows::Scattered, Rows::Alike, Rows::Aligned]
+                        .into_iter()
+                        .flat_map(|r| [(r, Count::Few), (r, Count::Many)])
+                    {
                         let vectorized = rows == Rows::Aligned;
                         if vectorized && d % dtype.vec_width() != 0 {
                             continue;
                         }
-                        let s = choose_spec(pass, kind, dtype, d, rows, gpu);
+                        let s = choose_spec(pass, kind, dtype, d, rows, count, gpu);
                         assert!(
                             registered.contains(&s),
                             "{s} chosen for d={d} but not registered"
@@ -130,8 +134,12 @@ fn every_chosen_spec_is_registered_for(gpu: Gpu) {
                             gpu.clusters && pass == Pass::Forward && {
                                 // The row's width decides (split specs may shift to vectors).
                                 let n_reads = if vectorized { dtype.vec_width() } else { 1 };
-                                d.div_ceil(n_reads) > 1024 * max_items(pass, n_reads)
+                                let vectors = d.div_ceil(n_reads);
+                                // Many rows take a block each where the long ring fits.
+                                let ring = long_ring_spec(kind, dtype, n_reads, vectors, limit);
+                                vectors > 1024 * max_items(pass, n_reads)
                                     && split_spec(kind, dtype, d, rows).is_some()
+                                    && (count == Count::Few || ring.is_none())
                             },
                             "{s} for d={d}"
                         );
@@ -244,7 +252,7 @@ fn references_agree_with_finite_differences() {
 fn split_rows_pipeline_and_fill_blocks_as_measured() {
     let gpu = Gpu::for_arch(90);
     let chosen = |pass, kind, dtype, d| {
-        let spec = choose_spec(pass, kind, dtype, d, Rows::Aligned, gpu);
+        let spec = choose_spec(pass, kind, dtype, d, Rows::Aligned, Count::Few, gpu);
         assert!(is_split(&spec), "{spec}");
         spec
     };
@@ -278,6 +286,45 @@ fn split_rows_pipeline_and_fill_blocks_as_measured() {
 }
 
 #[test]
+fn long_forward_rows_take_a_block_each_where_rows_are_many() {
+    let (hopper, ampere) = (Gpu::for_arch(90), Gpu::for_arch(80));
+    let spec = |kind, dtype, d, count, gpu| {
+        choose_spec(Pass::Forward, kind, dtype, d, Rows::Aligned, count, gpu)
+    };
+    let ring = |s: KernelSpec| {
+        let items = (constant(&s, "ITEMS"), constant(&s, "STAGES"));
+        (s.template.name, s.block_dim, items)
+    };
+    let (layer, rms) = (Kind::LayerNorm, Kind::RmsNorm);
+    for dtype in [DType::BF16, DType::F16] {
+        // LayerNorm: the ring, the weights and the bias fit up to 24,576 elements.
+        for d in [16392, 18432, 24576] {
+            let s = spec(layer, dtype, d, Count::Many, hopper);
+            assert_eq!(ring(s), ("norm_fwd", 1024, (3, 2)), "{d}");
+            assert!(is_split(&spec(layer, dtype, d, Count::Few, hopper)), "{d}");
+        }
+        assert!(is_split(&spec(layer, dtype, 24584, Count::Many, hopper)));
+        // RMSNorm, whose ring holds no bias, up to 32,768.
+        let s = spec(rms, dtype, 32768, Count::Many, hopper);
+        assert_eq!(ring(s), ("norm_fwd", 1024, (4, 2)));
+        assert!(is_split(&spec(rms, dtype, 32776, Count::Many, hopper)));
+        // Without clusters the ring serves few rows too, where it fits (Ampere: 163 KiB).
+        let s = spec(rms, dtype, 18432, Count::Few, ampere);
+        assert_eq!(ring(s), ("norm_fwd", 1024, (3, 2)));
+        let s = spec(layer, dtype, 18432, Count::Few, ampere);
+        assert_eq!(ring(s), ("norm_fwd", 1024, (0, 0)));
+    }
+    // f32 rows have no ring: they keep the split kernel.
+    assert!(is_split(&spec(
+        layer,
+        DType::F32,
+        18432,
+        Count::Many,
+        hopper
+    )));
+}
+
+#[test]
 fn unaligned_long_rows_take_vectors_on_the_ring_kernels() {
     let gpu = Gpu::for_arch(90);
     for dtype in DType::ALL {
@@ -287,7 +334,7 @@ fn unaligned_long_rows_take_vectors_on_the_ring_kernels() {
             (Pass::Vjp, 16385),
         ] {
             for kind in [Kind::LayerNorm, Kind::RmsNorm] {
-                let spec = choose_spec(pass, kind, dtype, d, Rows::Alike, gpu);
+                let spec = choose_spec(pass, kind, dtype, d, Rows::Alike, Count::Many, gpu);
                 assert!(is_split(&spec), "{spec}");
                 // The 16-bit forward's ring shifts its columns; the register split forward
                 // (f32) and the VJP take one element a vector.
@@ -301,7 +348,8 @@ fn unaligned_long_rows_take_vectors_on_the_ring_kernels() {
                 );
                 assert!(check_chosen(spec, pass, kind, dtype, d, Rows::Alike).is_ok());
                 // Rows laid out otherwise take one element at a time.
-                let scattered = choose_spec(pass, kind, dtype, d, Rows::Scattered, gpu);
+                let scattered =
+                    choose_spec(pass, kind, dtype, d, Rows::Scattered, Count::Many, gpu);
                 assert_eq!(scattered.n_reads, 1, "{scattered}");
                 if spec.n_reads > 1 {
                     assert!(check_chosen(spec, pass, kind, dtype, d, Rows::Scattered).is_err());
@@ -312,7 +360,17 @@ fn unaligned_long_rows_take_vectors_on_the_ring_kernels() {
     }
     // The longest rows a layout holds take single elements where shifted vectors would not fit:
     // 8 blocks of 16,384 elements hold aligned rows of 131,072 and unaligned ones of 131,071.
-    let forward = |d, rows| choose_spec(Pass::Forward, Kind::RmsNorm, DType::BF16, d, rows, gpu);
+    let forward = |d, rows| {
+        choose_spec(
+            Pass::Forward,
+            Kind::RmsNorm,
+            DType::BF16,
+            d,
+            rows,
+            Count::Many,
+            gpu,
+        )
+    };
     let (aligned, unaligned) = (forward(131072, Rows::Aligned), forward(131071, Rows::Alike));
     assert_eq!((aligned.n_reads, unaligned.n_reads), (8, 1));
     assert!(is_split(&unaligned), "{unaligned}");
@@ -377,6 +435,7 @@ fn a_shifted_spec_is_refused_where_a_block_would_hold_none_of_the_row() {
         DType::BF16,
         16385,
         Rows::Alike,
+        Count::Many,
         gpu,
     );
     assert_eq!(spec.constant("SHIFTED"), Some(1), "{spec}");
@@ -412,7 +471,7 @@ fn the_split_sweep_measures_the_chosen_spec_among_others() {
             for kind in [Kind::LayerNorm, Kind::RmsNorm] {
                 for pass in [Pass::Forward, Pass::Vjp] {
                     let candidates = super::tuning::split_candidates(pass, kind, dtype, d);
-                    let chosen = choose_spec(pass, kind, dtype, d, Rows::Aligned, gpu);
+                    let chosen = choose_spec(pass, kind, dtype, d, Rows::Aligned, Count::Many, gpu);
                     if is_split(&chosen) {
                         assert!(
                             candidates.contains(&chosen),
