@@ -182,6 +182,22 @@ fn sweep_operands(
     (xs, g, w)
 }
 
+/// The spec the ops choose for `rows` aligned rows of `d` elements on `enc`'s GPU.
+fn chosen_spec(
+    enc: &CommandEncoder,
+    pass: norm::Pass,
+    kind: norm::Kind,
+    dtype: DType,
+    rows: usize,
+    d: usize,
+) -> kiln::jit::KernelSpec {
+    let (gpu, count) = (
+        norm::Gpu::of(enc.device()),
+        norm::Count::of(rows, enc.device()),
+    );
+    norm::choose_spec(pass, kind, dtype, d, norm::Rows::Aligned, count, gpu)
+}
+
 /// One case of a sweep: rows x d, the norm and pass, and the specs to time on it.
 type SweepCase = (
     usize,
@@ -219,16 +235,7 @@ fn block_cases(enc: &CommandEncoder, dtype: DType) -> Vec<SweepCase> {
             .flat_map(|k| [(k, Pass::Forward), (k, Pass::Vjp)])
         {
             let candidates = if std::env::args().any(|a| a == "--stand-ins") {
-                let gpu = norm::Gpu::of(enc.device());
-                let chosen = norm::choose_spec(
-                    pass,
-                    kind,
-                    dtype,
-                    d,
-                    norm::Rows::Aligned,
-                    norm::Count::of(rows, enc.device()),
-                    gpu,
-                );
+                let chosen = chosen_spec(enc, pass, kind, dtype, rows, d);
                 let quick = norm::stand_in::spec(pass, kind, dtype, dtype.vec_width());
                 let family = match pass {
                     Pass::Forward => &norm::FORWARD,
@@ -304,20 +311,11 @@ fn sweep(enc: &mut CommandEncoder, only: &str) {
     .collect();
     let specs: Vec<_> = cases.iter().flat_map(|c| c.4.iter().copied()).collect();
     compile_all(enc, &specs);
-    let gpu = norm::Gpu::of(enc.device());
     for (rows, d, kind, pass, candidates) in cases {
         let (xs, g, w) = sweep_operands(enc, dtype, rows, d);
         let b = (kind == Kind::LayerNorm).then_some(&w);
         let bytes = (rows * d * dtype.size()) as f64;
-        let chosen = norm::choose_spec(
-            pass,
-            kind,
-            dtype,
-            d,
-            norm::Rows::Aligned,
-            norm::Count::of(rows, enc.device()),
-            gpu,
-        );
+        let chosen = chosen_spec(enc, pass, kind, dtype, rows, d);
         let run = |e: &mut CommandEncoder, i: usize, spec| match pass {
             Pass::Forward => {
                 tuning::forward_with(e, kind, &xs[i % SETS], Some(&w), b, 1e-5, spec).map(|_| ())
