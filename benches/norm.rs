@@ -46,40 +46,32 @@ const SHAPES: [(usize, usize); 6] = [
 /// of each length (rows x d below 2^24 are held to the ratio targets only).
 const LONG_DS: [usize; 8] = [3000, 5120, 12288, 16385, 18432, 30000, 65536, 131072];
 
-/// The `--long` shapes; `--ds D,D,...` measures those row lengths instead of `LONG_DS`.
-fn long_shapes() -> Vec<(usize, usize)> {
+/// The comma-separated counts after `flag` (`--ds 5001,16385`), if it was given.
+fn list_arg(flag: &str) -> Option<Vec<usize>> {
     let args: Vec<String> = std::env::args().collect();
-    let ds: Vec<usize> = match args.iter().position(|a| a == "--ds") {
-        Some(i) => args
-            .get(i + 1)
-            .map(|list| {
-                list.split(',')
-                    .map(|d| d.parse().expect("--ds takes row lengths, as 5001,16385"))
-                    .collect()
+    let i = args.iter().position(|a| a == flag)?;
+    let list = args.get(i + 1).map_or("", String::as_str);
+    Some(
+        list.split(',')
+            .map(|n| {
+                n.parse()
+                    .unwrap_or_else(|_| panic!("{flag} takes counts, as 5001,16385"))
             })
-            .unwrap_or_default(),
-        None => LONG_DS.to_vec(),
-    };
-    // `--rows R,R,...`: those row counts instead of about 2^25 elements and 16.
-    let counts: Option<Vec<usize>> = args.iter().position(|a| a == "--rows").map(|i| {
-        args.get(i + 1)
-            .map(|list| {
-                list.split(',')
-                    .map(|r| r.parse().expect("--rows takes counts"))
-                    .collect()
-            })
-            .unwrap_or_default()
-    });
+            .collect(),
+    )
+}
+
+/// The `--long` shapes; `--ds D,D,...` measures those row lengths instead of `LONG_DS`, and
+/// `--rows R,R,...` those row counts instead of about 2^25 elements and 16.
+fn long_shapes() -> Vec<(usize, usize)> {
+    let ds = list_arg("--ds").unwrap_or_else(|| LONG_DS.to_vec());
+    let counts = list_arg("--rows");
     ds.iter()
         .flat_map(|&d| match &counts {
             Some(counts) => counts.iter().map(|&r| (r, d)).collect::<Vec<_>>(),
             None => vec![(((1usize << 25) / d).max(1), d), (16, d)],
         })
         .collect()
-}
-
-fn args_have_rows() -> bool {
-    std::env::args().any(|a| a == "--rows")
 }
 
 const SETS: usize = 4;
@@ -217,7 +209,7 @@ fn block_cases(enc: &CommandEncoder, dtype: DType) -> Vec<SweepCase> {
     let shapes: Vec<(usize, usize)> = if std::env::args().any(|a| a == "--long") {
         long_shapes()
             .into_iter()
-            .filter(|&(rows, d)| (rows > 16 || args_have_rows()) && d <= 32768)
+            .filter(|&(rows, d)| (rows > 16 || list_arg("--rows").is_some()) && d <= 32768)
             .collect()
     } else {
         SHAPES.to_vec()
