@@ -542,10 +542,12 @@ fn random_cases(seed: u64, n: usize) -> Vec<Case> {
         let mut p = ConvParams::default().groups(groups).flip(pick(0, 3) == 0);
         let (mut strides, mut lo, mut hi, mut kd, mut id) =
             (vec![], vec![], vec![], vec![], vec![]);
+        // The family takes grouped layers with a channel multiplier at stride 1 only.
+        let most_stride = if cg > 1 && mg != cg { 1 } else { 3 };
         for _ in 0..spatial {
             x.push(pick(1, if spatial == 3 { 6 } else { 13 }));
             w.push(pick(1, if spatial == 1 { 11 } else { 5 }));
-            strides.push(pick(1, 3));
+            strides.push(pick(1, most_stride));
             lo.push(pick(0, 3));
             hi.push(pick(0, 3));
             kd.push(if pick(0, 3) == 0 { 2 } else { 1 });

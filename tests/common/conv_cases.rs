@@ -30,7 +30,8 @@ pub fn direct() -> Vec<ConvCase> {
     vec![
         // The direct family (few channels per group): depthwise with multipliers 1, 2 and 4,
         // kernels wider than a window step, 1-D causal and 3-D, dilation and flip; groups of 2,
-        // 4, 8 and 16 channels; channel counts that leave one channel a thread; a long
+        // 4, 8 and 16 channels, and of twice as many output as input channels; channel counts
+        // that leave one channel a thread; a long
         // backward-weight sum that splits.
         ConvCase::new(
             "direct depthwise 7x7, 40 channels",
@@ -101,6 +102,18 @@ pub fn direct() -> Vec<ConvCase> {
             &[2, 8, 9, 64],
             &[64, 5, 5, 16],
             d().groups(4).padding(&[2]),
+        ),
+        ConvCase::new(
+            "direct groups of 8 in, 16 out",
+            &[2, 10, 9, 32],
+            &[64, 3, 3, 8],
+            d().groups(4).padding(&[1]),
+        ),
+        ConvCase::new(
+            "direct groups of 2 in, 4 out, 1x5, uneven padding",
+            &[2, 9, 11, 12],
+            &[24, 1, 5, 2],
+            d().groups(6).padding_lo(&[0, 1]).padding_hi(&[0, 3]),
         ),
         ConvCase::new(
             "direct 5 groups of 4 (one channel a thread)",
