@@ -1,19 +1,20 @@
-// Grouped convolution with few channels a group (CG input and CG output channels, CG = 2 to 32),
-// 1-D or 2-D, channels last, 16-bit types on tensor cores (mma.sync m16n8k16, sm_80+): input
-// (batch, h, w, C), weight (C, kh, kw, CG), output (batch, oh, ow, C). Such layers move many
-// bytes for little arithmetic, so a block works on 64 channels and walks tiles of outputs: it
-// copies the next tile's source pixels (their 64 channels) into shared memory with cp.async
-// while it computes this one, and every product reads staged values with ldmatrix.
+// Grouped convolution with few channels a group (CG input and MUL x CG output channels, CG = 1
+// to 32, MUL = 1 or 2), 1-D or 2-D, channels last, 16-bit types on tensor cores (mma.sync
+// m16n8k16, sm_80+): input (batch, h, w, C), weight (MUL x C, kh, kw, CG), output (batch, oh,
+// ow, MUL x C). Such layers move many bytes for little arithmetic, so a block works on 64
+// channels of the gather's output and walks tiles of outputs: it copies the next tile's source
+// pixels (the SPER channels its 64 read) into shared memory with cp.async while it computes this
+// one, and every product reads staged values with ldmatrix.
 //
 // Every product is an MMA over 16-channel chunks: a group's weights between 16 output channels
-// and the 16 (CG <= 16) or CG (CG = 32) source channels they read form a block-diagonal 16 x 16
-// matrix, or two dense ones. The zeros cost MMAs, which are cheap next to the bytes; one code
-// path serves every group width.
+// and the 16-channel chunk (or two) of source channels they read form a block-diagonal 16 x 16
+// matrix, or two. The zeros cost MMAs, which are cheap next to the bytes; one code path serves
+// every group width.
 //
 // A tile is TILE_H x TILE_W outputs (TILE_W a multiple of 8): segments of 8 outputs along a row,
-// and M tiles of two segments (16 outputs). A staged pixel (a slot) holds 64 channels, padded to
-// PITCH elements so that ldmatrix's eight rows (eight consecutive slots) fall in distinct banks
-// and a tap moves every row's address by one constant. Source columns are staged by stride
+// and M tiles of two segments (16 outputs). A staged pixel (a slot) holds the block's source
+// channels, padded by 8 elements so that ldmatrix's eight rows (eight consecutive slots) fall in
+// distinct banks and a tap moves every row's address by one constant. Source columns are staged by stride
 // phase (column c at (c % SW) * phase_cols + c / SW): the 8 outputs of a segment read 8
 // consecutive slots at every tap, at any stride.
 //
@@ -39,17 +40,31 @@
 
 typedef {{dtype}} T;
 constexpr int PASS = {{PASS}};
-constexpr int CG = {{CG}};
+constexpr int CG = {{CG}};    // the layer's input channels a group
+constexpr int MUL = {{MUL}};  // its output channels a group, per input channel
 constexpr int KH = {{KH}}, KW = {{KW}};
 constexpr int SH = {{SH}}, SW = {{SW}};
 constexpr int THREADS = {{block_dim}};
 constexpr int WARPS = THREADS / 32;
 constexpr int CHUNKS = 4;             // 16-channel chunks a block
-constexpr int PER = 16 * CHUNKS;      // channels a staged pixel
-constexpr int UNITS = PER / 8;        // its 16-byte units
-constexpr int PITCH = PER + 8;        // elements a slot: 144 bytes, 16 bytes past a bank cycle
-constexpr int SPAN = CG < 16 ? 16 : CG;  // source channels an output chunk reads
-constexpr int KC = SPAN / 16;            // their 16-channel k chunks
+constexpr int PER = 16 * CHUNKS;      // the block's channels (backward-weight: the cotangent's)
+// Channels a group of the gather's output (backward-weight: of the cotangent) and of the
+// source it reads.
+constexpr int OPG = PASS == 1 ? CG : CG * MUL;
+constexpr int SPG = PASS == 1 ? CG * MUL : CG;
+// Source channels a staged pixel holds (those the block's PER read), and the slot pitches of
+// the source and (backward-weight) the cotangent: 16 bytes past a bank cycle of 128.
+constexpr int SPER = PER / OPG * SPG;
+constexpr int SPITCH = SPER + 8;
+constexpr int DPITCH = PER + 8;
+// Source channels an output chunk reads, and the 16-channel k chunks that hold them.
+constexpr int READS = OPG <= 16 ? 16 / OPG * SPG : SPG;
+constexpr int SPAN = READS < 16 ? 16 : READS;
+constexpr int KC = SPAN / 16;
+// Backward-weight where a chunk reads 8 source channels (a multiplier of 2, 8 a group or
+// fewer): both warps of the chunk take those 8 and every other M tile, instead of one warp
+// summing zeros.
+constexpr bool SPLIT_M = PASS == 2 && READS < 16;
 constexpr int KSIZE = KH * KW;
 constexpr int MB = 4;  // M tiles a forward warp sums at once, at most
 // Blocks an SM must hold (the launch bound); backward-weight of 32-channel groups holds twice
@@ -58,8 +73,11 @@ constexpr int MIN_BLOCKS = PASS == 2 && KC > 1 ? 2 : 3;
 static_assert(sizeof(T) == 2, "16-bit types only");
 static_assert(KILN_ARCH >= 800, "mma.sync m16n8k16 for both 16-bit types needs sm_80");
 static_assert(WARPS == 2 * CHUNKS, "two warps a chunk");
-static_assert(UNITS == 8 && THREADS % UNITS == 0, "a thread copies one unit of its pixels");
-static_assert(16 % CG == 0 || CG == 32, "group widths 2, 4, 8, 16 and 32");
+static_assert(THREADS % (SPER / 8) == 0 && THREADS % (PER / 8) == 0,
+              "a thread copies one unit of its pixels");
+static_assert(16 % CG == 0 || CG == 32, "group widths 1, 2, 4, 8, 16 and 32");
+static_assert(MUL == 1 || (MUL == 2 && CG >= 2 && CG <= 16), "multiplier 2 for 2 to 16 a group");
+static_assert(PER % OPG == 0 && SPER % 16 == 0, "whole groups a block, whole k chunks staged");
 static_assert(PASS != 1 || (SH == 1 && SW == 1), "backward-data gathers at stride 1");
 
 // Mirrors ops::conv::grouped::Problem (repr(C)).
@@ -67,7 +85,8 @@ struct kiln_grouped {
   int batch;
   int src_h, src_w;      // the source's extents
   int out_h, out_w;      // the gather's output (backward-weight: the cotangent)
-  int chans;             // channels of source and output
+  int chans;             // channels of the gather's output (backward-weight: the cotangent's)
+  int src_chans;         // channels of the source
   int dst_h, dst_w;      // the output array's extents (a stride phase writes part of it)
   int out_h0, out_w0;    // the output pixel of gather output (0, 0)
   int out_step_h, out_step_w;  // output pixels between consecutive gather outputs
@@ -103,19 +122,40 @@ __device__ __forceinline__ int kiln_segment_row(const kiln_staged& st, int s) {
   return (int)(((unsigned)s * st.seg_magic) >> 16);
 }
 
-// Element offset of 16-byte unit `unit` of staged slot `slot`.
-__device__ __forceinline__ int kiln_at(int slot, int unit) { return slot * PITCH + unit * 8; }
+// Element offset of 16-byte unit `unit` of staged slot `slot`, slots PITCH_ elements apart.
+template <int PITCH_>
+__device__ __forceinline__ int kiln_at(int slot, int unit) {
+  return slot * PITCH_ + unit * 8;
+}
 
-// Copies `rows` x `cols` pixels (channels c0 to c0 + 63) of an (n, ext_h, ext_w, chans) array,
+// Channel arithmetic is unsigned: OPG and SPG are powers of two, so that its divisions are
+// shifts.
+// The first of the block's source channels, those its gather-output channels c0 on read.
+__device__ __forceinline__ int kiln_source_base(int c0) { return (unsigned)c0 / OPG * SPG; }
+
+// The first source channel (of the block's staged ones) of the k chunks chunk j reads.
+__device__ __forceinline__ int kiln_chunk_source(int j) {
+  return (unsigned)(16 * j) / OPG * SPG & ~15u;
+}
+
+// Whether the block's gather-output channel `o` and staged source channel `s` (both counted
+// from the block's first) lie in one group.
+__device__ __forceinline__ bool kiln_same_group(int o, int s) {
+  return (unsigned)o / OPG == (unsigned)s / SPG;
+}
+
+// Copies `rows` x `cols` pixels (channels c0 to c0 + CH - 1) of an (n, ext_h, ext_w, chans) array,
 // from pixel (h0, w0) on, into the staged slots of `s` (pixel (r, c) to slot r * S * phase_cols
-// + (c % S) * phase_cols + c / S); zeros outside the array. With `vec`, in 16-byte pieces that
-// land asynchronously (kiln_cp_async_commit/wait); else one element at a time, at once.
-// `start`: kiln_copy_start_of(tid / UNITS, THREADS / UNITS, cols), see kiln_walks_of.
-template <int S>
+// + (c % S) * phase_cols + c / S), slots CH + 8 elements apart; zeros outside the array. With
+// `vec`, in 16-byte pieces that land asynchronously (kiln_cp_async_commit/wait); else one element
+// at a time, at once. `start`: kiln_copy_start_of(tid / (CH / 8), THREADS / (CH / 8), cols), see
+// kiln_walks_of.
+template <int S, int CH>
 __device__ __forceinline__ void kiln_stage(const T* __restrict__ src, T* s, int n, int h0, int w0,
                                            int rows, int cols, int phase_cols, int ext_h,
                                            int ext_w, int chans, int c0, bool vec,
                                            const kiln_copy_start& start) {
+  constexpr int UNITS = CH / 8, PITCH_ = CH + 8;
   const int tid = threadIdx.y * 32 + threadIdx.x;
   const long long image = (long long)n * ext_h;
   const int pixels = rows * cols;
@@ -131,23 +171,24 @@ __device__ __forceinline__ void kiln_stage(const T* __restrict__ src, T* s, int 
     const bool in_chans = c < chans;  // units past the channels are zero-filled
     const kiln_walk_start& w = start.walk;
     if (w.step_q == 0) {  // whole rows a pass: the thread's column, down the rows
-      kiln_copy_column(src, s + kiln_at(slot_of(w.r, w.q), e), w.step_r * S * phase_cols * PITCH,
+      kiln_copy_column(src, s + kiln_at<PITCH_>(slot_of(w.r, w.q), e),
+                       w.step_r * S * phase_cols * PITCH_,
                        start, image, h0, w0, rows, ext_h, ext_w, chans, c, in_chans);
       return;
     }
     kiln_tile_walk walk(w, cols, image, h0, w0, ext_w, chans, c);
     for (int pixel = tid / UNITS; pixel < pixels; pixel += STEP, walk.next()) {
       const bool ok = in_chans && walk.inside(ext_h, ext_w);
-      kiln_cp_async<16, false>(s + kiln_at(slot_of(walk.r, walk.q), e), ok ? src + walk.at : src,
-                               ok);
+      kiln_cp_async<16, false>(s + kiln_at<PITCH_>(slot_of(walk.r, walk.q), e),
+                               ok ? src + walk.at : src, ok);
     }
   } else {
-    for (int u = tid; u < pixels * PER; u += THREADS) {
-      const int pixel = u / PER, e = u - pixel * PER;
+    for (int u = tid; u < pixels * CH; u += THREADS) {
+      const int pixel = u / CH, e = u - pixel * CH;
       const int r = pixel / cols, q = pixel - r * cols;
       const int h = h0 + r, w = w0 + q, c = c0 + e;
       const bool ok = h >= 0 && h < ext_h && w >= 0 && w < ext_w && c < chans;
-      s[slot_of(r, q) * PITCH + e] = ok ? src[((image + h) * ext_w + w) * chans + c] : T{};
+      s[slot_of(r, q) * PITCH_ + e] = ok ? src[((image + h) * ext_w + w) * chans + c] : T{};
     }
   }
 }
@@ -165,7 +206,7 @@ __device__ __forceinline__ kiln_tile kiln_tile_at(const kiln_grouped& p, int til
 // Slots of a buffer: the source's, then (backward-weight) the cotangent's, a slot an output.
 __device__ __forceinline__ int kiln_buffer(const kiln_grouped& p) {
   const kiln_staged st = kiln_staged_of(p);
-  return (st.rows * st.row_slots + (PASS == 2 ? p.tile_h * p.tile_w : 0)) * PITCH;
+  return st.rows * st.row_slots * SPITCH + (PASS == 2 ? p.tile_h * p.tile_w * DPITCH : 0);
 }
 
 // Where a thread's walks over a tile's staged source and (backward-weight) cotangent start;
@@ -183,9 +224,9 @@ __device__ __forceinline__ kiln_copy_start kiln_stage_start_of(int first, int st
 }
 __device__ __forceinline__ kiln_walks kiln_walks_of(const kiln_grouped& p) {
   const int tid = threadIdx.y * 32 + threadIdx.x;
-  constexpr int STEP = THREADS / UNITS;
-  return {kiln_stage_start_of(tid / UNITS, STEP, kiln_staged_of(p).cols),
-          kiln_stage_start_of(tid / UNITS, STEP, p.tile_w)};
+  constexpr int SUNITS = SPER / 8, DUNITS = PER / 8;
+  return {kiln_stage_start_of(tid / SUNITS, THREADS / SUNITS, kiln_staged_of(p).cols),
+          kiln_stage_start_of(tid / DUNITS, THREADS / DUNITS, p.tile_w)};
 }
 
 // Starts copying tile `tile`'s source (and for backward-weight its cotangent) into `s`.
@@ -194,11 +235,12 @@ __device__ __forceinline__ void kiln_issue(const T* __restrict__ src, const T* _
                                            const kiln_walks& walks) {
   const kiln_tile t = kiln_tile_at(p, tile);
   const kiln_staged st = kiln_staged_of(p);
-  kiln_stage<SW>(src, s, t.n, t.oh * SH + p.off_h, t.ow * SW + p.off_w, st.rows, st.cols,
-                 st.phase_cols, p.src_h, p.src_w, p.chans, c0, p.vec, walks.src);
+  kiln_stage<SW, SPER>(src, s, t.n, t.oh * SH + p.off_h, t.ow * SW + p.off_w, st.rows, st.cols,
+                       st.phase_cols, p.src_h, p.src_w, p.src_chans, kiln_source_base(c0), p.vec,
+                       walks.src);
   if (PASS == 2)
-    kiln_stage<1>(dy, s + st.rows * st.row_slots * PITCH, t.n, t.oh, t.ow, p.tile_h, p.tile_w,
-                  p.tile_w, p.out_h, p.out_w, p.chans, c0, p.vec, walks.dy);
+    kiln_stage<1, PER>(dy, s + st.rows * st.row_slots * SPITCH, t.n, t.oh, t.ow, p.tile_h,
+                       p.tile_w, p.tile_w, p.out_h, p.out_w, p.chans, c0, p.vec, walks.dy);
   kiln_cp_async_commit();
 }
 
@@ -225,13 +267,13 @@ __device__ __forceinline__ void kiln_products(const kiln_grouped& p, const kiln_
                                               T* __restrict__ out) {
   const int lane = threadIdx.x, mi = lane >> 3, r = lane & 7;
   // The first unit of the chunk's source channels in a staged pixel.
-  const int span_unit = 16 * j / SPAN * SPAN / 8;
+  const int span_unit = kiln_chunk_source(j) / 8;
   float acc[NQ][2][4];
   const T* row[NQ];  // this lane's ldmatrix row at tap 0 and k chunk 0, per M tile
 #pragma unroll
   for (int q = 0; q < NQ; ++q) {
     const int slot = kiln_segment_slot(p, st, 2 * (m0 + 2 * q) + (mi & 1), r);
-    row[q] = buf + kiln_at(slot, span_unit + (mi >> 1));
+    row[q] = buf + kiln_at<SPITCH>(slot, span_unit + (mi >> 1));
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -249,7 +291,7 @@ __device__ __forceinline__ void kiln_products(const kiln_grouped& p, const kiln_
       for (int kc = 0; kc < KC; ++kc) {
         unsigned b[4];
         kiln_ldmatrix_x4<false>(b, wj + ((kh * KW + kw) * KC + kc) * 256 + b_row);
-        const int shift = toff * PITCH + kc * 16;
+        const int shift = toff * SPITCH + kc * 16;
 #pragma unroll
         for (int q = 0; q < NQ; ++q) {
           unsigned a[4];
@@ -286,29 +328,36 @@ __device__ __forceinline__ void kiln_products(const kiln_grouped& p, const kiln_
   }
 }
 
+// The first 16-byte unit of the source channels backward-weight's warp `half` of chunk j sums:
+// the chunk's (SPLIT_M), else that half of its k chunks'.
+__device__ __forceinline__ int kiln_weight_unit0(int j, int half) {
+  return SPLIT_M ? (unsigned)(16 * j) / OPG * SPG / 8 : kiln_chunk_source(j) / 8 + half * KC;
+}
+
 // Backward-weight: adds M tile m of the staged tile `buf` (source slots, then the cotangent's)
-// to the sums of chunk j and source-channel half `half`: sums[tap][k tile].
+// to the sums of chunk j and source-channel half `half` (SPLIT_M: of its 8 source channels):
+// sums[tap][k tile].
 __device__ __forceinline__ void kiln_weight_sums(const kiln_grouped& p, const kiln_staged& st,
                                                  const T* buf, int m, int j, int half,
                                                  float (&sums)[KSIZE][KC][4]) {
   const int lane = threadIdx.x, mi = lane >> 3, r = lane & 7;
   // A: the cotangent of the M tile's 16 outputs (k) at the chunk's 16 channels (m), read
   // transposed: matrix mi holds outputs of segment 2 m + mi / 2, channels 8 (mi % 2) on.
-  const T* dy = buf + st.rows * st.row_slots * PITCH;
+  const T* dy = buf + st.rows * st.row_slots * SPITCH;
   const int per_row = p.tile_w / 8;
   const int s = 2 * m + (mi >> 1);
   const int srow = kiln_segment_row(st, s), dslot = srow * p.tile_w + (s - srow * per_row) * 8 + r;
   unsigned a[4];
-  kiln_ldmatrix_x4<true>(a, dy + kiln_at(dslot, 2 * j + (mi & 1)));
+  kiln_ldmatrix_x4<true>(a, dy + kiln_at<DPITCH>(dslot, 2 * j + (mi & 1)));
   // B: the source at a tap, 16 outputs (k) x 8 channels (n), read transposed: matrix mi & 1
   // holds segment 2 m + (mi & 1) (lanes 16-31 repeat 0-15; ldmatrix .x2 reads lanes 0-15).
-  const int unit0 = 16 * j / SPAN * SPAN / 8 + half * KC;
-  const T* row = buf + kiln_at(kiln_segment_slot(p, st, 2 * m + (mi & 1), r), unit0);
+  const int unit0 = kiln_weight_unit0(j, half);
+  const T* row = buf + kiln_at<SPITCH>(kiln_segment_slot(p, st, 2 * m + (mi & 1), r), unit0);
 #pragma unroll
   for (int kh = 0; kh < KH; ++kh)
 #pragma unroll
     for (int kw = 0; kw < KW; ++kw) {
-      const T* at = row + kiln_tap_slots(st, kh, kw) * PITCH;
+      const T* at = row + kiln_tap_slots(st, kh, kw) * SPITCH;
 #pragma unroll
       for (int nt = 0; nt < KC; ++nt) {
         unsigned b[2];
@@ -318,46 +367,53 @@ __device__ __forceinline__ void kiln_weight_sums(const kiln_grouped& p, const ki
     }
 }
 
-// Unit u of the weights (see kiln_stage_weights); VEC: one 16-byte load.
+// The 8 weights of unit u (see kiln_stage_weights), packed in pairs; VEC: one 16-byte load.
 template <bool VEC>
-__device__ __forceinline__ void kiln_stage_weight_unit(const T* __restrict__ weight,
-                                                       const kiln_grouped& p, T* ws, int c0,
-                                                       int u) {
+__device__ __forceinline__ uint4 kiln_load_weight_unit(const T* __restrict__ weight,
+                                                       const kiln_grouped& p, int c0, int u) {
   const int half = u & 1, line = (u >> 1) & 15, block = u >> 5;
   const int kc = block % KC, jt = block / KC;
   const int tap = jt % KSIZE, jj = jt / KSIZE;
   const int wr = p.tap_h0 + tap / KW * p.tap_step_h;
   const int wc = p.tap_w0 + tap % KW * p.tap_step_w;
-  // B's (n, k) of the unit's first weight.
+  // B's (n, k) of the unit's first weight: the block's gather-output channel on0 and staged
+  // source channel sk0.
   const int n0 = PASS == 1 ? 8 * half : line, k0 = PASS == 1 ? line : 8 * half;
-  const int oc0 = c0 + 16 * jj + n0;
-  const int sc0 = c0 + 16 * jj / SPAN * SPAN + 16 * kc + k0;
-  // weight[wo][wr][wc][wi % CG], wi moving by one along the unit.
+  const int on0 = 16 * jj + n0, sk0 = kiln_chunk_source(jj) + 16 * kc + k0;
+  const int oc0 = c0 + on0, sc0 = kiln_source_base(c0) + sk0;
+  // weight[wo][wr][wc][wi % CG] (wo the layer's output channel, wi its input channel), wi
+  // moving by one along the unit (with n on backward-data, with k on forward).
   const int wo = PASS == 1 ? sc0 : oc0, wi0 = PASS == 1 ? oc0 : sc0;
-  const bool tap_ok = wo < p.chans && wr >= 0 && wr < p.w_kh && wc >= 0 && wc < p.w_kw;
+  const int wo_chans = PASS == 1 ? p.src_chans : p.chans;
+  const int wi_chans = PASS == 1 ? p.chans : p.src_chans;
+  const bool tap_ok = wo < wo_chans && wr >= 0 && wr < p.w_kh && wc >= 0 && wc < p.w_kw;
   const T* at = weight + (tap_ok ? (((long long)wo * p.w_kh + wr) * p.w_kw + wc) * CG : 0);
-  unsigned words[4];
   if constexpr (VEC) {
-    const bool ok = tap_ok && wi0 < p.chans && wi0 / CG == wo / CG;
-    const uint4 x =
-        ok ? *reinterpret_cast<const uint4*>(at + wi0 % CG) : make_uint4(0u, 0u, 0u, 0u);
-    words[0] = x.x;
-    words[1] = x.y;
-    words[2] = x.z;
-    words[3] = x.w;
+    const bool ok = tap_ok && wi0 < wi_chans && kiln_same_group(on0, sk0);
+    return ok ? *reinterpret_cast<const uint4*>(at + wi0 % CG) : make_uint4(0u, 0u, 0u, 0u);
   } else {
     unsigned short v[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
       const int wi = wi0 + e;
-      const bool ok = tap_ok && wi < p.chans && wi / CG == wo / CG;
+      const bool ok = tap_ok && wi < wi_chans &&
+                      kiln_same_group(on0 + (PASS == 1 ? e : 0), sk0 + (PASS == 1 ? 0 : e));
       v[e] = ok ? at[wi % CG].bits : (unsigned short)0;
     }
+    unsigned words[4];
 #pragma unroll
     for (int h = 0; h < 4; ++h) words[h] = v[2 * h] | (unsigned)v[2 * h + 1] << 16;
+    return make_uint4(words[0], words[1], words[2], words[3]);
   }
+}
+
+// Stores unit u's weights `x` (kiln_load_weight_unit) as B fragments.
+__device__ __forceinline__ void kiln_store_weight_unit(T* ws, int u, uint4 x) {
+  const int half = u & 1, line = (u >> 1) & 15, block = u >> 5;
+  const unsigned words[4] = {x.x, x.y, x.z, x.w};
   T* b = ws + block * 256;
   if constexpr (PASS == 1) {
+    const int n0 = 8 * half;
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
       const int n = n0 + e;
@@ -365,24 +421,24 @@ __device__ __forceinline__ void kiln_stage_weight_unit(const T* __restrict__ wei
           (unsigned short)(words[e / 2] >> (16 * (e & 1)));
     }
   } else {
-    *reinterpret_cast<uint4*>(b + line * 16 + ((half ^ ((line >> 2) & 1)) << 3)) =
-        make_uint4(words[0], words[1], words[2], words[3]);
+    *reinterpret_cast<uint4*>(b + line * 16 + ((half ^ ((line >> 2) & 1)) << 3)) = x;
   }
 }
 
 // Stages a block's weights as B fragments: chunk j, tap, k chunk kc at [((j * KSIZE + tap) * KC
 // + kc) * 256 + n * 16 + k] (the two 8-element halves of row n swapped when n / 4 is odd), the
-// weight between gather output channel c0 + 16 j + n and source channel c0 + (its span) + 16 kc
-// + k; zero across groups and at staged taps outside the kernel (a stride phase's missing taps).
+// weight between gather output channel c0 + 16 j + n and source channel kiln_source_base(c0) +
+// kiln_chunk_source(j) + 16 kc + k; zero across groups and at staged taps outside the kernel (a stride phase's missing taps).
 // Forward: weight[output][tap][source % CG]; backward-data (the gather's output is the layer's
 // input): weight[source][tap][output % CG].
 //
 // A thread takes units of 8 weights that are consecutive in the weight array (its last axis):
 // forward 8 k of B's row n, backward-data 8 n of B's column k. With 16-byte vectors (`vec`: the
 // weight is aligned; CG >= 8 keeps a unit in one group) a unit is one load, else eight; every
-// unit's index work is done once, not once a weight. A thread's units are unrolled so that
-// their loads are in flight at once, except on the fallback for unaligned weights, kept rolled
-// as it costs compile time in every spec and runs only for unaligned weights.
+// unit's index work is done once, not once a weight. A thread loads all its units, then stores
+// them, so that their loads are in flight at once (a store after each load waited for it: the
+// block's first tile waits for these), except on the fallback for unaligned weights, kept
+// rolled as it costs compile time in every spec and runs only for unaligned weights.
 template <int WEIGHTS>
 __device__ __forceinline__ void kiln_stage_weights(const T* __restrict__ weight,
                                                    const kiln_grouped& p, T* ws, int c0,
@@ -390,14 +446,21 @@ __device__ __forceinline__ void kiln_stage_weights(const T* __restrict__ weight,
   constexpr int WUNITS = WEIGHTS / 8, PER_THREAD = (WUNITS + THREADS - 1) / THREADS;
   if (CG >= 8 && !p.vec) {
 #pragma unroll 1
-    for (int u = tid; u < WUNITS; u += THREADS) kiln_stage_weight_unit<false>(weight, p, ws, c0, u);
+    for (int u = tid; u < WUNITS; u += THREADS)
+      kiln_store_weight_unit(ws, u, kiln_load_weight_unit<false>(weight, p, c0, u));
     return;
+  }
+  uint4 units[PER_THREAD];
+#pragma unroll
+  for (int i = 0; i < PER_THREAD; ++i) {
+    const int u = tid + i * THREADS;
+    if (WUNITS % THREADS == 0 || u < WUNITS)
+      units[i] = kiln_load_weight_unit<(CG >= 8)>(weight, p, c0, u);
   }
 #pragma unroll
   for (int i = 0; i < PER_THREAD; ++i) {
     const int u = tid + i * THREADS;
-    if (WUNITS % THREADS != 0 && u >= WUNITS) break;
-    kiln_stage_weight_unit<(CG >= 8)>(weight, p, ws, c0, u);
+    if (WUNITS % THREADS == 0 || u < WUNITS) kiln_store_weight_unit(ws, u, units[i]);
   }
 }
 
@@ -427,7 +490,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{kernel}}(
   const kiln_walks walks = kiln_walks_of(p);
   if (first < end) kiln_issue(src, dy, p, bufs, first, c0, walks);
 
-  if (PASS != 2) {
+  if constexpr (PASS != 2) {
     kiln_stage_weights<WEIGHTS>(other, p, ws, c0, tid);
     __syncthreads();
   }
@@ -454,7 +517,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{kernel}}(
     __syncthreads();
     if (active) {
       if constexpr (PASS == 2) {
-        for (int m = 0; m < mtiles; ++m) kiln_weight_sums(p, st, buf, m, j, half, sums);
+        for (int m = SPLIT_M ? half : 0; m < mtiles; m += SPLIT_M ? 2 : 1)
+          kiln_weight_sums(p, st, buf, m, j, half, sums);
       } else {
         const kiln_tile t = kiln_tile_at(p, tile);
         const T* wj = ws + j * KSIZE * KC * 256;
@@ -475,21 +539,39 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{kernel}}(
   }
 
   if constexpr (PASS == 2) {
-    // Sum e of k tile nt at a tap: output channel c0 + 16 j + g (+8 for e >= 2), source
-    // channel c0 + (the chunk's span) + 8 (half * KC + nt) + 2 (lane % 4) (+1 for odd e).
+    if constexpr (SPLIT_M) {
+      // The chunk's two warps summed alternate M tiles of the same weights: the second hands
+      // its sums to the first through shared memory (free: the loop's last barrier saw every
+      // read of the tiles), [tap][e][chunk][lane] so that a warp's lanes meet no conflict.
+      float* swap = reinterpret_cast<float*>(kiln_w4) + j * 32 + lane;
+      if (half == 1) {
+#pragma unroll
+        for (int t = 0; t < KSIZE; ++t)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) swap[(t * 4 + e) * CHUNKS * 32] = sums[t][0][e];
+      }
+      __syncthreads();
+      if (half == 1) return;
+#pragma unroll
+      for (int t = 0; t < KSIZE; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sums[t][0][e] += swap[(t * 4 + e) * CHUNKS * 32];
+    }
+    // Sum e of k tile nt at a tap: the block's output channel 16 j + g (+8 for e >= 2) and
+    // staged source channel 8 kiln_weight_unit0(j, half) + 8 nt + 2 (lane % 4) (+1 for odd e).
     if (!active) return;
     const int g = lane >> 2, pair = 2 * (lane & 3);
     const long long weights = (long long)p.chans * KSIZE * CG;
-    const int span0 = c0 + 16 * j / SPAN * SPAN + 8 * half * KC;
+    const int s0 = 8 * kiln_weight_unit0(j, half), sc0 = kiln_source_base(c0);
 #pragma unroll
     for (int t = 0; t < KSIZE; ++t)
 #pragma unroll
       for (int nt = 0; nt < KC; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int oc = c0 + 16 * j + g + (e >= 2 ? 8 : 0);
-          const int sc = span0 + 8 * nt + pair + (e & 1);
-          if (oc >= p.chans || sc >= p.chans || oc / CG != sc / CG) continue;
+          const int o = 16 * j + g + (e >= 2 ? 8 : 0), s = s0 + 8 * nt + pair + (e & 1);
+          const int oc = c0 + o, sc = sc0 + s;
+          if (oc >= p.chans || sc >= p.src_chans || !kiln_same_group(o, s)) continue;
           const long long at = ((long long)oc * KSIZE + (p.reverse ? KSIZE - 1 - t : t)) * CG +
                                sc % CG;
           if (partial)

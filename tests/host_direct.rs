@@ -743,7 +743,7 @@ fn random_depthwise_columns(seed: u64, n: usize) -> Vec<Case> {
 }
 
 /// `n` random grouped layers the grouped family takes for `pass` (seeded): 1-D and 2-D, every
-/// group width, channel counts over several 64-channel blocks or one partial (some without
+/// group width and channel multiplier, channel counts over several 64-channel blocks or one partial (some without
 /// 16-byte copies), kernels up to 3 a side, strides up to 2, uneven padding and flip.
 fn random_grouped(pass: Pass, n: usize) -> Vec<Case> {
     let mut rng = TestRng::new(0x9a0c + pass as u64);
@@ -752,6 +752,12 @@ fn random_grouped(pass: Pass, n: usize) -> Vec<Case> {
     let mut out = Vec::new();
     while out.len() < n {
         let cg = grouped::GROUP_WIDTHS[pick(0, grouped::GROUP_WIDTHS.len() - 1)];
+        // A channel multiplier of 2 for a third of the group widths that take one.
+        let mul = if (2..=16).contains(&cg) && pick(0, 2) == 0 {
+            2
+        } else {
+            1
+        };
         // Channels in pairs, as the family stores them.
         let c = cg.max(2) * pick(2, (160 / cg.max(2)).max(2));
         let one_d = pick(0, 3) == 0;
@@ -765,11 +771,11 @@ fn random_grouped(pass: Pass, n: usize) -> Vec<Case> {
         ];
         let size = [if one_d { 1 } else { pick(1, 19) }, pick(1, 40)];
         let (x, w) = if one_d {
-            (vec![pick(1, 2), size[1], c], vec![c, k[1], cg])
+            (vec![pick(1, 2), size[1], c], vec![c * mul, k[1], cg])
         } else {
             (
                 vec![pick(1, 2), size[0], size[1], c],
-                vec![c, k[0], k[1], cg],
+                vec![c * mul, k[0], k[1], cg],
             )
         };
         let dims = if one_d { 1 } else { 2 };

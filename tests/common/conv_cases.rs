@@ -320,6 +320,28 @@ pub fn grouped() -> Vec<ConvCase> {
                 .padding_hi(&[2, 0]),
         ),
         ConvCase::new(
+            "grouped 3x3, 8 in and 16 out a group, 96 channels in (two blocks, one partial)",
+            &[2, 9, 10, 96],
+            &[192, 3, 3, 8],
+            d().groups(12).padding(&[1]),
+        ),
+        ConvCase::new(
+            "grouped 3x3 stride 2, 16 in and 32 out a group, 32 channels in",
+            &[2, 13, 11, 32],
+            &[64, 3, 3, 16],
+            d().groups(2).strides(&[2]).padding(&[1]),
+        ),
+        ConvCase::new(
+            "grouped 2x3 stride 2 flip, 2 in and 4 out a group, 20 channels in",
+            &[1, 9, 12, 20],
+            &[40, 2, 3, 2],
+            d().groups(10)
+                .strides(&[2])
+                .flip(true)
+                .padding_lo(&[1, 0])
+                .padding_hi(&[0, 1]),
+        ),
+        ConvCase::new(
             "grouped 1d kernel 3, 8 a group, 40 channels",
             &[2, 37, 40],
             &[40, 3, 8],

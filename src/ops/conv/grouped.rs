@@ -1,11 +1,14 @@
 //! The grouped family (`templates/conv_grouped.cu`): grouped convolutions with few channels a
-//! group (2 to 32 input channels a group, as many output channels: ResNeXt, RegNet) in f16 and
-//! bf16 on tensor cores. It can run depthwise layers too (one channel a group), but the plan
-//! gives every depthwise layer it takes to the depthwise family, which comes first. A block
-//! works on 64 channels and walks tiles of outputs, copying the next tile's source pixels into
-//! shared memory while it multiplies this one with `mma.sync`; each group's weights between 16 output channels and the source channels they read are a
-//! block-diagonal 16 x 16 matrix (two dense ones for 32-channel groups), so one code path takes
-//! every group width and the zeros cost only MMAs, which such layers have to spare.
+//! group in f16 and bf16 on tensor cores: 2 to 32 input channels a group and as many output
+//! channels (ResNeXt, RegNet), or 2 to 16 and twice as many output channels. It can run
+//! depthwise layers too (one channel a group), but the plan gives every depthwise layer it takes
+//! to the depthwise family, which comes first. A block works on 64 output channels (of the
+//! gather: backward-data's are the layer's input channels) and walks tiles of outputs, copying
+//! the next tile's source pixels (the source channels its 64 read) into shared memory while it
+//! multiplies this one with `mma.sync`; each group's weights between 16 output channels and the
+//! source channels they read are a block-diagonal 16 x 16 matrix (two for 32-channel groups and
+//! multiplier-2 backward-data), so one code path takes every group width and the zeros cost
+//! only MMAs, which such layers have to spare.
 //!
 //! It takes 1-D and 2-D layers with kernels up to [`MAX_KERNEL`] taps a side (for strided
 //! backward-data, each stride phase's), strides up to [`MAX_STRIDE`] and no dilation, on GPUs with 16-bit tensor cores for the dtype from sm_80
@@ -27,7 +30,7 @@ pub static GROUPED: TemplateDef = TemplateDef {
     name: "conv_grouped",
     source: include_str!("../../../templates/conv_grouped.cu"),
     kernel: "kiln_conv_grouped",
-    const_names: &["PASS", "CG", "KH", "KW", "SH", "SW"],
+    const_names: &["PASS", "CG", "MUL", "KH", "KW", "SH", "SW"],
     arch_specific: false,
     only_arch: None,
 };
@@ -36,20 +39,25 @@ pub static GROUPED: TemplateDef = TemplateDef {
 pub const THREADS: u16 = 256;
 /// Channels a block works on (four 16-channel chunks).
 const CHANNELS: usize = 64;
-/// Elements a staged pixel takes in shared memory: its 64 channels and 16 bytes of padding.
-const PITCH: usize = CHANNELS + 8;
+/// Elements of padding a staged pixel takes in shared memory past its channels (16 bytes).
+const PAD: usize = 8;
 pub const MAX_KERNEL: usize = 3;
 pub const MAX_STRIDE: usize = 2;
-/// Channels a group the family takes (input and output alike).
+/// Input channels a group the family takes.
 pub const GROUP_WIDTHS: [usize; 6] = [1, 2, 4, 8, 16, 32];
+/// Output channels a group per input channel (the channel multiplier) the family takes; 2 for
+/// group widths of 2 to 16.
+pub const MULTIPLIERS: [usize; 2] = [1, 2];
 /// The first architecture whose `mma.sync` m16n8k16 takes both 16-bit types.
 pub const MIN_ARCH: u32 = 80;
 
 /// What a spec is specialised by.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Shape {
-    /// Channels a group.
+    /// Input channels a group.
     pub cg: usize,
+    /// Output channels a group per input channel.
+    pub mul: usize,
     pub kernel: [usize; 2],
     pub stride: [usize; 2],
 }
@@ -59,27 +67,65 @@ impl Shape {
     /// (every stride-th: the kernel divided by the stride, rounded up) at a time.
     fn of(pass: Pass, g: &Geometry) -> Shape {
         let cg = g.cin / g.groups;
+        let mul = g.cout / g.cin;
         let kernel = [g.kernel[1], g.kernel[2]];
         let stride = [g.stride[1], g.stride[2]];
         if pass == Pass::BackwardData {
             Shape {
                 cg,
+                mul,
                 kernel: [0, 1].map(|d| kernel[d].div_ceil(stride[d])),
                 stride: [1, 1],
             }
         } else {
-            Shape { cg, kernel, stride }
+            Shape {
+                cg,
+                mul,
+                kernel,
+                stride,
+            }
         }
     }
 
-    /// Source channels a 16-channel output chunk reads, in chunks of 16 (the template's KC).
-    fn k_chunks(&self) -> usize {
-        self.cg.max(16) / 16
+    /// Channels a group of the gather's output (backward-weight: of the cotangent) and of the
+    /// source it reads (the template's OPG and SPG).
+    fn group_roles(&self, pass: Pass) -> (usize, usize) {
+        match pass {
+            Pass::BackwardData => (self.cg, self.cg * self.mul),
+            _ => (self.cg * self.mul, self.cg),
+        }
+    }
+
+    /// Source channels a block stages a pixel: those its 64 channels read (the template's SPER).
+    fn source_channels(&self, pass: Pass) -> usize {
+        let (opg, spg) = self.group_roles(pass);
+        CHANNELS / opg * spg
+    }
+
+    /// Source channels a 16-channel output chunk reads (the template's READS).
+    fn reads(&self, pass: Pass) -> usize {
+        let (opg, spg) = self.group_roles(pass);
+        if opg <= 16 {
+            16 / opg * spg
+        } else {
+            spg
+        }
+    }
+
+    /// Those channels in chunks of 16 (the template's KC).
+    fn k_chunks(&self, pass: Pass) -> usize {
+        self.reads(pass).max(16) / 16
+    }
+
+    /// Whether backward-weight's two warps of a chunk sum alternate M tiles of its 8 source
+    /// channels and add their sums through shared memory (the template's SPLIT_M).
+    fn split_m(&self, pass: Pass) -> bool {
+        pass == Pass::BackwardWeight && self.reads(pass) < 16
     }
 
     /// Blocks an SM must hold: the template's launch bound MIN_BLOCKS.
     fn min_blocks(&self, pass: Pass) -> usize {
-        if pass == Pass::BackwardWeight && self.k_chunks() > 1 {
+        if pass == Pass::BackwardWeight && self.k_chunks(pass) > 1 {
             2
         } else {
             3
@@ -96,6 +142,7 @@ pub fn spec(dtype: DType, pass: Pass, s: Shape) -> KernelSpec {
         &[
             pass as i32,
             s.cg as i32,
+            s.mul as i32,
             s.kernel[0] as i32,
             s.kernel[1] as i32,
             s.stride[0] as i32,
@@ -106,7 +153,8 @@ pub fn spec(dtype: DType, pass: Pass, s: Shape) -> KernelSpec {
 
 /// The common grouped layers `kiln warm` compiles: 3x3 at strides 1 and 2 with 4, 8, 16 and
 /// 32 channels a group (ResNeXt, RegNet), f16 and bf16 (backward-data at stride 2 gathers 2x2
-/// phases). (Depthwise layers, which the family could take, are the depthwise family's.)
+/// phases). (Depthwise layers, which the family could take, are the depthwise family's; layers
+/// with a channel multiplier, which few models have, compile on first use.)
 pub fn specs() -> Vec<KernelSpec> {
     let mut out = Vec::new();
     for dtype in [DType::F16, DType::BF16] {
@@ -116,12 +164,14 @@ pub fn specs() -> Vec<KernelSpec> {
                     let shape = if pass == Pass::BackwardData {
                         Shape {
                             cg,
+                            mul: 1,
                             kernel: [3usize.div_ceil(s); 2],
                             stride: [1, 1],
                         }
                     } else {
                         Shape {
                             cg,
+                            mul: 1,
                             kernel: [3, 3],
                             stride: [s, s],
                         }
@@ -143,11 +193,15 @@ pub fn unsupported(path: ConvPath, key: &PlanKey) -> Option<&'static str> {
     if !matches!(key.dtype, DType::F16 | DType::BF16) || key.arch < MIN_ARCH {
         return Some("no 16-bit tensor cores of the kind the family uses");
     }
-    if g.groups < 2 || g.cin % g.groups != 0 || g.cout != g.cin {
-        return Some("not a grouped layer with as many output as input channels");
+    if g.groups < 2 || g.cin % g.groups != 0 || g.cout % g.cin != 0 {
+        return Some("not a grouped layer with a whole number of output channels an input one");
     }
-    if !GROUP_WIDTHS.contains(&(g.cin / g.groups)) {
+    let (cg, mul) = (g.cin / g.groups, g.cout / g.cin);
+    if !GROUP_WIDTHS.contains(&cg) {
         return Some("a group width the family does not take");
+    }
+    if !MULTIPLIERS.contains(&mul) || (mul > 1 && !(2..=16).contains(&cg)) {
+        return Some("a channel multiplier the family does not take");
     }
     if g.cin % 2 != 0 {
         // Outputs are stored as channel pairs (only one channel a group can leave one over).
@@ -183,6 +237,7 @@ pub struct Problem {
     pub out_h: i32,
     pub out_w: i32,
     pub chans: i32,
+    pub src_chans: i32,
     pub dst_h: i32,
     pub dst_w: i32,
     pub out_h0: i32,
@@ -235,18 +290,25 @@ fn source_slots(s: Shape, tile: [usize; 2]) -> usize {
 }
 
 /// Dynamic shared memory of a block with a `tile` of outputs, as the template lays it out:
-/// forward and backward-data the chunks' weights (16 x 16 blocks), then two tile buffers of
-/// PITCH elements a slot (the source, and for backward-weight the cotangent, a slot an output).
+/// forward and backward-data the chunks' weights (16 x 16 blocks), then two tile buffers: the
+/// source's slots (its staged channels and PAD elements each), and for backward-weight the
+/// cotangent's, a slot an output of 64 channels and PAD; at least, where backward-weight's warps
+/// add their sums through shared memory, the f32 sums of four warps.
 pub fn shared_bytes(pass: Pass, s: Shape, tile: [usize; 2]) -> usize {
     let taps = s.kernel[0] * s.kernel[1];
-    let mut slots = source_slots(s, tile);
+    let mut buffer = source_slots(s, tile) * (s.source_channels(pass) + PAD);
     let weights = if pass == Pass::BackwardWeight {
-        slots += tile[0] * tile[1];
+        buffer += tile[0] * tile[1] * (CHANNELS + PAD);
         0
     } else {
-        CHANNELS / 16 * taps * s.k_chunks() * 256
+        CHANNELS / 16 * taps * s.k_chunks(pass) * 256
     };
-    (weights + 2 * slots * PITCH) * 2
+    let exchange = if s.split_m(pass) {
+        CHANNELS / 16 * 32 * taps * 4 * 4
+    } else {
+        0
+    };
+    ((weights + 2 * buffer) * 2).max(exchange)
 }
 
 /// Blocks of `shared` bytes an SM holds, with the kernel's launch bound: an SM has about
@@ -255,7 +317,8 @@ fn blocks_per_sm(pass: Pass, s: Shape, shared: usize, limit: usize) -> usize {
     ((limit + 1024) / (shared + 1024)).min(s.min_blocks(pass))
 }
 
-/// Costs of the tile model, in staged slots (64 channels copied into shared memory): an MMA
+/// Costs of the tile model, in staged slots (64 channels copied into shared memory; a source
+/// slot of other widths counts in proportion): an MMA
 /// unit (an M tile at a tap and k chunk, used or idle), and a tile's fixed work (its barriers,
 /// setup and pipeline turn). Fitted to a sweep of eight tile shapes on the six ResNeXt layers,
 /// every pass (H100, f16).
@@ -300,13 +363,13 @@ fn choose_tile(
             }
             let per_sm = blocks_per_sm(pass, s, shared, limit).max(1);
             let tiles = out[0].div_ceil(th) * out[1].div_ceil(tw) * images_x_blocks;
-            let mut slots = source_slots(s, [th, tw]);
+            let mut slots =
+                (source_slots(s, [th, tw]) * s.source_channels(pass)) as f64 / CHANNELS as f64;
             if pass == Pass::BackwardWeight {
-                slots += th * tw;
+                slots += (th * tw) as f64;
             }
-            let mma_units = (th * tw / 16).next_multiple_of(2) * taps * s.k_chunks();
-            let work =
-                tiles as f64 * (slots as f64 + MMA_UNIT_SLOTS * mma_units as f64 + TILE_SLOTS);
+            let mma_units = (th * tw / 16).next_multiple_of(2) * taps * s.k_chunks(pass);
+            let work = tiles as f64 * (slots + MMA_UNIT_SLOTS * mma_units as f64 + TILE_SLOTS);
             let at_once = tiles.min(per_sm * sms) as f64;
             let time = work / at_once.powf(PARALLEL_POWER);
             if best.map_or(true, |(_, _, t)| time < t) {
@@ -326,13 +389,14 @@ pub fn launch_for(key: &PlanKey, sms: usize, limit: usize) -> Option<Launch> {
     let g = &key.geometry;
     let pass = key.pass;
     let shape = Shape::of(pass, g);
-    // The gather's output and source extents.
-    let (out, src) = match pass {
-        Pass::BackwardData => (g.input, g.output),
-        _ => (g.output, g.input),
+    // The gather's output and source extents and channels (backward-weight: the cotangent's
+    // and the input's).
+    let (out, src, chans, src_chans) = match pass {
+        Pass::BackwardData => (g.input, g.output, g.cin, g.cout),
+        _ => (g.output, g.input, g.cout, g.cin),
     };
     let phases = gather_phases(pass, g);
-    let blocks_y = g.cin.div_ceil(CHANNELS);
+    let blocks_y = chans.div_ceil(CHANNELS);
     let sms = sms.max(1);
     // Phase 0 has the most outputs; every phase takes its tile.
     let (tile, per_sm) = choose_tile(
@@ -368,7 +432,8 @@ pub fn launch_for(key: &PlanKey, sms: usize, limit: usize) -> Option<Launch> {
             src_w: src[2] as i32,
             out_h: h.outputs as i32,
             out_w: w.outputs as i32,
-            chans: g.cin as i32,
+            chans: chans as i32,
+            src_chans: src_chans as i32,
             dst_h: out[1] as i32,
             dst_w: out[2] as i32,
             out_h0: h.first as i32,
@@ -519,8 +584,18 @@ mod tests {
             }
         }
         let f16 = DType::F16;
-        // 64-channel groups, output channels unlike input, wide kernels, 3-D and dilation are
-        // other families'. (Depthwise layers are the depthwise family's where it takes them.)
+        // Twice as many output channels as input ones, from 2 to 16 a group.
+        for pass in Pass::ALL {
+            for cg in GROUP_WIDTHS {
+                let p = params(64, cg, 3, 1);
+                let k = key(f16, pass, &[2, 9, 9, 64], &[128, 3, 3, cg], &p);
+                let taken = unsupported(ConvPath::Auto, &k).is_none();
+                assert_eq!(taken, (2..=16).contains(&cg), "{cg} {pass:?}");
+            }
+        }
+        // 64-channel groups, other multipliers or fewer output channels than input ones, wide
+        // kernels, 3-D and dilation are other families'. (Depthwise layers are the depthwise
+        // family's where it takes them.)
         let [x, w] = grouped(128, 64, [9, 9], 3);
         assert!(unsupported(
             ConvPath::Auto,
@@ -528,8 +603,10 @@ mod tests {
         )
         .is_some());
         let p = params(64, 8, 3, 1);
-        let k = key(f16, Pass::Forward, &[2, 9, 9, 64], &[128, 3, 3, 8], &p);
-        assert!(unsupported(ConvPath::Auto, &k).is_some());
+        for cout in [32, 192, 256] {
+            let k = key(f16, Pass::Forward, &[2, 9, 9, 64], &[cout, 3, 3, 8], &p);
+            assert!(unsupported(ConvPath::Auto, &k).is_some(), "{cout}");
+        }
         let [x, w] = grouped(64, 8, [9, 9], 5);
         assert!(unsupported(
             ConvPath::Auto,
@@ -581,7 +658,11 @@ mod tests {
     fn launches_fit_shared_memory_and_cover_the_output() {
         let sizes = [[1, 1], [5, 3], [14, 14], [28, 28], [56, 56], [1, 300]];
         for pass in Pass::ALL {
-            for cg in GROUP_WIDTHS {
+            let shapes = GROUP_WIDTHS
+                .map(|cg| (cg, 1))
+                .into_iter()
+                .chain([2, 4, 8, 16].map(|cg| (cg, 2)));
+            for (cg, mul) in shapes {
                 for k in [1, 2, 3] {
                     for s in [1, 2] {
                         for size in sizes {
@@ -593,7 +674,7 @@ mod tests {
                                 .padding_lo(&[kh / 2, k / 2])
                                 .padding_hi(&[kh / 2, k / 2]);
                             let x = [3, size[0], size[1], c];
-                            let w = [c, kh, k, cg];
+                            let w = [c * mul, kh, k, cg];
                             let kk = key(DType::F16, pass, &x, &w, &p);
                             let l = launch_for(&kk, 132, H100_SHARED).unwrap();
                             assert!(l.shared <= H100_SHARED, "{kk:?}");
@@ -617,7 +698,12 @@ mod tests {
                                 assert!(pr.tiles_h * pr.tile_h >= pr.out_h, "{kk:?}");
                                 assert!(pr.tiles_w * pr.tile_w >= pr.out_w, "{kk:?}");
                                 assert_eq!(pr.tiles, 3 * pr.tiles_h * pr.tiles_w);
-                                assert_eq!(ph.grid.1 as usize, c.div_ceil(64));
+                                let chans = if pass == Pass::BackwardData {
+                                    c
+                                } else {
+                                    c * mul
+                                };
+                                assert_eq!(ph.grid.1 as usize, chans.div_ceil(64));
                                 if pass == Pass::BackwardWeight {
                                     // Every split has a tile; all tiles are covered.
                                     let s = l.splits as i32;
