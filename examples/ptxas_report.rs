@@ -2,7 +2,8 @@
 //! Usage: cargo run --example ptxas_report [sm_90] [TEXT]: specs whose description contains TEXT
 //! (default: the norm forward and VJP kernels). `--candidates`: the bf16 LayerNorm candidates of
 //! the norm bench's `--sweep` instead of the registered specs; `--tf32`: the Hopper convolution
-//! family's f32 (`KILN_ALLOW_TF32`) specs, which `kiln warm` leaves to first use.
+//! family's f32 (`KILN_ALLOW_TF32`) specs, which `kiln warm` leaves to first use;
+//! `--multipliers`: the grouped family's channel-multiplier specs, likewise.
 use kiln::jit::{Jit, Target};
 
 fn main() -> kiln::Result<()> {
@@ -32,6 +33,35 @@ fn main() -> kiln::Result<()> {
         for pass in Pass::ALL {
             for t in hopper::tiles(kiln::DType::F32, pass) {
                 all.push(hopper::spec(kiln::DType::F32, pass, t, 2));
+            }
+        }
+        all
+    } else if std::env::args().any(|a| a == "--multipliers") {
+        // The grouped family's channel-multiplier specs (3x3 at strides 1 and 2; backward-data
+        // gathers 2x2 phases at stride 2), which `kiln warm` leaves to first use.
+        use kiln::ops::conv::{grouped, Pass};
+        let mut all = Vec::new();
+        for dtype in [kiln::DType::F16, kiln::DType::BF16] {
+            for pass in Pass::ALL {
+                for mul in [2, 4] {
+                    for cg in [2, 4, 8, 16] {
+                        if !grouped::takes_multiplier(cg, mul) {
+                            continue;
+                        }
+                        for s in [1, 2] {
+                            let bd = pass == Pass::BackwardData;
+                            let k = if bd { 3usize.div_ceil(s) } else { 3 };
+                            let stride = if bd { 1 } else { s };
+                            let shape = grouped::Shape {
+                                cg,
+                                mul,
+                                kernel: [k; 2],
+                                stride: [stride; 2],
+                            };
+                            all.push(grouped::spec(dtype, pass, shape));
+                        }
+                    }
+                }
             }
         }
         all

@@ -1,22 +1,22 @@
-// Grouped convolution with few channels a group (CG input and MUL x CG output channels, CG = 1
-// to 32, MUL = 1 or 2), 1-D or 2-D, channels last, 16-bit types on tensor cores (mma.sync
-// m16n8k16, sm_80+): input (batch, h, w, C), weight (MUL x C, kh, kw, CG), output (batch, oh,
-// ow, MUL x C). Such layers move many bytes for little arithmetic, so a block works on 64
-// channels of the gather's output and walks tiles of outputs: it copies the next tile's source
-// pixels (the SPER channels its 64 read) into shared memory with cp.async while it computes this
-// one, and every product reads staged values with ldmatrix.
+// Grouped convolution with few channels a group (CG input and MUL x CG output channels: CG = 1
+// to 32, MUL = 1, 2 or 4, at most 32 output channels a group), 1-D or 2-D, channels last, 16-bit
+// types on tensor cores (mma.sync m16n8k16, sm_80+): input (batch, h, w, C), weight (MUL x C,
+// kh, kw, CG), output (batch, oh, ow, MUL x C). Such layers move many bytes for little
+// arithmetic, so a block works on 64 channels of the gather's output and walks tiles of outputs:
+// it copies the next tile's source pixels (the SPER channels its 64 read) into shared memory with
+// cp.async while it computes this one, and every product reads staged values with ldmatrix.
 //
 // Every product is an MMA over 16-channel chunks: a group's weights between 16 output channels
-// and the 16-channel chunk (or two) of source channels they read form a block-diagonal 16 x 16
-// matrix, or two. The zeros cost MMAs, which are cheap next to the bytes; one code path serves
-// every group width.
+// and the 16-channel chunks of source channels they read (one, two or four) form block-diagonal
+// 16 x 16 matrices. The zeros cost MMAs, which are cheap next to the bytes, and one code path
+// serves every group width; an 8-column half of B that is all zeros is skipped (kiln_live).
 //
 // A tile is TILE_H x TILE_W outputs (TILE_W a multiple of 8): segments of 8 outputs along a row,
 // and M tiles of two segments (16 outputs). A staged pixel (a slot) holds the block's source
 // channels, padded by 8 elements so that ldmatrix's eight rows (eight consecutive slots) fall in
-// distinct banks and a tap moves every row's address by one constant. Source columns are staged by stride
-// phase (column c at (c % SW) * phase_cols + c / SW): the 8 outputs of a segment read 8
-// consecutive slots at every tap, at any stride.
+// distinct banks and a tap moves every row's address by one constant. Source columns are staged
+// by stride phase (column c at (c % SW) * phase_cols + c / SW): the 8 outputs of a segment read
+// 8 consecutive slots at every tap, at any stride.
 //
 // The passes:
 //   PASS 0 forward:         out = output, src = input. A warp takes a 16-channel chunk of the
@@ -61,22 +61,31 @@ constexpr int DPITCH = PER + 8;
 constexpr int READS = OPG <= 16 ? 16 / OPG * SPG : SPG;
 constexpr int SPAN = READS < 16 ? 16 : READS;
 constexpr int KC = SPAN / 16;
-// Backward-weight where a chunk reads 8 source channels (a multiplier of 2, 8 a group or
-// fewer): both warps of the chunk take those 8 and every other M tile, instead of one warp
-// summing zeros.
+// Backward-weight where a chunk reads 8 source channels or fewer (a multiplier of 2 or 4): both
+// warps of the chunk take those 8 and every other M tile, instead of one warp summing zeros.
 constexpr bool SPLIT_M = PASS == 2 && READS < 16;
+// Whether n tile nt (8 of a chunk's 16 gather-output channels) and its k chunk kc share a
+// group, so that their 16 x 8 block of B is not all zeros. Where a chunk has several k chunks
+// and whole groups (KC > 1, OPG <= 16), kiln_chunk_source is its first group's first channel,
+// so both count groups from it: output channel n is in group n / OPG, source channel k in
+// k / SPG. Backward-data of a multiplier skips half its MMAs so.
+__device__ constexpr bool kiln_live(int nt, int kc) {
+  return KC == 1 || OPG > 16 ||
+         ((8 * nt + 7) / OPG >= 16 * kc / SPG && 8 * nt / OPG <= (16 * kc + 15) / SPG);
+}
 constexpr int KSIZE = KH * KW;
 constexpr int MB = 4;  // M tiles a forward warp sums at once, at most
 // Blocks an SM must hold (the launch bound); backward-weight of 32-channel groups holds twice
-// the sums.
-constexpr int MIN_BLOCKS = PASS == 2 && KC > 1 ? 2 : 3;
+// the sums, and four k chunks (a multiplier of 4's backward-data) load four B fragments a tap.
+constexpr int MIN_BLOCKS = (PASS == 2 && KC > 1) || KC > 2 ? 2 : 3;
 static_assert(sizeof(T) == 2, "16-bit types only");
 static_assert(KILN_ARCH >= 800, "mma.sync m16n8k16 for both 16-bit types needs sm_80");
 static_assert(WARPS == 2 * CHUNKS, "two warps a chunk");
 static_assert(THREADS % (SPER / 8) == 0 && THREADS % (PER / 8) == 0,
               "a thread copies one unit of its pixels");
 static_assert(16 % CG == 0 || CG == 32, "group widths 1, 2, 4, 8, 16 and 32");
-static_assert(MUL == 1 || (MUL == 2 && CG >= 2 && CG <= 16), "multiplier 2 for 2 to 16 a group");
+static_assert(MUL == 1 || ((MUL == 2 || MUL == 4) && CG >= 2 && CG * MUL <= 32),
+              "multipliers 2 and 4, for 2 or more in and up to 32 out a group");
 static_assert(PER % OPG == 0 && SPER % 16 == 0, "whole groups a block, whole k chunks staged");
 static_assert(PASS != 1 || (SH == 1 && SW == 1), "backward-data gathers at stride 1");
 
@@ -133,10 +142,10 @@ __device__ __forceinline__ int kiln_at(int slot, int unit) {
 // The first of the block's source channels, those its gather-output channels c0 on read.
 __device__ __forceinline__ int kiln_source_base(int c0) { return (unsigned)c0 / OPG * SPG; }
 
-// The first source channel (of the block's staged ones) of the k chunks chunk j reads.
-__device__ __forceinline__ int kiln_chunk_source(int j) {
-  return (unsigned)(16 * j) / OPG * SPG & ~15u;
-}
+// The first source channel (of the block's staged ones) of chunk j's first group, and of the k
+// chunks the chunk reads (rounded down to a whole chunk).
+__device__ __forceinline__ int kiln_group_source(int j) { return (unsigned)(16 * j) / OPG * SPG; }
+__device__ __forceinline__ int kiln_chunk_source(int j) { return kiln_group_source(j) & ~15u; }
 
 // Whether the block's gather-output channel `o` and staged source channel `s` (both counted
 // from the block's first) lie in one group.
@@ -296,8 +305,8 @@ __device__ __forceinline__ void kiln_products(const kiln_grouped& p, const kiln_
         for (int q = 0; q < NQ; ++q) {
           unsigned a[4];
           kiln_ldmatrix_x4<false>(a, row[q] + shift);
-          kiln_mma<T>::run(acc[q][0], a, b[0], b[1]);
-          kiln_mma<T>::run(acc[q][1], a, b[2], b[3]);
+          if (kiln_live(0, kc)) kiln_mma<T>::run(acc[q][0], a, b[0], b[1]);
+          if (kiln_live(1, kc)) kiln_mma<T>::run(acc[q][1], a, b[2], b[3]);
         }
       }
     }
@@ -331,7 +340,7 @@ __device__ __forceinline__ void kiln_products(const kiln_grouped& p, const kiln_
 // The first 16-byte unit of the source channels backward-weight's warp `half` of chunk j sums:
 // the chunk's (SPLIT_M), else that half of its k chunks'.
 __device__ __forceinline__ int kiln_weight_unit0(int j, int half) {
-  return SPLIT_M ? (unsigned)(16 * j) / OPG * SPG / 8 : kiln_chunk_source(j) / 8 + half * KC;
+  return SPLIT_M ? kiln_group_source(j) / 8 : kiln_chunk_source(j) / 8 + half * KC;
 }
 
 // Backward-weight: adds M tile m of the staged tile `buf` (source slots, then the cotangent's)
@@ -428,39 +437,47 @@ __device__ __forceinline__ void kiln_store_weight_unit(T* ws, int u, uint4 x) {
 // Stages a block's weights as B fragments: chunk j, tap, k chunk kc at [((j * KSIZE + tap) * KC
 // + kc) * 256 + n * 16 + k] (the two 8-element halves of row n swapped when n / 4 is odd), the
 // weight between gather output channel c0 + 16 j + n and source channel kiln_source_base(c0) +
-// kiln_chunk_source(j) + 16 kc + k; zero across groups and at staged taps outside the kernel (a stride phase's missing taps).
+// kiln_chunk_source(j) + 16 kc + k; zero across groups and at staged taps outside the kernel (a
+// stride phase's missing taps).
 // Forward: weight[output][tap][source % CG]; backward-data (the gather's output is the layer's
 // input): weight[source][tap][output % CG].
 //
 // A thread takes units of 8 weights that are consecutive in the weight array (its last axis):
 // forward 8 k of B's row n, backward-data 8 n of B's column k. With 16-byte vectors (`vec`: the
 // weight is aligned; CG >= 8 keeps a unit in one group) a unit is one load, else eight; every
-// unit's index work is done once, not once a weight. A thread loads all its units, then stores
-// them, so that their loads are in flight at once (a store after each load waited for it: the
-// block's first tile waits for these), except on the fallback for unaligned weights, kept
-// rolled as it costs compile time in every spec and runs only for unaligned weights.
+// unit's index work is done once, not once a weight. A thread loads a batch of its units, then
+// stores them, so that their loads are in flight at once (a store after each load waited for
+// it: the block's first tile waits for these); in batches of at most 10 units (40 registers,
+// one batch but for a multiplier of 4's backward-data, whose 18 a thread spilled at once; two
+// batches of the 32-channel groups' 9 to 10 ran 3-4% slower on 7x7 maps). The
+// fallback for unaligned weights is kept rolled, as it costs compile time in every spec and runs
+// only for unaligned weights.
 template <int WEIGHTS>
 __device__ __forceinline__ void kiln_stage_weights(const T* __restrict__ weight,
                                                    const kiln_grouped& p, T* ws, int c0,
                                                    int tid) {
   constexpr int WUNITS = WEIGHTS / 8, PER_THREAD = (WUNITS + THREADS - 1) / THREADS;
+  constexpr int BATCHES = (PER_THREAD + 9) / 10, BATCH = (PER_THREAD + BATCHES - 1) / BATCHES;
   if (CG >= 8 && !p.vec) {
 #pragma unroll 1
     for (int u = tid; u < WUNITS; u += THREADS)
       kiln_store_weight_unit(ws, u, kiln_load_weight_unit<false>(weight, p, c0, u));
     return;
   }
-  uint4 units[PER_THREAD];
+#pragma unroll 1
+  for (int b0 = 0; b0 < PER_THREAD; b0 += BATCH) {
+    uint4 units[BATCH];
 #pragma unroll
-  for (int i = 0; i < PER_THREAD; ++i) {
-    const int u = tid + i * THREADS;
-    if (WUNITS % THREADS == 0 || u < WUNITS)
-      units[i] = kiln_load_weight_unit<(CG >= 8)>(weight, p, c0, u);
-  }
+    for (int i = 0; i < BATCH; ++i) {
+      const int u = tid + (b0 + i) * THREADS;
+      if (WUNITS % (BATCH * THREADS) == 0 || u < WUNITS)
+        units[i] = kiln_load_weight_unit<(CG >= 8)>(weight, p, c0, u);
+    }
 #pragma unroll
-  for (int i = 0; i < PER_THREAD; ++i) {
-    const int u = tid + i * THREADS;
-    if (WUNITS % THREADS == 0 || u < WUNITS) kiln_store_weight_unit(ws, u, units[i]);
+    for (int i = 0; i < BATCH; ++i) {
+      const int u = tid + (b0 + i) * THREADS;
+      if (WUNITS % (BATCH * THREADS) == 0 || u < WUNITS) kiln_store_weight_unit(ws, u, units[i]);
+    }
   }
 }
 

@@ -752,11 +752,10 @@ fn random_grouped(pass: Pass, n: usize) -> Vec<Case> {
     let mut out = Vec::new();
     while out.len() < n {
         let cg = grouped::GROUP_WIDTHS[pick(0, grouped::GROUP_WIDTHS.len() - 1)];
-        // A channel multiplier of 2 for a third of the group widths that take one.
-        let mul = if (2..=16).contains(&cg) && pick(0, 2) == 0 {
-            2
-        } else {
-            1
+        // A channel multiplier of 2 or 4 for a third of the group widths that take one.
+        let mul = match grouped::MULTIPLIERS[pick(0, grouped::MULTIPLIERS.len() - 1)] {
+            m if m > 1 && grouped::takes_multiplier(cg, m) && pick(0, 1) == 0 => m,
+            _ => 1,
         };
         // Channels in pairs, as the family stores them.
         let c = cg.max(2) * pick(2, (160 / cg.max(2)).max(2));

@@ -269,8 +269,8 @@ pub fn depthwise() -> Vec<ConvCase> {
     ]
 }
 
-/// Cases for the grouped family (2 to 32 channels a group, as many out as in, kernels up to
-/// 3x3, 16-bit): every group width, more than one 64-channel block with a partial last one,
+/// Cases for the grouped family (2 to 32 channels a group, one, two or four times as many out
+/// as in, kernels up to 3x3, 16-bit): every group width, more than one 64-channel block with a partial last one,
 /// channel counts that take no 16-byte copies, strides, uneven padding, flip, 1-D, edges that
 /// cut tiles, a long backward-weight sum.
 pub fn grouped() -> Vec<ConvCase> {
@@ -339,6 +339,27 @@ pub fn grouped() -> Vec<ConvCase> {
                 .strides(&[2])
                 .flip(true)
                 .padding_lo(&[1, 0])
+                .padding_hi(&[0, 1]),
+        ),
+        ConvCase::new(
+            "grouped 3x3, 4 in and 16 out a group, 40 channels in (three blocks, one partial)",
+            &[2, 11, 9, 40],
+            &[160, 3, 3, 4],
+            d().groups(10).padding(&[1]),
+        ),
+        ConvCase::new(
+            "grouped 3x3 stride 2, 8 in and 32 out a group, 24 channels in",
+            &[2, 12, 13, 24],
+            &[96, 3, 3, 8],
+            d().groups(3).strides(&[2]).padding(&[1]),
+        ),
+        ConvCase::new(
+            "grouped 3x2 flip, 2 in and 8 out a group, 12 channels in",
+            &[1, 8, 17, 12],
+            &[48, 3, 2, 2],
+            d().groups(6)
+                .flip(true)
+                .padding_lo(&[2, 0])
                 .padding_hi(&[0, 1]),
         ),
         ConvCase::new(

@@ -1,22 +1,24 @@
 //! The grouped family (`templates/conv_grouped.cu`): grouped convolutions with few channels a
 //! group in f16 and bf16 on tensor cores: 2 to 32 input channels a group and as many output
-//! channels (ResNeXt, RegNet), or 2 to 16 and twice as many output channels. It can run
-//! depthwise layers too (one channel a group), but the plan gives every depthwise layer it takes
-//! to the depthwise family, which comes first. A block works on 64 output channels (of the
-//! gather: backward-data's are the layer's input channels) and walks tiles of outputs, copying
-//! the next tile's source pixels (the source channels its 64 read) into shared memory while it
-//! multiplies this one with `mma.sync`; each group's weights between 16 output channels and the
-//! source channels they read are a block-diagonal 16 x 16 matrix (two for 32-channel groups and
-//! multiplier-2 backward-data), so one code path takes every group width and the zeros cost
-//! only MMAs, which such layers have to spare.
+//! channels (ResNeXt, RegNet), or 2 and more with two or four times as many output channels, up
+//! to 32 a group. It can run depthwise layers too (one channel a group), but the plan gives every
+//! depthwise layer it takes to the depthwise family, which comes first. A block works on 64
+//! output channels (of the gather: backward-data's are the layer's input channels) and walks
+//! tiles of outputs, copying the next tile's source pixels (the source channels its 64 read)
+//! into shared memory while it multiplies this one with `mma.sync`; each group's weights between
+//! 16 output channels and the source channels they read are block-diagonal 16 x 16 matrices (one
+//! a k chunk of 16 source channels: two for 32-channel groups, two or four for a multiplier's
+//! backward-data), so one code path takes every group width and the zeros cost only MMAs, which
+//! such layers have to spare.
 //!
 //! It takes 1-D and 2-D layers with kernels up to [`MAX_KERNEL`] taps a side (for strided
-//! backward-data, each stride phase's), strides up to [`MAX_STRIDE`] and no dilation, on GPUs with 16-bit tensor cores for the dtype from sm_80
-//! on. Backward-data of a strided layer runs one launch a stride phase: the input pixels whose
-//! rows and columns leave one remainder by the strides take every stride-th tap of the kernel,
-//! a stride-1 gather of the cotangent with a smaller kernel (2x2 for a 3x3 at stride 2). The
-//! direct family takes the other grouped layers (f32, older GPUs, wider kernels). [`specs`]
-//! lists the common specs (`kiln warm` compiles those); any other compiles on its first use.
+//! backward-data, each stride phase's), strides up to [`MAX_STRIDE`] and no dilation, on GPUs
+//! with 16-bit tensor cores for the dtype from sm_80 on. Backward-data of a strided layer runs
+//! one launch a stride phase: the input pixels whose rows and columns leave one remainder by the
+//! strides take every stride-th tap of the kernel, a stride-1 gather of the cotangent with a
+//! smaller kernel (2x2 for a 3x3 at stride 2). The direct family takes the other grouped layers
+//! (f32, older GPUs, wider kernels). [`specs`] lists the common specs (`kiln warm` compiles
+//! those); any other compiles on its first use.
 
 use crate::dtype::DType;
 use crate::env::ConvPath;
@@ -45,9 +47,20 @@ pub const MAX_KERNEL: usize = 3;
 pub const MAX_STRIDE: usize = 2;
 /// Input channels a group the family takes.
 pub const GROUP_WIDTHS: [usize; 6] = [1, 2, 4, 8, 16, 32];
-/// Output channels a group per input channel (the channel multiplier) the family takes; 2 for
-/// group widths of 2 to 16.
-pub const MULTIPLIERS: [usize; 2] = [1, 2];
+/// Output channels a group per input channel (the channel multiplier) the family takes, where
+/// [`takes_multiplier`] allows.
+pub const MULTIPLIERS: [usize; 3] = [1, 2, 4];
+/// Most output channels a group (those of a 16-channel chunk's group fit two k chunks).
+const MAX_OUT_GROUP: usize = 32;
+
+/// Whether the family takes `cg` input channels a group with a channel multiplier `mul`: any
+/// group width as many out as in; 2 or more with two or four times as many out, up to
+/// [`MAX_OUT_GROUP`].
+pub fn takes_multiplier(cg: usize, mul: usize) -> bool {
+    GROUP_WIDTHS.contains(&cg)
+        && MULTIPLIERS.contains(&mul)
+        && (mul == 1 || (cg >= 2 && cg * mul <= MAX_OUT_GROUP))
+}
 /// The first architecture whose `mma.sync` m16n8k16 takes both 16-bit types.
 pub const MIN_ARCH: u32 = 80;
 
@@ -125,7 +138,8 @@ impl Shape {
 
     /// Blocks an SM must hold: the template's launch bound MIN_BLOCKS.
     fn min_blocks(&self, pass: Pass) -> usize {
-        if pass == Pass::BackwardWeight && self.k_chunks(pass) > 1 {
+        let k_chunks = self.k_chunks(pass);
+        if (pass == Pass::BackwardWeight && k_chunks > 1) || k_chunks > 2 {
             2
         } else {
             3
@@ -200,7 +214,7 @@ pub fn unsupported(path: ConvPath, key: &PlanKey) -> Option<&'static str> {
     if !GROUP_WIDTHS.contains(&cg) {
         return Some("a group width the family does not take");
     }
-    if !MULTIPLIERS.contains(&mul) || (mul > 1 && !(2..=16).contains(&cg)) {
+    if !takes_multiplier(cg, mul) {
         return Some("a channel multiplier the family does not take");
     }
     if g.cin % 2 != 0 {
@@ -584,13 +598,15 @@ mod tests {
             }
         }
         let f16 = DType::F16;
-        // Twice as many output channels as input ones, from 2 to 16 a group.
+        // Two or four times as many output channels as input ones, from 2 a group to 32 out.
         for pass in Pass::ALL {
             for cg in GROUP_WIDTHS {
-                let p = params(64, cg, 3, 1);
-                let k = key(f16, pass, &[2, 9, 9, 64], &[128, 3, 3, cg], &p);
-                let taken = unsupported(ConvPath::Auto, &k).is_none();
-                assert_eq!(taken, (2..=16).contains(&cg), "{cg} {pass:?}");
+                for mul in [2, 4] {
+                    let p = params(64, cg, 3, 1);
+                    let k = key(f16, pass, &[2, 9, 9, 64], &[64 * mul, 3, 3, cg], &p);
+                    let taken = unsupported(ConvPath::Auto, &k).is_none();
+                    assert_eq!(taken, cg >= 2 && cg * mul <= 32, "{cg} x{mul} {pass:?}");
+                }
             }
         }
         // 64-channel groups, other multipliers or fewer output channels than input ones, wide
@@ -603,7 +619,7 @@ mod tests {
         )
         .is_some());
         let p = params(64, 8, 3, 1);
-        for cout in [32, 192, 256] {
+        for cout in [32, 192, 384, 512] {
             let k = key(f16, Pass::Forward, &[2, 9, 9, 64], &[cout, 3, 3, 8], &p);
             assert!(unsupported(ConvPath::Auto, &k).is_some(), "{cout}");
         }
@@ -661,7 +677,8 @@ mod tests {
             let shapes = GROUP_WIDTHS
                 .map(|cg| (cg, 1))
                 .into_iter()
-                .chain([2, 4, 8, 16].map(|cg| (cg, 2)));
+                .chain([2, 4, 8, 16].map(|cg| (cg, 2)))
+                .chain([2, 4, 8].map(|cg| (cg, 4)));
             for (cg, mul) in shapes {
                 for k in [1, 2, 3] {
                     for s in [1, 2] {
