@@ -75,9 +75,11 @@ __device__ constexpr bool kiln_live(int nt, int kc) {
 }
 constexpr int KSIZE = KH * KW;
 constexpr int MB = 4;  // M tiles a forward warp sums at once, at most
-// Blocks an SM must hold (the launch bound); backward-weight of 32-channel groups holds twice
-// the sums, and four k chunks (a multiplier of 4's backward-data) load four B fragments a tap.
-constexpr int MIN_BLOCKS = (PASS == 2 && KC > 1) || KC > 2 ? 2 : 3;
+// Blocks an SM must hold (the launch bound): two for backward-weight, whose sums (KSIZE x KC x 4
+// floats) and every tap's B must all be live for its loads to go out together (at three, 80
+// registers, each MMA waited for its own load), and for four k chunks (a multiplier of 4's
+// backward-data), which spilled at three.
+constexpr int MIN_BLOCKS = PASS == 2 || KC > 2 ? 2 : 3;
 static_assert(sizeof(T) == 2, "16-bit types only");
 static_assert(KILN_ARCH >= 800, "mma.sync m16n8k16 for both 16-bit types needs sm_80");
 static_assert(WARPS == 2 * CHUNKS, "two warps a chunk");
@@ -362,18 +364,21 @@ __device__ __forceinline__ void kiln_weight_sums(const kiln_grouped& p, const ki
   // holds segment 2 m + (mi & 1) (lanes 16-31 repeat 0-15; ldmatrix .x2 reads lanes 0-15).
   const int unit0 = kiln_weight_unit0(j, half);
   const T* row = buf + kiln_at<SPITCH>(kiln_segment_slot(p, st, 2 * m + (mi & 1), r), unit0);
+  // Every tap's B first, then the MMAs: loaded and used one at a time, each MMA waited for its
+  // load and the next load for the MMA to free the register (the launch bound leaves few).
+  unsigned b[KSIZE][KC][2];
 #pragma unroll
   for (int kh = 0; kh < KH; ++kh)
 #pragma unroll
     for (int kw = 0; kw < KW; ++kw) {
       const T* at = row + kiln_tap_slots(st, kh, kw) * SPITCH;
 #pragma unroll
-      for (int nt = 0; nt < KC; ++nt) {
-        unsigned b[2];
-        kiln_ldmatrix_x2<true>(b, at + nt * 8);
-        kiln_mma<T>::run(sums[kh * KW + kw][nt], a, b[0], b[1]);
-      }
+      for (int nt = 0; nt < KC; ++nt) kiln_ldmatrix_x2<true>(b[kh * KW + kw][nt], at + nt * 8);
     }
+#pragma unroll
+  for (int t = 0; t < KSIZE; ++t)
+#pragma unroll
+    for (int nt = 0; nt < KC; ++nt) kiln_mma<T>::run(sums[t][nt], a, b[t][nt][0], b[t][nt][1]);
 }
 
 // The 8 weights of unit u (see kiln_stage_weights), packed in pairs; VEC: one 16-byte load.

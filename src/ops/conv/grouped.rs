@@ -136,10 +136,10 @@ impl Shape {
         pass == Pass::BackwardWeight && self.reads(pass) < 16
     }
 
-    /// Blocks an SM must hold: the template's launch bound MIN_BLOCKS.
+    /// Blocks an SM must hold: the template's launch bound MIN_BLOCKS (two where a thread
+    /// needs more registers: backward-weight, and four k chunks).
     fn min_blocks(&self, pass: Pass) -> usize {
-        let k_chunks = self.k_chunks(pass);
-        if (pass == Pass::BackwardWeight && k_chunks > 1) || k_chunks > 2 {
+        if pass == Pass::BackwardWeight || self.k_chunks(pass) > 2 {
             2
         } else {
             3
