@@ -97,7 +97,7 @@ const STEM: &str = "stem";
 const GIVEN: &str = "given layers";
 
 /// The class suite: depthwise (3x3, 5x5, 7x7; channel multipliers 1 and 2), grouped (4 to 32
-/// channels a group), patch embeddings (14x14 and 16x16) and stems (3 channels, 7x7 and 3x3 at
+/// channels a group; channel multipliers 1, 2 and 4), patch embeddings (14x14 and 16x16) and stems (3 channels, 7x7 and 3x3 at
 /// stride 2), from MobileNetV2, EfficientNet, ConvNeXt, ResNeXt-50 (32x4d), ViT and ResNet.
 fn class_layers() -> Vec<Layer> {
     vec![
@@ -126,6 +126,9 @@ fn class_layers() -> Vec<Layer> {
         // ResNeXt-101 32x8d (16 a group at 28x28) and ResNeXt-50's last stage (32 a group).
         class_layer(GROUPED, 64, 512, &[28, 28], 512, 3, 1, 1, 32),
         class_layer(GROUPED, 64, 1024, &[7, 7], 1024, 3, 1, 1, 32),
+        // Channel multipliers 2 and 4 (8 in and 16 out a group; 4 in and 16 out).
+        class_layer(GROUPED, 32, 64, &[56, 56], 128, 3, 1, 1, 8),
+        class_layer(GROUPED, 64, 32, &[56, 56], 128, 3, 1, 1, 8),
         // ViT-B/16 and ViT-L/14 patch embeddings at 224x224.
         class_layer(PATCH, 64, 3, &[224, 224], 768, 16, 16, 0, 1),
         class_layer(PATCH, 64, 3, &[224, 224], 1024, 14, 14, 0, 1),
