@@ -51,7 +51,7 @@ pub const GROUP_WIDTHS: [usize; 6] = [1, 2, 4, 8, 16, 32];
 /// [`takes_multiplier`] allows.
 pub const MULTIPLIERS: [usize; 3] = [1, 2, 4];
 /// Most output channels a group (those of a 16-channel chunk's group fit two k chunks).
-const MAX_OUT_GROUP: usize = 32;
+pub const MAX_OUT_GROUP: usize = 32;
 
 /// Whether the family takes `cg` input channels a group with a channel multiplier `mul`: any
 /// group width as many out as in; 2 or more with two or four times as many out, up to
