@@ -49,15 +49,7 @@ fn main() -> kiln::Result<()> {
                             continue;
                         }
                         for s in [1, 2] {
-                            let bd = pass == Pass::BackwardData;
-                            let k = if bd { 3usize.div_ceil(s) } else { 3 };
-                            let stride = if bd { 1 } else { s };
-                            let shape = grouped::Shape {
-                                cg,
-                                mul,
-                                kernel: [k; 2],
-                                stride: [stride; 2],
-                            };
+                            let shape = grouped::Shape::square(pass, cg, mul, 3, s);
                             all.push(grouped::spec(dtype, pass, shape));
                         }
                     }

@@ -100,6 +100,23 @@ impl Shape {
         }
     }
 
+    /// The gather `pass` runs for a `k` x `k` kernel at stride `s` with `cg` input channels a
+    /// group and multiplier `mul` (backward-data: a stride phase's taps at stride 1), as
+    /// [`Shape::of`] derives it from such a layer.
+    pub fn square(pass: Pass, cg: usize, mul: usize, k: usize, s: usize) -> Shape {
+        let (kernel, stride) = if pass == Pass::BackwardData {
+            (k.div_ceil(s), 1)
+        } else {
+            (k, s)
+        };
+        Shape {
+            cg,
+            mul,
+            kernel: [kernel; 2],
+            stride: [stride; 2],
+        }
+    }
+
     /// Channels a group of the gather's output (backward-weight: of the cotangent) and of the
     /// source it reads (the template's OPG and SPG).
     fn group_roles(&self, pass: Pass) -> (usize, usize) {
@@ -175,22 +192,7 @@ pub fn specs() -> Vec<KernelSpec> {
         for pass in Pass::ALL {
             for cg in [4, 8, 16, 32] {
                 for s in [1, 2] {
-                    let shape = if pass == Pass::BackwardData {
-                        Shape {
-                            cg,
-                            mul: 1,
-                            kernel: [3usize.div_ceil(s); 2],
-                            stride: [1, 1],
-                        }
-                    } else {
-                        Shape {
-                            cg,
-                            mul: 1,
-                            kernel: [3, 3],
-                            stride: [s, s],
-                        }
-                    };
-                    out.push(spec(dtype, pass, shape));
+                    out.push(spec(dtype, pass, Shape::square(pass, cg, 1, 3, s)));
                 }
             }
         }
