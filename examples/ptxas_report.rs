@@ -3,10 +3,11 @@
 //! (default: the norm forward and VJP kernels). `--candidates`: the bf16 LayerNorm candidates of
 //! the norm bench's `--sweep` instead of the registered specs; `--tf32`: the Hopper convolution
 //! family's f32 (`KILN_ALLOW_TF32`) specs, which `kiln warm` leaves to first use;
-//! `--multipliers`: the grouped family's channel-multiplier specs, likewise.
+//! `--multipliers`: the grouped family's channel-multiplier specs, likewise. `--cubin=DIR` also
+//! writes each spec's cubin into DIR (for `cuobjdump --dump-sass`).
 use kiln::jit::{Jit, Target};
 
-fn main() -> kiln::Result<()> {
+fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1).filter(|a| !a.starts_with("--"));
     let target: Target = args.next().unwrap_or("sm_90".into()).parse()?;
     let only = args.next().unwrap_or("norm_".into());
@@ -74,7 +75,13 @@ fn main() -> kiln::Result<()> {
         options.push("--ptxas-options=-v".into());
         let out = nvrtc.compile("r", &parts.source, &parts.name_expressions, &options, false)?;
         let log = match out {
-            Ok(o) => o.log,
+            Ok(o) => {
+                if let Some(dir) = cubin_dir() {
+                    let file = format!("{dir}/{}.cubin", spec.to_string().replace(' ', "_"));
+                    std::fs::write(file, &o.image)?;
+                }
+                o.log
+            }
             Err(f) => f.log,
         };
         let info: Vec<&str> = log
@@ -85,4 +92,9 @@ fn main() -> kiln::Result<()> {
         println!("{spec}\n    {}", info.join("\n    "));
     }
     Ok(())
+}
+
+/// `--cubin=DIR`: where to write each spec's cubin (for cuobjdump), if given.
+fn cubin_dir() -> Option<String> {
+    std::env::args().find_map(|a| a.strip_prefix("--cubin=").map(str::to_owned))
 }
