@@ -219,6 +219,15 @@ pub fn unsupported(path: ConvPath, key: &PlanKey) -> Option<&'static str> {
     if !takes_multiplier(cg, mul) {
         return Some("a channel multiplier the family does not take");
     }
+    // The staging walk keeps a tile's offsets in 32 bits from its image's first element, with
+    // room for padding and tiles past the edges.
+    let offsets_fit = |h: usize, w: usize, c: usize| {
+        (h + 192).saturating_mul(w + 192).saturating_mul(c) < 1 << 31
+    };
+    if !offsets_fit(g.input[1], g.input[2], g.cin) || !offsets_fit(g.output[1], g.output[2], g.cout)
+    {
+        return Some("an image of 2^31 elements or more");
+    }
     if g.cin % 2 != 0 {
         // Outputs are stored as channel pairs (only one channel a group can leave one over).
         return Some("an odd channel count");
@@ -647,6 +656,12 @@ mod tests {
         let [x, w] = grouped(64, 8, [9, 9], 7);
         let p = params(64, 8, 7, 2);
         assert!(unsupported(ConvPath::Auto, &key(f16, Pass::BackwardData, &x, &w, &p)).is_some());
+        // Images whose staging offsets would pass 32 bits go to the implicit GEMM.
+        let p = params(64, 8, 3, 1);
+        let big = key(f16, Pass::Forward, &[1, 5700, 5700, 64], &[64, 3, 3, 8], &p);
+        assert!(unsupported(ConvPath::Auto, &big).is_some());
+        let large = key(f16, Pass::Forward, &[1, 4000, 4000, 64], &[64, 3, 3, 8], &p);
+        assert_eq!(unsupported(ConvPath::Auto, &large), None);
         let dilated = params(64, 8, 3, 1).kernel_dilation(&[2]);
         let k = key(f16, Pass::Forward, &[2, 9, 9, 64], &[64, 3, 3, 8], &dilated);
         assert!(unsupported(ConvPath::Auto, &k).is_some());
