@@ -154,9 +154,12 @@ impl Shape {
     }
 
     /// Blocks an SM must hold: the template's launch bound MIN_BLOCKS (two where a thread
-    /// needs more registers: backward-weight, and four k chunks).
+    /// needs more registers: backward-weight, four k chunks, and a multiplier's backward-data).
     fn min_blocks(&self, pass: Pass) -> usize {
-        if pass == Pass::BackwardWeight || self.k_chunks(pass) > 2 {
+        if pass == Pass::BackwardWeight
+            || self.k_chunks(pass) > 2
+            || (pass == Pass::BackwardData && self.mul >= 2)
+        {
             2
         } else {
             3
