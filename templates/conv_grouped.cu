@@ -75,11 +75,7 @@ __device__ constexpr bool kiln_live(int nt, int kc) {
 }
 constexpr int KSIZE = KH * KW;
 constexpr int MB = 4;  // M tiles a forward warp sums at once, at most
-// Blocks an SM must hold (the launch bound): two for backward-weight, whose sums (KSIZE x KC x 4
-// floats) and every tap's B must all be live for its loads to go out together (at three, 80
-// registers, each MMA waited for its own load), and for a multiplier's backward-data (two or
-// four k chunks), which spilled 46-90 bytes at three (at two, 0-10: 1.04-1.19x on the H200).
-constexpr int MIN_BLOCKS = PASS == 2 || KC > 2 || (PASS == 1 && MUL >= 2) ? 2 : 3;
+constexpr int MIN_BLOCKS = {{MIN_BLOCKS}};  // the launch bound (grouped::Shape::min_blocks)
 static_assert(sizeof(T) == 2, "16-bit types only");
 static_assert(KILN_ARCH >= 800, "mma.sync m16n8k16 for both 16-bit types needs sm_80");
 static_assert(WARPS == 2 * CHUNKS, "two warps a chunk");

@@ -32,10 +32,14 @@ pub static GROUPED: TemplateDef = TemplateDef {
     name: "conv_grouped",
     source: include_str!("../../../templates/conv_grouped.cu"),
     kernel: "kiln_conv_grouped",
-    const_names: &["PASS", "CG", "MUL", "KH", "KW", "SH", "SW"],
+    const_names: &["PASS", "CG", "MUL", "KH", "KW", "SH", "SW", "MIN_BLOCKS"],
     arch_specific: false,
     only_arch: None,
 };
+
+/// Rows and columns the staging walk's offsets may reach past an image (its padding and the
+/// tiles past its edges), which [`unsupported`] counts in its 32-bit bound.
+const STAGING_MARGIN: usize = 192;
 
 /// Threads a block: 8 warps, two a 16-channel chunk.
 pub const THREADS: u16 = 256;
@@ -153,13 +157,14 @@ impl Shape {
         pass == Pass::BackwardWeight && self.reads(pass) < 16
     }
 
-    /// Blocks an SM must hold: the template's launch bound MIN_BLOCKS (two where a thread
-    /// needs more registers: backward-weight, four k chunks, and a multiplier's backward-data).
+    /// Blocks an SM must hold: the template's launch bound MIN_BLOCKS. Two for backward-weight,
+    /// whose sums (taps x k chunks x 4 floats) and every tap's B must all be live for its loads
+    /// to go out together (at three, 80 registers, each MMA waited for its own load), and for a
+    /// multiplier's backward-data (two or four k chunks), which spilled 46-90 bytes at three (at
+    /// two, 0-10: 1.04-1.19x on the H200); three elsewhere.
     fn min_blocks(&self, pass: Pass) -> usize {
-        if pass == Pass::BackwardWeight
-            || self.k_chunks(pass) > 2
-            || (pass == Pass::BackwardData && self.mul >= 2)
-        {
+        let multiplier_data = pass == Pass::BackwardData && self.mul >= 2;
+        if pass == Pass::BackwardWeight || multiplier_data {
             2
         } else {
             3
@@ -181,6 +186,7 @@ pub fn spec(dtype: DType, pass: Pass, s: Shape) -> KernelSpec {
             s.kernel[1] as i32,
             s.stride[0] as i32,
             s.stride[1] as i32,
+            s.min_blocks(pass) as i32,
         ],
     )
 }
@@ -222,10 +228,10 @@ pub fn unsupported(path: ConvPath, key: &PlanKey) -> Option<&'static str> {
     if !takes_multiplier(cg, mul) {
         return Some("a channel multiplier the family does not take");
     }
-    // The staging walk keeps a tile's offsets in 32 bits from its image's first element, with
-    // room for padding and tiles past the edges.
+    // The staging walk keeps a tile's offsets in 32 bits from its image's first element.
     let offsets_fit = |h: usize, w: usize, c: usize| {
-        (h + 192).saturating_mul(w + 192).saturating_mul(c) < 1 << 31
+        let margin = STAGING_MARGIN;
+        (h + margin).saturating_mul(w + margin).saturating_mul(c) < 1 << 31
     };
     if !offsets_fit(g.input[1], g.input[2], g.cin) || !offsets_fit(g.output[1], g.output[2], g.cout)
     {
