@@ -340,10 +340,10 @@ fn run_host_depthwise_rows(
     run_depthwise_launch(cxx, dtype, pass, g, ops, launch)
 }
 
-/// The depthwise family's column-walks launch of backward-weight of `g`, or None where that
-/// kernel cannot run it.
-fn depthwise_columns_launch(dtype: DType, g: &Geometry) -> Option<depthwise::Launch> {
-    let key = host_key(dtype, Pass::BackwardWeight, g);
+/// The depthwise family's column-walks launch of `pass` of `g`, or None where that kernel
+/// cannot run it.
+fn depthwise_columns_launch(dtype: DType, pass: Pass, g: &Geometry) -> Option<depthwise::Launch> {
+    let key = host_key(dtype, pass, g);
     let taken = depthwise::unsupported(kiln::env::ConvPath::Auto, &key).is_none()
         && depthwise::columns_fit(&key);
     taken
@@ -351,7 +351,7 @@ fn depthwise_columns_launch(dtype: DType, g: &Geometry) -> Option<depthwise::Lau
         .flatten()
 }
 
-/// Runs backward-weight of `g` through the host build of the depthwise family's column walks.
+/// Runs `pass` of `g` through the host build of the depthwise family's column walks.
 fn run_host_depthwise_columns(
     cxx: &str,
     dtype: DType,
@@ -359,8 +359,7 @@ fn run_host_depthwise_columns(
     g: &Geometry,
     ops: [&[f64]; 2],
 ) -> Vec<f64> {
-    assert_eq!(pass, Pass::BackwardWeight);
-    let launch = depthwise_columns_launch(dtype, g).expect("the column walks take the case");
+    let launch = depthwise_columns_launch(dtype, pass, g).expect("the column walks take the case");
     run_depthwise_launch(cxx, dtype, pass, g, ops, launch)
 }
 
@@ -719,17 +718,22 @@ fn random_depthwise_layer(
 }
 
 /// `n` random layers the depthwise column walks take (seeded): 2-D, one output channel a
-/// group, 1 to 70 channels (vectors of 4, 2 and 1), kernels of 2-7 rows and 1-7 columns at
-/// stride 1 or 2, images from one output row and column to several segments and bands, uneven
-/// padding and flip.
-fn random_depthwise_columns(seed: u64, n: usize) -> Vec<Case> {
+/// group, 1 to `most_channels` channels (vectors of 4, 2 and 1; past 64 vectors, two chunks),
+/// kernels of 2-7 rows and 1-7 columns at stride 1 to `most_stride`, images from one
+/// output row and column to several segments and bands, uneven padding and flip.
+fn random_depthwise_columns(
+    seed: u64,
+    n: usize,
+    most_stride: usize,
+    most_channels: usize,
+) -> Vec<Case> {
     let mut rng = TestRng::new(0xc015 + seed);
     let mut pick = |lo: usize, hi: usize| rng.pick(lo, hi);
     let mut out = Vec::new();
     while out.len() < n {
-        let c = pick(1, 70);
+        let c = pick(1, most_channels);
         let k = [pick(2, 7), pick(1, 7)];
-        let stride = pick(1, 2);
+        let stride = pick(1, most_stride);
         out.extend(random_depthwise_layer(
             &mut pick,
             "columns",
@@ -944,21 +948,34 @@ fn check_depthwise_rows(pass: Pass) {
     check_cases("host_depthwise_rows", pass, &cases, run_host_depthwise_rows);
 }
 
-/// The depthwise column walks (backward-weight): the fixed depthwise cases they take and random
-/// ones, every dtype.
-fn check_depthwise_columns() {
+/// The depthwise column walks: the fixed depthwise cases they take for `pass` and random
+/// ones (backward-data at stride 1), every dtype.
+fn check_depthwise_columns(pass: Pass) {
     let taken = |x: &[usize], w: &[usize], p: &ConvParams| {
         let g = Geometry::new(x, w, p).unwrap();
         DType::ALL
             .iter()
-            .all(|&dtype| depthwise_columns_launch(dtype, &g).is_some())
+            .all(|&dtype| depthwise_columns_launch(dtype, pass, &g).is_some())
     };
-    let random = random_depthwise_columns(0, 10);
+    let most_stride = if pass == Pass::BackwardData { 1 } else { 2 };
+    // Backward-weight keeps the seed it had before the other passes joined.
+    let seed = match pass {
+        Pass::BackwardWeight => 0,
+        Pass::Forward => 1,
+        Pass::BackwardData => 2,
+    };
+    // Forward and backward-data also draw layers of two chunks (a block a chunk and tile).
+    let most_channels = if pass == Pass::BackwardWeight {
+        70
+    } else {
+        160
+    };
+    let random = random_depthwise_columns(seed, 10, most_stride, most_channels);
     assert!(random.iter().all(|(_, x, w, p)| taken(x, w, p)));
     let cases: Vec<_> = fixed_depthwise(taken).into_iter().chain(random).collect();
     check_cases(
         "host_depthwise_columns",
-        Pass::BackwardWeight,
+        pass,
         &cases,
         run_host_depthwise_columns,
     );
@@ -1128,8 +1145,18 @@ fn depthwise_rows_backward_weight_matches_the_reference() {
 }
 
 #[test]
+fn depthwise_columns_forward_matches_the_reference() {
+    check_depthwise_columns(Pass::Forward);
+}
+
+#[test]
+fn depthwise_columns_backward_data_matches_the_reference() {
+    check_depthwise_columns(Pass::BackwardData);
+}
+
+#[test]
 fn depthwise_columns_backward_weight_matches_the_reference() {
-    check_depthwise_columns();
+    check_depthwise_columns(Pass::BackwardWeight);
 }
 
 #[test]

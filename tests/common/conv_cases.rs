@@ -266,6 +266,29 @@ pub fn depthwise() -> Vec<ConvCase> {
                 .padding_lo(&[0, 2])
                 .padding_hi(&[2, 0]),
         ),
+        // Small images: 16-bit forward and backward-data on the column walks (a row of 7 and of
+        // 3 a thread; two chunks of channel pairs).
+        ConvCase::new(
+            "depthwise 3x3 on 7x7 images, 96 channels",
+            &[3, 7, 7, 96],
+            &[96, 3, 3, 1],
+            d().groups(96).padding(&[1]),
+        ),
+        ConvCase::new(
+            "depthwise 3x3 flip, 9x20 images, uneven padding, 66 channels",
+            &[2, 9, 20, 66],
+            &[66, 3, 3, 1],
+            d().groups(66)
+                .flip(true)
+                .padding_lo(&[2, 0])
+                .padding_hi(&[0, 2]),
+        ),
+        ConvCase::new(
+            "depthwise 2x3 on 14x13 images, 130 channels in two chunks",
+            &[2, 14, 13, 130],
+            &[130, 2, 3, 1],
+            d().groups(130).padding_lo(&[1, 1]).padding_hi(&[0, 1]),
+        ),
     ]
 }
 

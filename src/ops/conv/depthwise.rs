@@ -34,7 +34,9 @@
 //! any architecture, strides up to 2: a thread takes a vector of up to 4 channels of two output
 //! columns and walks down a segment of source rows straight from global memory, one row's loads
 //! in flight ahead of the one it adds, keeping the cotangent rows still open and its KH x KW
-//! sums in registers; blocks are persistent and write one f32 partial each.
+//! sums in registers; blocks are persistent and write one f32 partial each. The forward and
+//! stride-1 backward-data of 16-bit 3x3 layers on images of up to 20x20 walk the same way, two
+//! channels and a whole or a third of a row a thread, a block an image and channel chunk.
 //!
 //! Strided backward-data runs on the stencil as the forward of the transposed convolution: its
 //! source is the cotangent spread by the stride with zeros between, of which only the real rows
@@ -85,14 +87,14 @@ pub static DEPTHWISE_ROWS: TemplateDef = TemplateDef {
     arch_specific: false,
     only_arch: None,
 };
-/// The column-walks variant (`templates/conv_depthwise_cols.cu`): backward-weight with one
-/// output channel a group, the same stride (1 or 2) along both dims, kernels up to 7x7, any
-/// architecture.
+/// The column-walks variant (`templates/conv_depthwise_cols.cu`): one output channel a group,
+/// the same stride (1 or 2) along both dims, kernels up to 7x7, any architecture; every pass
+/// (backward-data at stride 1).
 pub static DEPTHWISE_COLS: TemplateDef = TemplateDef {
     name: "conv_depthwise_cols",
     source: include_str!("../../../templates/conv_depthwise_cols.cu"),
     kernel: "kiln_conv_depthwise_cols",
-    const_names: &["KH", "KW", "TW", "V", "S"],
+    const_names: &["PASS", "KH", "KW", "TW", "V", "S"],
     arch_specific: false,
     only_arch: None,
 };
@@ -166,7 +168,8 @@ pub enum Variant {
     /// Streamed rows (`conv_depthwise_rows.cu`): kernels up to 7x7, every pass at stride 1 and
     /// the forward at stride 2.
     Rows,
-    /// Column walks (`conv_depthwise_cols.cu`): backward-weight, `vector` channels a thread.
+    /// Column walks (`conv_depthwise_cols.cu`): `vector` channels a thread; backward-weight
+    /// with few channels, forward and stride-1 backward-data of small images.
     Columns { vector: usize },
 }
 
@@ -259,6 +262,7 @@ pub fn spec(dtype: DType, pass: Pass, s: Shape) -> KernelSpec {
             THREADS,
             1,
             &[
+                pass as i32,
                 s.kernel[0] as i32,
                 s.kernel[1] as i32,
                 s.out_tile[1] as i32,
@@ -362,6 +366,22 @@ pub fn specs(arch: u32) -> Vec<KernelSpec> {
                         variant,
                     };
                     out.push(spec(dtype, pass, shape));
+                }
+                // Forward and backward-data of 16-bit 3x3 layers on small images are the column
+                // walks', a row or part of one a thread.
+                if gather && mg == 1 && k == 3 && s == 1 && sixteen {
+                    for tw in COLUMNS_OUTPUT_TW {
+                        let columns = Shape {
+                            mg,
+                            kernel: [k, k],
+                            stride: [s, s],
+                            out_tile: [1, tw],
+                            variant: Variant::Columns {
+                                vector: COLUMNS_OUTPUT_VECTOR,
+                            },
+                        };
+                        out.push(spec(dtype, pass, columns));
+                    }
                 }
                 // Backward-weight of 3x3 layers with few channels (16: MobileNetV3) is the
                 // column walks'.
@@ -714,18 +734,40 @@ fn columns_most_vector(dtype: DType, kernel: [usize; 2]) -> usize {
     }
 }
 
-/// Output columns a thread of the column walks takes (the template's TW).
+/// Output columns a thread of the column walks takes in backward-weight (the template's TW).
 const COLUMNS_TW: usize = 2;
+/// Output columns a thread of the column walks takes in the forward and backward-data: a
+/// whole row of 7 or 14 columns (two threads), else 3 ([`columns_output_tw`]).
+const COLUMNS_OUTPUT_TW: [usize; 2] = [3, 7];
+/// Channels a thread of the column walks takes in the forward and backward-data: two, whose
+/// window, sums and weights fit the registers at up to 7 columns (a standalone probe of this
+/// walk on an H200, f16 3x3: 4-byte vectors 1.2-1.7x the 8- and 16-byte ones on 7x7 to 28x28
+/// images).
+const COLUMNS_OUTPUT_VECTOR: usize = 2;
+/// The widest images whose forward and backward-data the column walks take (rows and
+/// columns). H200, 16-bit 3x3, against the streamed rows: 1.04-1.3x on 7x7 to 20x20 images
+/// (one 14x14 layer 0.97-1.0x), 0.6-0.9x on 28x28.
+const COLUMNS_OUTPUT_MOST: usize = 20;
+
+/// Output columns a thread of the column walks takes in the forward and backward-data of
+/// images `width` columns wide: one of [`COLUMNS_OUTPUT_TW`].
+fn columns_output_tw(width: usize) -> usize {
+    if width % 7 == 0 && width <= 14 {
+        7
+    } else {
+        3
+    }
+}
 /// Channel vectors a column-walk block takes at most along x.
 const COLUMNS_MAX_VECTORS: usize = 64;
 
-/// Whether the column walks can run `key` (which the family takes): backward-weight with one
-/// output channel a group, kernels of 2-7 rows, the same stride along both dims, and offsets
+/// Whether the column walks can run `key` (which the family takes): one output channel a
+/// group, kernels of 2-7 rows, the same stride along both dims (backward-data: 1), and offsets
 /// within one image of either operand that fit 32 bits. Any architecture: plain loads.
 pub fn columns_fit(key: &PlanKey) -> bool {
     let g = &key.geometry;
     let image = |e: [usize; 3], c: usize| e.iter().product::<usize>() * c <= i32::MAX as usize;
-    key.pass == Pass::BackwardWeight
+    (key.pass != Pass::BackwardData || g.stride[1] == 1)
         && g.cout == g.groups
         && g.stride[1] == g.stride[2]
         && (2..=MAX_KERNEL).contains(&g.kernel[1])
@@ -746,10 +788,34 @@ pub fn columns_fit(key: &PlanKey) -> bool {
 /// (32-1,280 channels) 0.53-1.21x and 5x5 and 7x7 kernels 0.53-0.96x.
 pub fn takes_columns(key: &PlanKey, rows_runs: bool) -> bool {
     let g = &key.geometry;
+    if key.pass != Pass::BackwardWeight {
+        return takes_columns_output(key);
+    }
     let lanes = LANES * g.cin.div_ceil(LANES);
     let sparse = 5 * g.cin < 3 * lanes;
     let stencil_sparse = !rows_runs && g.stride[1] == 1 && 5 * g.cin < 4 * lanes;
     columns_fit(key) && g.kernel[1] * g.kernel[2] <= 9 && (sparse || stencil_sparse)
+}
+
+/// Whether the plan runs the forward or backward-data of `key` on the column walks: 16-bit 3x3
+/// (or smaller) kernels at stride 1 on images of up to [`COLUMNS_OUTPUT_MOST`] rows and columns,
+/// channels in pairs and aligned operands.
+fn takes_columns_output(key: &PlanKey) -> bool {
+    let g = &key.geometry;
+    let out = if key.pass == Pass::BackwardData {
+        g.input
+    } else {
+        g.output
+    };
+    columns_fit(key)
+        && key.dtype != DType::F32
+        && g.stride[1] == 1
+        && g.kernel[1] <= 3
+        && g.kernel[2] <= 3
+        && out[1] <= COLUMNS_OUTPUT_MOST
+        && out[2] <= COLUMNS_OUTPUT_MOST
+        && g.cin % COLUMNS_OUTPUT_VECTOR == 0
+        && key.aligned
 }
 
 /// The column walks' vector: the widest of 4, 2 and 1 that the kernel allows
@@ -769,26 +835,42 @@ fn columns_vector(dtype: DType, kernel: [usize; 2], channels: usize, aligned: bo
 /// The column walks' launch of `key` (which they can run: [`columns_fit`]) on `sms`
 /// multiprocessors with `limit` bytes of shared memory a block, or None where the block's sums
 /// do not fit. A block takes a chunk of at most `COLUMNS_MAX_VECTORS` channel vectors (chunks
-/// balanced) and as many column groups of `COLUMNS_TW` as [`THREADS`] allows (bands
-/// balanced); blocks are persistent, as many as the SMs hold at 16 warps each (the launch bound
-/// allows 128 registers). The segment is the one with the least modelled time: the busiest
-/// block's tiles times the source rows a tile walks (shorter segments give more tiles to share
-/// out and read KH - S halo rows more each).
+/// balanced) and as many column groups of TW columns as [`THREADS`] allows (bands balanced).
+/// Backward-weight: blocks are persistent, as many as the SMs hold at 16 warps each (the launch
+/// bound allows 128 registers), and the segment is the one with the least modelled time: the
+/// busiest block's tiles times the source rows a tile walks (shorter segments give more tiles
+/// to share out and read KH - S halo rows more each). Forward and backward-data: one segment an
+/// image and a block a (chunk, tile).
 pub fn columns_launch(key: &PlanKey, sms: usize, limit: usize) -> Option<Launch> {
     let g = &key.geometry;
     let pass = key.pass;
+    let weight = pass == Pass::BackwardWeight;
     let kernel = [g.kernel[1], g.kernel[2]];
     let stride = g.stride[1];
-    let out = g.output;
-    let v = columns_vector(key.dtype, kernel, g.cin, key.aligned);
+    // The gather's output (backward-weight: the cotangent).
+    let out = if pass == Pass::BackwardData {
+        g.input
+    } else {
+        g.output
+    };
+    let widest = columns_vector(key.dtype, kernel, g.cin, key.aligned);
+    let (v, tw) = if weight {
+        (widest, COLUMNS_TW)
+    } else {
+        (widest.min(COLUMNS_OUTPUT_VECTOR), columns_output_tw(out[2]))
+    };
     let vectors_all = g.cin / v;
     let chunks = vectors_all.div_ceil(COLUMNS_MAX_VECTORS);
     let vectors = vectors_all.div_ceil(chunks);
-    let column_groups = out[2].div_ceil(COLUMNS_TW);
+    let column_groups = out[2].div_ceil(tw);
     let most = (THREADS as usize / vectors).clamp(1, column_groups);
     let bands = column_groups.div_ceil(most);
     let groups = column_groups.div_ceil(bands);
-    let shared = groups * kernel[0] * kernel[1] * vectors * v * 4;
+    let shared = if weight {
+        groups * kernel[0] * kernel[1] * vectors * v * 4
+    } else {
+        0
+    };
     if shared > limit {
         return None;
     }
@@ -810,21 +892,34 @@ pub fn columns_launch(key: &PlanKey, sms: usize, limit: usize) -> Option<Launch>
         }
     }
     let (_, segment) = best?;
-    let problem = walk_problem(g, pass, [segment, groups * COLUMNS_TW], bands, chunks)?;
-    let blocks = (problem.tiles as usize).min(slots);
+    // Forward and backward-data walk whole images, a block a tile: on small images the
+    // segments' halo rows and the persistent blocks' second rounds cost more than the wider
+    // grid (Nsight Compute, H200, 16-bit 3x3: 1.3-1.6x on 7x7 to 14x14 images).
+    let segment = if weight { segment } else { out[1] };
+    let problem = walk_problem(g, pass, [segment, groups * tw], bands, chunks)?;
+    // Backward-weight: persistent blocks along x, chunks along y. Forward and backward-data: a
+    // block a (chunk, tile), chunks fastest, along x.
+    let grid = if weight {
+        ((problem.tiles as usize).min(slots), chunks)
+    } else {
+        (problem.tiles as usize * chunks, 1)
+    };
+    if grid.0 > i32::MAX as usize {
+        return None;
+    }
     Some(Launch {
         pass,
         shape: Shape {
-            out_tile: [1, COLUMNS_TW],
+            out_tile: [1, tw],
             variant: Variant::Columns { vector: v },
             ..Shape::of(pass, g)
         },
         problem,
-        grid: (blocks as u32, chunks as u32, 1),
+        grid: (grid.0 as u32, grid.1 as u32, 1),
         block: (vectors as u32, groups as u32, 1),
         shared,
-        // One f32 partial a block along x.
-        splits: blocks,
+        // Backward-weight: one f32 partial a block along x.
+        splits: if weight { grid.0 } else { 1 },
     })
 }
 
@@ -1323,14 +1418,16 @@ mod tests {
                     "a channel multiplier of 2"
                 );
                 assert!(!rows(144, 1, [1, 3], 1, 90, true), "one kernel row");
-                // Forward and backward-data take any size; backward-weight only walks past its
-                // floors (a 7x7 image's blocks sum at most 49 outputs a channel).
+                // Forward and backward-data take any size (but 16-bit small images go to the
+                // column walks); backward-weight only walks past its floors (a 7x7 image's
+                // blocks sum at most 49 outputs a channel).
                 let small = |c| {
                     let p = ConvParams::default().groups(c).padding(&[1]);
                     let k = key(dtype, pass, &[64, 7, 7, c], &[c, 3, 3, 1], &p);
                     launch_for(&k, 132, H100_SHARED).unwrap().shape.variant == Variant::Rows
                 };
-                assert_eq!(small(960), pass != Pass::BackwardWeight);
+                let columns = dtype != DType::F32;
+                assert_eq!(small(960), pass != Pass::BackwardWeight && !columns);
                 // Channels in whole 32-lane blocks keep backward-weight on the stencil.
                 let whole = rows(128, 1, [3, 3], 1, 90, true);
                 assert_eq!(whole, pass != Pass::BackwardWeight, "128 channels");
@@ -1397,7 +1494,8 @@ mod tests {
                             // checked all the same.
                             let rows = planned.shape.variant == Variant::Rows;
                             let sixteen_larger = v == 1 && dtype != DType::F32;
-                            let exempt = pass == Pass::BackwardWeight || sixteen_larger;
+                            let columns = matches!(planned.shape.variant, Variant::Columns { .. });
+                            let exempt = pass == Pass::BackwardWeight || sixteen_larger || columns;
                             assert!(rows || exempt, "{kk:?}");
                             let l = if rows {
                                 planned
@@ -1498,6 +1596,31 @@ mod tests {
             for pass in [Pass::Forward, Pass::BackwardData] {
                 let v = variant(dtype, pass, 36, 3, 1, 90, true);
                 assert!(!matches!(v, Variant::Columns { .. }), "{pass:?}");
+                // Small 16-bit images at stride 1 are the column walks', two channels a thread
+                // and a row of 7 a thread.
+                let small = |c: usize, hw: usize, stride: usize, aligned: bool| {
+                    let p = ConvParams::default()
+                        .groups(c)
+                        .strides(&[stride])
+                        .padding(&[1]);
+                    let kk = PlanKey {
+                        aligned,
+                        ..key(dtype, pass, &[64, hw, hw, c], &[c, 3, 3, 1], &p)
+                    };
+                    launch_for(&kk, 132, H100_SHARED).unwrap().shape
+                };
+                let s = small(960, 7, 1, true);
+                let columns = matches!(s.variant, Variant::Columns { vector: 2 });
+                assert_eq!(columns, dtype != DType::F32, "{dtype:?} {pass:?}");
+                if columns {
+                    assert_eq!(s.out_tile, [1, 7]);
+                }
+                let off = |s: Shape| matches!(s.variant, Variant::Columns { .. });
+                assert!(!off(small(960, 7, 1, false)), "unaligned");
+                assert!(!off(small(576, 56, 1, true)), "56x56");
+                if pass == Pass::BackwardData {
+                    assert!(!off(small(576, 14, 2, true)), "stride 2");
+                }
             }
             // Vectors: as wide as the kernel and dtype allow and the channels divide.
             let vector = |c, aligned| {
@@ -1524,7 +1647,13 @@ mod tests {
                 for c in [1, 6, 17, 36, 100, 1000] {
                     for size in sizes {
                         for (batch, sms) in [(1, 132), (64, 132), (3, 4)] {
-                            columns_launch_covers(dtype, kernel, stride, c, size, batch, sms);
+                            for pass in Pass::ALL {
+                                if pass == Pass::BackwardData && stride > 1 {
+                                    continue;
+                                }
+                                let shape = (kernel, stride, c, size);
+                                columns_launch_covers(dtype, pass, shape, batch, sms);
+                            }
                         }
                     }
                 }
@@ -1532,15 +1661,16 @@ mod tests {
         }
     }
 
+    /// `shape`: the kernel, stride, channels and image of a depthwise layer.
+    #[allow(clippy::type_complexity)]
     fn columns_launch_covers(
         dtype: DType,
-        kernel: [usize; 2],
-        stride: usize,
-        c: usize,
-        size: [usize; 2],
+        pass: Pass,
+        shape: ([usize; 2], usize, usize, [usize; 2]),
         batch: usize,
         sms: usize,
     ) {
+        let (kernel, stride, c, size) = shape;
         let pad = kernel[0] / 2;
         let p = ConvParams::default()
             .groups(c)
@@ -1548,7 +1678,7 @@ mod tests {
             .padding(&[pad]);
         let x = [batch, size[0], size[1], c];
         let w = [c, kernel[0], kernel[1], 1];
-        let kk = key(dtype, Pass::BackwardWeight, &x, &w, &p);
+        let kk = key(dtype, pass, &x, &w, &p);
         assert!(columns_fit(&kk), "{kk:?}");
         let l = columns_launch(&kk, sms, H100_SHARED).unwrap();
         let Variant::Columns { vector } = l.shape.variant else {
@@ -1559,23 +1689,45 @@ mod tests {
         let (vectors, groups, _) = l.block;
         assert!(vectors * groups <= THREADS as u32, "{kk:?}");
         // Every channel, column and row is some tile's.
+        let weight = pass == Pass::BackwardWeight;
         let chans = vectors as usize * vector;
-        assert!(l.grid.1 as usize * chans >= c, "{kk:?}");
-        assert!((l.grid.1 as usize - 1) * chans < c, "{kk:?}");
-        assert_eq!(pr.chunks as u32, l.grid.1);
-        assert_eq!(pr.tile_w as usize, groups as usize * COLUMNS_TW);
+        let chunks = pr.chunks as usize;
+        assert!(chunks * chans >= c, "{kk:?}");
+        assert!((chunks - 1) * chans < c, "{kk:?}");
+        let tw = if weight {
+            COLUMNS_TW
+        } else {
+            columns_output_tw(pr.out_w as usize)
+        };
+        assert_eq!(l.shape.out_tile, [1, tw]);
+        assert_eq!(pr.tile_w as usize, groups as usize * tw);
         assert!(pr.tiles_w * pr.tile_w >= pr.out_w, "{kk:?}");
         assert!((pr.tiles_w - 1) * pr.tile_w < pr.out_w, "{kk:?}");
         assert!(pr.tiles_h * pr.tile_h >= pr.out_h, "{kk:?}");
         assert!((pr.tiles_h - 1) * pr.tile_h < pr.out_h, "{kk:?}");
         assert_eq!(pr.tiles, batch as i32 * pr.tiles_h * pr.tiles_w);
-        assert_eq!([pr.off_h, pr.off_w], [-(pad as i32); 2]);
-        // Persistent blocks, each with a tile, one partial each.
-        assert!(l.grid.0 >= 1 && l.grid.0 as i32 <= pr.tiles, "{kk:?}");
-        assert_eq!(l.splits, l.grid.0 as usize);
+        let off = |d: usize| match pass {
+            Pass::BackwardData => pad as i32 - (kernel[d] as i32 - 1),
+            _ => -(pad as i32),
+        };
+        assert_eq!([pr.off_h, pr.off_w], [off(0), off(1)]);
+        // Backward-weight: persistent blocks along x, each with a tile and one partial, chunks
+        // along y. Forward and backward-data: a block a (chunk, tile).
         let taps = kernel[0] * kernel[1];
-        assert_eq!(l.shared, groups as usize * taps * chans * 4);
-        assert!(l.shared <= H100_SHARED);
+        if weight {
+            assert!(l.grid.0 >= 1 && l.grid.0 as i32 <= pr.tiles, "{kk:?}");
+            assert_eq!(l.grid.1 as usize, chunks);
+            assert_eq!(l.splits, l.grid.0 as usize);
+            assert_eq!(l.shared, groups as usize * taps * chans * 4);
+            assert!(l.shared <= H100_SHARED);
+        } else {
+            assert_eq!(l.grid.0 as usize, pr.tiles as usize * chunks, "{kk:?}");
+            assert_eq!(l.grid.1, 1);
+            // Whole images: one segment.
+            assert_eq!(pr.tiles_h, 1, "{kk:?}");
+            assert_eq!((l.splits, l.shared), (1, 0));
+            assert!(vector <= COLUMNS_OUTPUT_VECTOR);
+        }
     }
 
     #[test]
@@ -1666,10 +1818,14 @@ mod tests {
                                 // Not persistent; its own test checks the rest.
                                 assert_eq!(l.grid.0 as i32, pr.tiles);
                             } else if let Variant::Columns { .. } = l.shape.variant {
-                                // Persistent blocks, one partial each; its own test checks the
-                                // rest.
-                                assert!(l.grid.0 >= 1 && l.grid.0 as i32 <= pr.tiles, "{kk:?}");
-                                assert_eq!(l.splits, l.grid.0 as usize);
+                                // Backward-weight: persistent blocks, one partial each;
+                                // forward and backward-data: a block a (chunk, tile). Its own
+                                // test checks the rest.
+                                let weight = pass == Pass::BackwardWeight;
+                                let most = if weight { 1 } else { pr.chunks };
+                                assert!(l.grid.0 >= 1 && l.grid.0 as i32 <= most * pr.tiles);
+                                let splits = if weight { l.grid.0 as usize } else { 1 };
+                                assert_eq!(l.splits, splits);
                             } else if pass == Pass::BackwardWeight {
                                 // Every split has a tile; all tiles are covered.
                                 let s = l.splits as i32;
