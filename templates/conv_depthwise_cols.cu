@@ -25,9 +25,10 @@
 // step ahead of the row being added, so they are in flight meanwhile.
 //
 // Backward-weight's sums stay in registers over all of a block's tiles (blocks are persistent:
-// tile blockIdx.x, then every gridDim.x-th; chunks along the grid's y); then the block adds its column groups in a fixed order
-// through shared memory and writes one f32 partial a block along x, which the split sum adds
-// up, or the gradient itself where gridDim.x is 1. So the result is deterministic.
+// tile blockIdx.x, then every gridDim.x-th; chunks along the grid's y); then the block adds its
+// column groups in a fixed order through shared memory and writes one f32 partial a block
+// along x, which the split sum adds up, or the gradient itself where gridDim.x is 1. So the
+// result is deterministic.
 //
 // The problem's tile fields: tile_h output rows a segment, tile_w output columns a band
 // (blockDim.y * TW), tiles_h segments and tiles_w bands an image, tiles = batch * tiles_h *

@@ -745,8 +745,8 @@ const COLUMNS_OUTPUT_TW: [usize; 2] = [3, 7];
 /// images).
 const COLUMNS_OUTPUT_VECTOR: usize = 2;
 /// The widest images whose forward and backward-data the column walks take (rows and
-/// columns). H200, 16-bit 3x3, against the streamed rows: 1.04-1.3x on 7x7 to 20x20 images
-/// (one 14x14 layer 0.97-1.0x), 0.6-0.9x on 28x28.
+/// columns). H200, 16-bit 3x3, against the streamed rows: 0.99-1.40x forward and 0.97-1.31x
+/// backward-data on 7x7 to 20x20 images, 0.6-1.0x on 28x28.
 const COLUMNS_OUTPUT_MOST: usize = 20;
 
 /// Output columns a thread of the column walks takes in the forward and backward-data of
@@ -837,10 +837,8 @@ fn columns_vector(dtype: DType, kernel: [usize; 2], channels: usize, aligned: bo
 /// do not fit. A block takes a chunk of at most `COLUMNS_MAX_VECTORS` channel vectors (chunks
 /// balanced) and as many column groups of TW columns as [`THREADS`] allows (bands balanced).
 /// Backward-weight: blocks are persistent, as many as the SMs hold at 16 warps each (the launch
-/// bound allows 128 registers), and the segment is the one with the least modelled time: the
-/// busiest block's tiles times the source rows a tile walks (shorter segments give more tiles
-/// to share out and read KH - S halo rows more each). Forward and backward-data: one segment an
-/// image and a block a (chunk, tile).
+/// bound allows 128 registers), over the segments of least modelled time. Forward and
+/// backward-data: one segment an image and a block a (chunk, tile).
 pub fn columns_launch(key: &PlanKey, sms: usize, limit: usize) -> Option<Launch> {
     let g = &key.geometry;
     let pass = key.pass;
@@ -877,25 +875,14 @@ pub fn columns_launch(key: &PlanKey, sms: usize, limit: usize) -> Option<Launch>
     let warps = (vectors * groups).div_ceil(32);
     let per_sm = (16 / warps).clamp(1, ((limit + 1024) / (shared + 1024)).max(1));
     let slots = (per_sm * sms.max(1) / chunks).max(1);
-    // (cost, segment)
-    let mut best: Option<(usize, usize)> = None;
-    for segments in 1..=out[1] {
-        let segment = out[1].div_ceil(segments);
-        if out[1].div_ceil(segment) != segments {
-            continue; // the same segments as a shorter one
-        }
-        let tiles = g.batch * segments * bands;
-        let source_rows = (segment - 1) * stride + kernel[0];
-        let cost = tiles.div_ceil(tiles.min(slots)) * source_rows;
-        if best.map_or(true, |(c, _)| cost < c) {
-            best = Some((cost, segment));
-        }
-    }
-    let (_, segment) = best?;
     // Forward and backward-data walk whole images, a block a tile: on small images the
     // segments' halo rows and the persistent blocks' second rounds cost more than the wider
-    // grid (Nsight Compute, H200, 16-bit 3x3: 1.3-1.6x on 7x7 to 14x14 images).
-    let segment = if weight { segment } else { out[1] };
+    // grid.
+    let segment = if weight {
+        least_cost_segment(out[1], g.batch * bands, stride, kernel[0], slots)?
+    } else {
+        (out[1] > 0).then_some(out[1])?
+    };
     let problem = walk_problem(g, pass, [segment, groups * tw], bands, chunks)?;
     // Backward-weight: persistent blocks along x, chunks along y. Forward and backward-data: a
     // block a (chunk, tile), chunks fastest, along x.
@@ -921,6 +908,34 @@ pub fn columns_launch(key: &PlanKey, sms: usize, limit: usize) -> Option<Launch>
         // Backward-weight: one f32 partial a block along x.
         splits: if weight { grid.0 } else { 1 },
     })
+}
+
+/// Backward-weight's segment of an image `rows` output rows high (`tiles_a_row` tiles a
+/// segment row: batch times bands), with the least modelled time on `slots` persistent blocks:
+/// the busiest block's tiles times the source rows a tile walks (shorter segments give more
+/// tiles to share out and read KH - S halo rows more each). None for an empty image.
+fn least_cost_segment(
+    rows: usize,
+    tiles_a_row: usize,
+    stride: usize,
+    kernel_rows: usize,
+    slots: usize,
+) -> Option<usize> {
+    // (cost, segment)
+    let mut best: Option<(usize, usize)> = None;
+    for segments in 1..=rows {
+        let segment = rows.div_ceil(segments);
+        if rows.div_ceil(segment) != segments {
+            continue; // the same segments as a shorter one
+        }
+        let tiles = tiles_a_row * segments;
+        let source_rows = (segment - 1) * stride + kernel_rows;
+        let cost = tiles.div_ceil(tiles.min(slots)) * source_rows;
+        if best.map_or(true, |(c, _)| cost < c) {
+            best = Some((cost, segment));
+        }
+    }
+    best.map(|(_, segment)| segment)
 }
 
 /// The source position of the gather's output 0 at tap 0 along dim `d` (the problem's off_h,
