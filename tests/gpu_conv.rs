@@ -67,6 +67,23 @@ fn cases() -> Vec<Case> {
             p: c.p,
         });
     let mut all = vec![
+        // Column walks in f32 take only launches that fill the GPU (here 1,120 warps), and
+        // 16-bit stride-2 forwards onto images of up to 10 rows and columns.
+        case(
+            "depthwise 3x3 on 7x7 images, 480 channels, batch 140",
+            &[140, 7, 7, 480],
+            &[480, 3, 3, 1],
+            d().groups(480).padding(&[1]),
+        ),
+        case(
+            "depthwise 3x3 stride 2 on 13x14 images, padding 1/0, 64 channels",
+            &[4, 13, 14, 64],
+            &[64, 3, 3, 1],
+            d().groups(64)
+                .strides(&[2])
+                .padding_lo(&[1])
+                .padding_hi(&[0]),
+        ),
         case("1d pad 1", &[2, 17, 8], &[16, 3, 8], d().padding(&[1])),
         case(
             "1d stride 3 > kernel 2, pad 0/2",

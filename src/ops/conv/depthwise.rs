@@ -25,8 +25,8 @@
 //! the source row meets (KH at stride 1; two for a 3x3 at stride 2). Backward-weight copies
 //! the cotangent rows beside, and each thread sums every tap; one f32 partial a block along x;
 //! where its blocks would sum few outputs, the stencil takes the layer instead. In 16-bit,
-//! kernels past 3x3 run there only forward and backward-data, up to 5x5, on images of up to 7
-//! rows; the tensor-core kernel (stride 1) or the stencil (stride 2) keeps the others, and the
+//! kernels past 3x3 run there only forward and backward-data on small images, up to 5x5 (at
+//! stride 1 up to 14 rows; the stride-2 forward up to 7); the tensor-core kernel (stride 1) or the stencil (stride 2) keeps the others, and the
 //! tensor-core kernel the layers with one kernel row (1-D) or strides of 2 and 1.
 //!
 //! Backward-weight of kernels up to 3x3 whose channel count would leave many of the 32-channel
@@ -35,8 +35,9 @@
 //! columns and walks down a segment of source rows straight from global memory, one row's loads
 //! in flight ahead of the one it adds, keeping the cotangent rows still open and its KH x KW
 //! sums in registers; blocks are persistent and write one f32 partial each. The forward and
-//! stride-1 backward-data of 16-bit 3x3 layers on images of up to 20x20 walk the same way, two
-//! channels and a whole or a third of a row a thread, a block an image and channel chunk.
+//! stride-1 backward-data of 3x3 layers on small images (16-bit up to 20x20, f32 up to 10x10;
+//! the 16-bit stride-2 forward up to 10x10 outputs) walk the same way, two channels and a whole
+//! or a third of a row a thread, a block an image and channel chunk.
 //!
 //! Strided backward-data runs on the stencil as the forward of the transposed convolution: its
 //! source is the cotangent spread by the stride with zeros between, of which only the real rows
@@ -110,15 +111,23 @@ const ROWS_AHEAD: usize = 3;
 /// channels (larger kernels), or all of fewer.
 const ROWS_MAX_VECTORS: usize = 64;
 const ROWS_MAX_CHANNELS: usize = 32;
-/// The tallest 16-bit image (gathered rows) the rows kernel takes with kernels past 3x3 (up to
-/// 25 taps). H100, rows / the tensor-core kernel, forward and backward-data: 5x5 on 7x7 images
-/// 1.30-1.42x (960 and 1,152 channels), 7x7 kernels there 0.78-1.02x (512, 768, 1,024
-/// channels); 5x5 and 7x7 on 14x14 to 56x56 images 0.70-0.94x but one (120 channels at 28x28,
-/// 1.06-1.10x); backward-weight against the stencil 0.74-0.84x.
-pub const ROWS_SMALL_IMAGE: usize = 7;
-/// The most taps a 16-bit kernel past 3x3 may have for the rows kernel to take it (on images
-/// of at most [`ROWS_SMALL_IMAGE`] rows).
-const ROWS_SMALL_IMAGE_TAPS: usize = 25;
+/// The tallest 16-bit image (gathered rows) whose forward or backward-data the rows kernel
+/// takes with a kernel past 3x3 of `taps` taps at `stride`, 0 for none (the tensor-core kernel
+/// and the stencil keep the rest; backward-weight stays on the stencil). H100, rows / the
+/// tensor-core kernel: 5x5 on 7x7 images 1.30-1.42x; backward-weight against the stencil
+/// 0.74-0.84x. H200, after the rows kernel's stepped addresses, stride 1: 5x5 1.45x on 9x9
+/// images, 1.5x on 10x10, 1.51-1.64x on 11x11, 1.38x on 12x12, 1.11-1.16x on 13x13, 0.98-1.21x
+/// on 14x14, 0.94x on 20x20; 7x7 1.23-1.36x on 7x7 and 9x9, 1.07-1.16x on 10x10, 0.90-0.99x on
+/// 12x12, 0.85-0.88x on 14x14 (7x7 kernels not taken yet: that rule has not run through the
+/// GPU tests). Stride 2 (the forward) was measured on 7x7 outputs only.
+fn rows_small_image_most(stride: usize, taps: usize) -> usize {
+    match (stride, taps) {
+        (1, 0..=25) => 14,
+        (2, 0..=25) => 7,
+        _ => 0,
+    }
+}
+
 /// Channels a tensor-core block works on, and the outputs of one MMA row (a segment).
 const TENSOR_CHANNELS: usize = 16;
 const SEGMENT: usize = 8;
@@ -314,7 +323,7 @@ pub fn spec(dtype: DType, pass: Pass, s: Shape) -> KernelSpec {
 /// multiplier 2 at stride 1 for 3x3 and 5x5. From sm_80 on, at multiplier 1, forward (strides 1
 /// and 2) and backward-data (stride 1) are the rows kernel's (16-bit 5x5 and 7x7: the
 /// tensor-core kernel's at stride 1 and the stencil's at stride 2, and for 5x5 the rows
-/// kernel's too, which takes 7x7 images), and stride-1 backward-weight is listed on both the
+/// kernel's too, which takes small images), and stride-1 backward-weight is listed on both the
 /// rows kernel (large images) and the stencil (16-bit 5x5 and 7x7: the stencil); 3x3
 /// backward-weight also on the column walks, which take few channels (16: MobileNetV3).
 pub fn specs(arch: u32) -> Vec<KernelSpec> {
@@ -336,7 +345,7 @@ pub fn specs(arch: u32) -> Vec<KernelSpec> {
                 // or the stencil (stride 2) are listed.
                 let larger = k > 3;
                 let sixteen = dtype != DType::F32;
-                let small_image_ok = gather && k * k <= ROWS_SMALL_IMAGE_TAPS;
+                let small_image_ok = gather && rows_small_image_most(s, k * k) > 0;
                 let rows = arch >= ROWS_ARCH
                     && mg == 1
                     && rows_stride
@@ -367,9 +376,9 @@ pub fn specs(arch: u32) -> Vec<KernelSpec> {
                     };
                     out.push(spec(dtype, pass, shape));
                 }
-                // Forward and backward-data of 16-bit 3x3 layers on small images are the column
-                // walks', a row or part of one a thread.
-                if gather && mg == 1 && k == 3 && s == 1 && sixteen {
+                // Forward and backward-data of 3x3 layers on small images are the column walks',
+                // a row or part of one a thread (stride 2: the 16-bit forward).
+                if gather && mg == 1 && k == 3 && (s == 1 || pass == Pass::Forward && sixteen) {
                     for tw in COLUMNS_OUTPUT_TW {
                         let columns = Shape {
                             mg,
@@ -425,9 +434,8 @@ fn takes_tensor(key: &PlanKey) -> bool {
 
 /// Whether the plan runs `key` (which the family takes) on the rows kernel, where it can
 /// ([`rows_fit`]): kernels up to 3x3 always; larger ones (one channel a thread) in f32 and, in
-/// 16-bit, only the forward and backward-data of kernels of up to 25 taps on images of at most
-/// [`ROWS_SMALL_IMAGE`] rows: elsewhere in 16-bit the tensor-core kernel and the stencil are
-/// faster.
+/// 16-bit, only the forward and backward-data on small images (`rows_small_image_most`):
+/// elsewhere in 16-bit the tensor-core kernel and the stencil are faster.
 pub fn takes_rows(key: &PlanKey) -> bool {
     let g = &key.geometry;
     let gathered_rows = match key.pass {
@@ -435,7 +443,7 @@ pub fn takes_rows(key: &PlanKey) -> bool {
         _ => g.output[1],
     };
     let taps = g.kernel[1] * g.kernel[2];
-    let small_image = gathered_rows <= ROWS_SMALL_IMAGE && taps <= ROWS_SMALL_IMAGE_TAPS;
+    let small_image = gathered_rows <= rows_small_image_most(g.stride[1], taps);
     let larger_ok = key.dtype == DType::F32 || key.pass != Pass::BackwardWeight && small_image;
     rows_fit(key) && (rows_vector([g.kernel[1], g.kernel[2]]) == 4 || larger_ok)
 }
@@ -744,9 +752,9 @@ const COLUMNS_OUTPUT_TW: [usize; 2] = [3, 7];
 /// walk on an H200, f16 3x3: 4-byte vectors 1.2-1.7x the 8- and 16-byte ones on 7x7 to 28x28
 /// images).
 const COLUMNS_OUTPUT_VECTOR: usize = 2;
-/// The widest images whose forward and backward-data the column walks take (rows and
-/// columns). H200, 16-bit 3x3, against the streamed rows: 0.99-1.40x forward and 0.97-1.31x
-/// backward-data on 7x7 to 20x20 images, 0.6-1.0x on 28x28.
+/// The widest images whose 16-bit forward and backward-data the column walks take at stride 1
+/// (rows and columns; f32 and stride 2: half). H200, 16-bit 3x3, against the streamed rows:
+/// 0.99-1.40x forward and 0.97-1.31x backward-data on 7x7 to 20x20 images, 0.6-1.0x on 28x28.
 const COLUMNS_OUTPUT_MOST: usize = 20;
 
 /// Output columns a thread of the column walks takes in the forward and backward-data of
@@ -797,9 +805,14 @@ pub fn takes_columns(key: &PlanKey, rows_runs: bool) -> bool {
     columns_fit(key) && g.kernel[1] * g.kernel[2] <= 9 && (sparse || stencil_sparse)
 }
 
-/// Whether the plan runs the forward or backward-data of `key` on the column walks: 16-bit 3x3
-/// (or smaller) kernels at stride 1 on images of up to [`COLUMNS_OUTPUT_MOST`] rows and columns,
-/// channels in pairs and aligned operands.
+/// Whether the plan runs the forward or backward-data of `key` on the column walks: 3x3 (or
+/// smaller) kernels on small images, channels in pairs and aligned operands. The gather's
+/// output is at most [`COLUMNS_OUTPUT_MOST`] rows and columns for 16-bit at stride 1, half that
+/// for f32 at stride 1 and for the 16-bit forward at stride 2 (about the same source image);
+/// those two also only where the launch fills the GPU ([`columns_fill`]).
+/// H200, against the streamed rows: f32 on 7x7 to 10x10 images 1.04-1.42x (six layers), on
+/// 11x11 to 20x20 0.85-1.22x with no rule found that parts them; 16-bit stride-2 forwards of
+/// 7x7 to 10x10 outputs 1.05-1.43x, of 11x11 to 20x20 0.85-1.24x.
 fn takes_columns_output(key: &PlanKey) -> bool {
     let g = &key.geometry;
     let out = if key.pass == Pass::BackwardData {
@@ -807,15 +820,35 @@ fn takes_columns_output(key: &PlanKey) -> bool {
     } else {
         g.output
     };
+    let most = match (g.stride[1], key.dtype) {
+        (1, DType::F16 | DType::BF16) => COLUMNS_OUTPUT_MOST,
+        (1, _) | (2, DType::F16 | DType::BF16) => COLUMNS_OUTPUT_MOST / 2,
+        _ => 0,
+    };
     columns_fit(key)
-        && key.dtype != DType::F32
-        && g.stride[1] == 1
         && g.kernel[1] <= 3
         && g.kernel[2] <= 3
-        && out[1] <= COLUMNS_OUTPUT_MOST
-        && out[2] <= COLUMNS_OUTPUT_MOST
+        && out[1] <= most
+        && out[2] <= most
         && g.cin % COLUMNS_OUTPUT_VECTOR == 0
         && key.aligned
+}
+
+/// Whether the plan keeps a forward or backward-data launch of the column walks for `key` on
+/// `sms` multiprocessors: 16-bit at stride 1 always; f32 and stride 2 where the launch fills the
+/// GPU without a second round, 4 to 16 warps an SM (a block walks a whole image, so there is
+/// no finer unit to share out). H200, against the streamed rows: f32 0.87x at 23 warps an SM
+/// (128 x 384 channels at 12x12: 384 blocks where 264 are resident) and 0.89x at 3.9 (32 x 128
+/// channels at 20x20, 64 blocks); 16-bit stride-2 0.93x at 2.9 (96 x 144 channels, 14x14 to
+/// 7x7). 16-bit stride-1 layers outside the range read 0.96-1.09x (64 x 320 channels at 13x13,
+/// 17.5 warps an SM: 1.05-1.09x), so they keep the walks.
+fn columns_fill(launch: &Launch, key: &PlanKey, sms: usize) -> bool {
+    if key.dtype != DType::F32 && key.geometry.stride[1] == 1 {
+        return true;
+    }
+    let (vectors, groups, _) = launch.block;
+    let warps = launch.grid.0 as usize * (vectors * groups).div_ceil(32) as usize;
+    (4 * sms..=16 * sms).contains(&warps)
 }
 
 /// The column walks' vector: the widest of 4, 2 and 1 that the kernel allows
@@ -1170,7 +1203,9 @@ pub fn launch_for(key: &PlanKey, sms: usize, limit: usize) -> Option<Launch> {
         .flatten();
     if takes_columns(key, rows.is_some()) {
         if let Some(launch) = columns_launch(key, sms, limit) {
-            return Some(launch);
+            if pass == Pass::BackwardWeight || columns_fill(&launch, key, sms) {
+                return Some(launch);
+            }
         }
     }
     if rows.is_some() {
@@ -1404,16 +1439,18 @@ mod tests {
                 for k in [[3, 3], [2, 3], [3, 1], [2, 2]] {
                     assert!(rows(144, 1, k, 1, 90, true), "{k:?}");
                 }
-                // Kernels past 3x3: f32; 16-bit only for images of 7x7, not backward-weight.
+                // Kernels past 3x3: f32; 16-bit only for images of up to 14 rows (up to 5x5), not
+                // backward-weight.
                 let f32 = dtype == DType::F32;
                 for k in [[5, 5], [7, 7], [3, 7], [7, 1]] {
                     assert_eq!(rows(144, 1, k, 1, 90, true), f32, "{k:?}");
                 }
-                let small_image = |c, k: usize| {
+                let image = |c, k: usize, hw: usize| {
                     let p = ConvParams::default().groups(c).padding(&[k / 2]);
-                    let kk = key(dtype, pass, &[64, 7, 7, c], &[c, k, k, 1], &p);
+                    let kk = key(dtype, pass, &[64, hw, hw, c], &[c, k, k, 1], &p);
                     launch_for(&kk, 132, H100_SHARED).unwrap().shape.variant == Variant::Rows
                 };
+                let small_image = |c, k| image(c, k, 7);
                 let gather = pass != Pass::BackwardWeight;
                 // (Backward-weight of 7x7 images stays on the stencil in f32 too: its blocks
                 // would sum at most 49 outputs a channel.)
@@ -1421,6 +1458,9 @@ mod tests {
                 // One channel a thread copies 16 bytes at once.
                 assert_eq!(small_image(1156, 7), f32 && gather, "1156 channels 7x7");
                 assert!(!small_image(1154, 7), "1154 channels 7x7");
+                assert_eq!(image(672, 5, 14), gather, "672 channels 14x14");
+                assert_eq!(image(672, 5, 15), f32 && gather, "672 channels 15x15");
+                assert_eq!(image(1152, 7, 7), f32 && gather, "7x7 kernel, 7x7");
                 assert!(rows(144, 1, [3, 3], 1, 80, true));
                 assert!(!rows(144, 1, [3, 3], 1, 75, true), "before sm_80");
                 assert!(
@@ -1433,16 +1473,17 @@ mod tests {
                     "a channel multiplier of 2"
                 );
                 assert!(!rows(144, 1, [1, 3], 1, 90, true), "one kernel row");
-                // Forward and backward-data take any size (but 16-bit small images go to the
-                // column walks); backward-weight only walks past its floors (a 7x7 image's
-                // blocks sum at most 49 outputs a channel).
+                // Forward and backward-data take any size (but small images go to the column
+                // walks: 16-bit always, f32 where they fill the GPU); backward-weight only walks
+                // past its floors (a 7x7 image's blocks sum at most 49 outputs a channel).
                 let small = |c| {
                     let p = ConvParams::default().groups(c).padding(&[1]);
                     let k = key(dtype, pass, &[64, 7, 7, c], &[c, 3, 3, 1], &p);
                     launch_for(&k, 132, H100_SHARED).unwrap().shape.variant == Variant::Rows
                 };
-                let columns = dtype != DType::F32;
-                assert_eq!(small(960), pass != Pass::BackwardWeight && !columns);
+                assert!(!small(960), "960 channels 7x7: 7.8 warps an SM");
+                let f32_rows = f32 && pass != Pass::BackwardWeight;
+                assert_eq!(small(480), f32_rows, "480 channels 7x7: 3.9 warps an SM");
                 // Channels in whole 32-lane blocks keep backward-weight on the stencil.
                 let whole = rows(128, 1, [3, 3], 1, 90, true);
                 assert_eq!(whole, pass != Pass::BackwardWeight, "128 channels");
@@ -1611,8 +1652,9 @@ mod tests {
             for pass in [Pass::Forward, Pass::BackwardData] {
                 let v = variant(dtype, pass, 36, 3, 1, 90, true);
                 assert!(!matches!(v, Variant::Columns { .. }), "{pass:?}");
-                // Small 16-bit images at stride 1 are the column walks', two channels a thread
-                // and a row of 7 a thread.
+                // Small images are the column walks', two channels a thread and a row of 7 a
+                // thread: 16-bit at stride 1 up to 20x20, f32 up to 10x10 where the launch fills
+                // the GPU, the 16-bit forward at stride 2 up to 10x10 outputs (likewise).
                 let small = |c: usize, hw: usize, stride: usize, aligned: bool| {
                     let p = ConvParams::default()
                         .groups(c)
@@ -1625,17 +1667,23 @@ mod tests {
                     launch_for(&kk, 132, H100_SHARED).unwrap().shape
                 };
                 let s = small(960, 7, 1, true);
-                let columns = matches!(s.variant, Variant::Columns { vector: 2 });
-                assert_eq!(columns, dtype != DType::F32, "{dtype:?} {pass:?}");
-                if columns {
-                    assert_eq!(s.out_tile, [1, 7]);
-                }
-                let off = |s: Shape| matches!(s.variant, Variant::Columns { .. });
-                assert!(!off(small(960, 7, 1, false)), "unaligned");
-                assert!(!off(small(576, 56, 1, true)), "56x56");
-                if pass == Pass::BackwardData {
-                    assert!(!off(small(576, 14, 2, true)), "stride 2");
-                }
+                assert_eq!(
+                    s.variant,
+                    Variant::Columns { vector: 2 },
+                    "{dtype:?} {pass:?}"
+                );
+                assert_eq!(s.out_tile, [1, 7]);
+                let on = |s: Shape| matches!(s.variant, Variant::Columns { .. });
+                let sixteen = dtype != DType::F32;
+                assert!(!on(small(960, 7, 1, false)), "unaligned");
+                assert!(!on(small(576, 56, 1, true)), "56x56");
+                assert_eq!(on(small(256, 20, 1, true)), sixteen, "20x20");
+                assert!(on(small(256, 10, 1, true)), "10x10");
+                // 64 x 480 channels at 7x7: 256 blocks of 2 warps, 3.9 warps an SM.
+                assert_eq!(on(small(480, 7, 1, true)), sixteen, "7x7, few blocks");
+                let forward = pass == Pass::Forward;
+                assert_eq!(on(small(576, 14, 2, true)), sixteen && forward, "stride 2");
+                assert!(!on(small(576, 24, 2, true)), "stride 2, 12x12 outputs");
             }
             // Vectors: as wide as the kernel and dtype allow and the channels divide.
             let vector = |c, aligned| {
