@@ -26,8 +26,9 @@
 //! the cotangent rows beside, and each thread sums every tap; one f32 partial a block along x;
 //! where its blocks would sum few outputs, the stencil takes the layer instead. In 16-bit,
 //! kernels past 3x3 run there only forward and backward-data on small images, up to 5x5 (at
-//! stride 1 up to 14 rows; the stride-2 forward up to 7); the tensor-core kernel (stride 1) or the stencil (stride 2) keeps the others, and the
-//! tensor-core kernel the layers with one kernel row (1-D) or strides of 2 and 1.
+//! stride 1 up to 14 rows; the stride-2 forward up to 7); the tensor-core kernel (stride 1) or
+//! the stencil (stride 2) keeps the others, and the tensor-core kernel the layers with one
+//! kernel row (1-D) or strides of 2 and 1.
 //!
 //! Backward-weight of kernels up to 3x3 whose channel count would leave many of the 32-channel
 //! lanes idle (6, 8, 16, 36 channels) runs on column walks (`templates/conv_depthwise_cols.cu`),
@@ -810,9 +811,9 @@ pub fn takes_columns(key: &PlanKey, rows_runs: bool) -> bool {
 /// output is at most [`COLUMNS_OUTPUT_MOST`] rows and columns for 16-bit at stride 1, half that
 /// for f32 at stride 1 and for the 16-bit forward at stride 2 (about the same source image);
 /// those two also only where the launch fills the GPU ([`columns_fill`]).
-/// H200, against the streamed rows: f32 on 7x7 to 10x10 images 1.04-1.42x (six layers), on
+/// H200, against the streamed rows: f32 on 7x7 to 10x10 images 1.02-1.42x (six layers), on
 /// 11x11 to 20x20 0.85-1.22x with no rule found that parts them; 16-bit stride-2 forwards of
-/// 7x7 to 10x10 outputs 1.05-1.43x, of 11x11 to 20x20 0.85-1.24x.
+/// 7x7 to 10x10 outputs 1.03-1.43x, of 11x11 to 20x20 0.85-1.24x.
 fn takes_columns_output(key: &PlanKey) -> bool {
     let g = &key.geometry;
     let out = if key.pass == Pass::BackwardData {
