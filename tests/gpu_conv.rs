@@ -67,8 +67,9 @@ fn cases() -> Vec<Case> {
             p: c.p,
         });
     let mut all = vec![
-        // Column walks in f32 take only launches that fill the GPU (here 1,120 warps), and
-        // 16-bit stride-2 forwards onto images of up to 10 rows and columns.
+        // Column walks in f32 and at stride 2 take only launches that fill the GPU: the first
+        // case does (1,120 warps on 132 SMs); the second (4 blocks) checks that the plan then
+        // keeps the kernel it had.
         case(
             "depthwise 3x3 on 7x7 images, 480 channels, batch 140",
             &[140, 7, 7, 480],

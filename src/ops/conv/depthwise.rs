@@ -835,8 +835,9 @@ fn takes_columns_output(key: &PlanKey) -> bool {
         && key.aligned
 }
 
-/// Whether the plan keeps a forward or backward-data launch of the column walks for `key` on
-/// `sms` multiprocessors: 16-bit at stride 1 always; f32 and stride 2 where the launch fills the
+/// Whether the plan keeps a launch of the column walks for `key` on `sms` multiprocessors:
+/// backward-weight (persistent blocks) and 16-bit at stride 1 always; the forward and
+/// backward-data of f32 and at stride 2 where the launch fills the
 /// GPU without a second round, 4 to 16 warps an SM (a block walks a whole image, so there is
 /// no finer unit to share out). H200, against the streamed rows: f32 0.87x at 23 warps an SM
 /// (128 x 384 channels at 12x12: 384 blocks where 264 are resident) and 0.89x at 3.9 (32 x 128
@@ -844,7 +845,7 @@ fn takes_columns_output(key: &PlanKey) -> bool {
 /// 7x7). 16-bit stride-1 layers outside the range read 0.96-1.09x (64 x 320 channels at 13x13,
 /// 17.5 warps an SM: 1.05-1.09x), so they keep the walks.
 fn columns_fill(launch: &Launch, key: &PlanKey, sms: usize) -> bool {
-    if key.dtype != DType::F32 && key.geometry.stride[1] == 1 {
+    if key.pass == Pass::BackwardWeight || key.dtype != DType::F32 && key.geometry.stride[1] == 1 {
         return true;
     }
     let (vectors, groups, _) = launch.block;
@@ -1204,7 +1205,7 @@ pub fn launch_for(key: &PlanKey, sms: usize, limit: usize) -> Option<Launch> {
         .flatten();
     if takes_columns(key, rows.is_some()) {
         if let Some(launch) = columns_launch(key, sms, limit) {
-            if pass == Pass::BackwardWeight || columns_fill(&launch, key, sms) {
+            if columns_fill(&launch, key, sms) {
                 return Some(launch);
             }
         }
