@@ -68,8 +68,8 @@ fn cases() -> Vec<Case> {
         });
     let mut all = vec![
         // Column walks in f32 and at stride 2 take only launches that fill the GPU: the first
-        // case does (1,120 warps on 132 SMs); the second (4 blocks) checks that the plan then
-        // keeps the kernel it had.
+        // and third cases do on 132 SMs (1,120 warps; the 16-bit stride-2 forward, 576); the
+        // second (4 blocks) checks that the plan then keeps the kernel it had.
         case(
             "depthwise 3x3 on 7x7 images, 480 channels, batch 140",
             &[140, 7, 7, 480],
@@ -84,6 +84,22 @@ fn cases() -> Vec<Case> {
                 .strides(&[2])
                 .padding_lo(&[1])
                 .padding_hi(&[0]),
+        ),
+        case(
+            "depthwise 3x3 stride 2 on 14x14 images, padding 1/0, 384 channels, batch 96",
+            &[96, 14, 14, 384],
+            &[384, 3, 3, 1],
+            d().groups(384)
+                .strides(&[2])
+                .padding_lo(&[1])
+                .padding_hi(&[0]),
+        ),
+        // 16-bit 7x7 kernels run on the streamed rows on images of up to 10 rows.
+        case(
+            "depthwise 7x7 on 9x10 images, 48 channels",
+            &[3, 9, 10, 48],
+            &[48, 7, 7, 1],
+            d().groups(48).padding(&[3]),
         ),
         case("1d pad 1", &[2, 17, 8], &[16, 3, 8], d().padding(&[1])),
         case(

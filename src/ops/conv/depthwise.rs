@@ -25,10 +25,10 @@
 //! the source row meets (KH at stride 1; two for a 3x3 at stride 2). Backward-weight copies
 //! the cotangent rows beside, and each thread sums every tap; one f32 partial a block along x;
 //! where its blocks would sum few outputs, the stencil takes the layer instead. In 16-bit,
-//! kernels past 3x3 run there only forward and backward-data on small images, up to 5x5 (at
-//! stride 1 up to 14 rows; the stride-2 forward up to 7); the tensor-core kernel (stride 1) or
-//! the stencil (stride 2) keeps the others, and the tensor-core kernel the layers with one
-//! kernel row (1-D) or strides of 2 and 1.
+//! kernels past 3x3 run there only forward and backward-data on small images (at stride 1 5x5
+//! up to 14 rows, 7x7 up to 10; the stride-2 forward 5x5 up to 7); the tensor-core kernel
+//! (stride 1) or the stencil (stride 2) keeps the others, and the tensor-core kernel the layers
+//! with one kernel row (1-D) or strides of 2 and 1.
 //!
 //! Backward-weight of kernels up to 3x3 whose channel count would leave many of the 32-channel
 //! lanes idle (6, 8, 16, 36 channels) runs on column walks (`templates/conv_depthwise_cols.cu`),
@@ -119,11 +119,11 @@ const ROWS_MAX_CHANNELS: usize = 32;
 /// 0.74-0.84x. H200, after the rows kernel's stepped addresses, stride 1: 5x5 1.45x on 9x9
 /// images, 1.5x on 10x10, 1.51-1.64x on 11x11, 1.38x on 12x12, 1.11-1.16x on 13x13, 0.98-1.21x
 /// on 14x14, 0.94x on 20x20; 7x7 1.23-1.36x on 7x7 and 9x9, 1.07-1.16x on 10x10, 0.90-0.99x on
-/// 12x12, 0.85-0.88x on 14x14 (7x7 kernels not taken yet: that rule has not run through the
-/// GPU tests). Stride 2 (the forward) was measured on 7x7 outputs only.
+/// 12x12, 0.85-0.88x on 14x14. Stride 2 (the forward) was measured on 7x7 outputs only.
 fn rows_small_image_most(stride: usize, taps: usize) -> usize {
     match (stride, taps) {
         (1, 0..=25) => 14,
+        (1, 0..=49) => 10,
         (2, 0..=25) => 7,
         _ => 0,
     }
@@ -323,10 +323,11 @@ pub fn spec(dtype: DType, pass: Pass, s: Shape) -> KernelSpec {
 /// kernels at strides 1 and 2 (MobileNet, EfficientNet, ConvNeXt), every pass, and channel
 /// multiplier 2 at stride 1 for 3x3 and 5x5. From sm_80 on, at multiplier 1, forward (strides 1
 /// and 2) and backward-data (stride 1) are the rows kernel's (16-bit 5x5 and 7x7: the
-/// tensor-core kernel's at stride 1 and the stencil's at stride 2, and for 5x5 the rows
-/// kernel's too, which takes small images), and stride-1 backward-weight is listed on both the
-/// rows kernel (large images) and the stencil (16-bit 5x5 and 7x7: the stencil); 3x3
-/// backward-weight also on the column walks, which take few channels (16: MobileNetV3).
+/// tensor-core kernel's at stride 1 and the stencil's at stride 2, and the rows kernel's too at
+/// stride 1 and for 5x5 at stride 2, which takes small images), and stride-1 backward-weight is
+/// listed on both the rows kernel (large images) and the stencil (16-bit 5x5 and 7x7: the
+/// stencil); 3x3 backward-weight also on the column walks, which take few channels (16:
+/// MobileNetV3).
 pub fn specs(arch: u32) -> Vec<KernelSpec> {
     let mut shapes = Vec::new();
     for k in [3, 5, 7] {
@@ -341,9 +342,9 @@ pub fn specs(arch: u32) -> Vec<KernelSpec> {
             for &(mg, k, s) in &shapes {
                 let gather = pass != Pass::BackwardWeight;
                 let rows_stride = s == 1 || pass == Pass::Forward;
-                // Kernels past 3x3 take the rows kernel in f32, and in 16-bit 5x5 for images of
-                // 7x7 (forward and backward-data): both it and the tensor-core kernel (stride 1)
-                // or the stencil (stride 2) are listed.
+                // Kernels past 3x3 take the rows kernel in f32, and in 16-bit on small images
+                // (forward and backward-data; `rows_small_image_most`): both it and the
+                // tensor-core kernel (stride 1) or the stencil (stride 2) are listed.
                 let larger = k > 3;
                 let sixteen = dtype != DType::F32;
                 let small_image_ok = gather && rows_small_image_most(s, k * k) > 0;
@@ -1441,8 +1442,8 @@ mod tests {
                 for k in [[3, 3], [2, 3], [3, 1], [2, 2]] {
                     assert!(rows(144, 1, k, 1, 90, true), "{k:?}");
                 }
-                // Kernels past 3x3: f32; 16-bit only for images of up to 14 rows (up to 5x5), not
-                // backward-weight.
+                // Kernels past 3x3: f32; 16-bit only for images of up to 14 rows (5x5) or 10
+                // (7x7), not backward-weight.
                 let f32 = dtype == DType::F32;
                 for k in [[5, 5], [7, 7], [3, 7], [7, 1]] {
                     assert_eq!(rows(144, 1, k, 1, 90, true), f32, "{k:?}");
@@ -1462,7 +1463,9 @@ mod tests {
                 assert!(!small_image(1154, 7), "1154 channels 7x7");
                 assert_eq!(image(672, 5, 14), gather, "672 channels 14x14");
                 assert_eq!(image(672, 5, 15), f32 && gather, "672 channels 15x15");
-                assert_eq!(image(1152, 7, 7), f32 && gather, "7x7 kernel, 7x7");
+                assert_eq!(image(1152, 7, 7), gather, "7x7 kernel, 7x7");
+                assert_eq!(image(1152, 7, 10), gather, "7x7 kernel, 10x10");
+                assert_eq!(image(1152, 7, 11), f32 && gather, "7x7 kernel, 11x11");
                 assert!(rows(144, 1, [3, 3], 1, 80, true));
                 assert!(!rows(144, 1, [3, 3], 1, 75, true), "before sm_80");
                 assert!(
@@ -1701,6 +1704,33 @@ mod tests {
             assert_eq!(vector(17, true), 1);
             assert_eq!(vector(36, false), 1);
         }
+    }
+
+    /// The GPU tests' stride-2 column-walk case (`gpu_conv`, 96 x 384 channels 14x14 onto 7x7)
+    /// runs on the walks in 16-bit on an H100/H200's 132 SMs; the 4-image case keeps its kernel.
+    #[test]
+    fn columns_take_16_bit_stride_2_forwards_that_fill_the_gpu() {
+        let walks = |dtype, batch: usize, c: usize, hw: [usize; 2]| {
+            let p = ConvParams::default()
+                .groups(c)
+                .strides(&[2])
+                .padding_lo(&[1])
+                .padding_hi(&[0]);
+            let kk = key(
+                dtype,
+                Pass::Forward,
+                &[batch, hw[0], hw[1], c],
+                &[c, 3, 3, 1],
+                &p,
+            );
+            let v = launch_for(&kk, 132, H100_SHARED).unwrap().shape.variant;
+            matches!(v, Variant::Columns { .. })
+        };
+        for dtype in [DType::F16, DType::BF16] {
+            assert!(walks(dtype, 96, 384, [14, 14]), "{dtype:?} 96 x 384");
+            assert!(!walks(dtype, 4, 64, [13, 14]), "{dtype:?} 4 x 64");
+        }
+        assert!(!walks(DType::F32, 96, 384, [14, 14]), "f32 at stride 2");
     }
 
     #[test]
