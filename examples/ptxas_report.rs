@@ -3,7 +3,8 @@
 //! (default: the norm forward and VJP kernels). `--candidates`: the bf16 LayerNorm candidates of
 //! the norm bench's `--sweep` instead of the registered specs; `--tf32`: the Hopper convolution
 //! family's f32 (`KILN_ALLOW_TF32`) specs, which `kiln warm` leaves to first use;
-//! `--multipliers`: the grouped family's channel-multiplier specs, likewise. `--cubin=DIR` also
+//! `--multipliers`: the grouped family's channel-multiplier specs, likewise; `--split`: the
+//! split-row norm layouts `--sweep --split --long` times (f16, bf16 and f32). `--cubin=DIR` also
 //! writes each spec's cubin into DIR (for `cuobjdump --dump-sass`).
 use kiln::jit::{Jit, Target};
 
@@ -26,6 +27,23 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 ));
             }
         }
+        all.dedup();
+        all
+    } else if std::env::args().any(|a| a == "--split") {
+        // Every split-row layout `--sweep --split --long` times, both norms and passes, 16-bit
+        // and f32, on rows of 18,432 and 65,536 elements.
+        use kiln::ops::norm::{tuning, Kind, Pass};
+        let mut all = Vec::new();
+        for dtype in [kiln::DType::F16, kiln::DType::BF16, kiln::DType::F32] {
+            for kind in [Kind::LayerNorm, Kind::RmsNorm] {
+                for d in [18432, 65536] {
+                    for pass in [Pass::Forward, Pass::Vjp] {
+                        all.extend(tuning::split_candidates(pass, kind, dtype, d));
+                    }
+                }
+            }
+        }
+        all.sort_by_key(|s| s.to_string());
         all.dedup();
         all
     } else if std::env::args().any(|a| a == "--tf32") {

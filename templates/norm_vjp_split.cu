@@ -25,9 +25,12 @@ constexpr int CLUSTER = {{CLUSTER}};
 // exchanges wait while the other computes (16-bit rows, whose bytes per row are few for the
 // exchanges' latency).
 constexpr bool SMEM_SUMS = {{SMEM_SUMS}};
-// PIPELINE: each row's exchange overlapped with the next row's (see the row loop). It pays
-// where exchanges are slowest, in clusters of 16, and costs a second read of each staged chunk.
-constexpr bool PIPELINE = {{PIPELINE}};
+// PIPELINE: each row's exchange overlapped with the next row's (see the row loop). 1: the next
+// row's sums read from its stage, which costs a second read of each staged chunk (it pays where
+// exchanges are slowest, in clusters of 16); 2: both rows held in registers as loaded (vectors of
+// T, widened at each use), so each chunk is read from its stage once.
+constexpr int PIPELINE = {{PIPELINE}};
+static_assert(PIPELINE >= 0 && PIPELINE <= 2, "PIPELINE is 0, 1 or 2");
 static_assert(CLUSTER >= 2 && CLUSTER <= 16, "a cluster of at least two blocks");
 // Elements of a row one block holds: ITEMS vectors of N_READS per thread.
 constexpr int CAPACITY = BLOCK_DIM * ITEMS * N_READS;
@@ -69,6 +72,7 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(BLO
   // only its own.
   // Dynamic shared memory: the stages (x then the cotangent), then the weights and partial sums.
   typedef kiln_vec<float, N_READS> F;
+  typedef kiln_vec<T, N_READS> V;
   extern __shared__ __align__(128) unsigned char smem[];
   F* w_own = reinterpret_cast<F*>(smem + STAGES * 2 * CHUNK_BYTES);
   F* dw_own = w_own + ITEMS * BLOCK_DIM;
@@ -156,13 +160,11 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(BLO
   }
   // Vector k of this thread in a staged chunk as floats (zeros past the chunk: a vector lies
   // wholly inside it or wholly past it, len being a multiple of N_READS when N_READS > 1).
-  typedef kiln_vec<T, N_READS> V;
   auto unstage = [&](const unsigned char* chunk_at, int offset, int k, float(&v)[N_READS]) {
     if (inside(k)) {
       const V r = reinterpret_cast<const V*>(reinterpret_cast<const T*>(chunk_at) + offset)
           [k * BLOCK_DIM + threadIdx.x];
-#pragma unroll
-      for (int j = 0; j < N_READS; ++j) v[j] = kiln_to_float(r.v[j]);
+      kiln_widen(r, v);
     } else {
 #pragma unroll
       for (int j = 0; j < N_READS; ++j) v[j] = 0.0f;
@@ -185,12 +187,33 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(BLO
                   N_READS > 1 ? 0 : kiln_granule_offset(g + r * g_row_stride + base)};
   };
   // The row's values vector k by vector k: from `st`, the stage of the row after the one in
-  // registers (PIPELINE), or from registers when st is null.
-  float xv[ITEMS][N_READS], gv[ITEMS][N_READS];
-  auto values = [&](const Staged* st, int k, float(&xk)[N_READS], float(&gk)[N_READS]) {
+  // registers (PIPELINE 1), or from registers when st is null: floats, or with PIPELINE 2 the
+  // current row's vectors as loaded (xr, gr) or, with `next`, the next row's (xn, gn).
+  constexpr int HELD = PIPELINE == 2 ? ITEMS : 1;
+  float xv[PIPELINE == 2 ? 1 : ITEMS][N_READS], gv[PIPELINE == 2 ? 1 : ITEMS][N_READS];
+  V xr[HELD], gr[HELD], xn[HELD], gn[HELD];
+  auto widen = [&](const V& r, int k, float(&v)[N_READS]) {
+    kiln_widen(r, v);
+#pragma unroll
+    for (int j = 0; j < N_READS; ++j) v[j] = inside(k) ? v[j] : 0.0f;
+  };
+  // PIPELINE 2: vector k of a staged row into registers as it is (past the chunk: never read).
+  auto hold = [&](const Staged& st, int k, V& xk, V& gk) {
+    if (inside(k)) {
+      xk = reinterpret_cast<const V*>(reinterpret_cast<const T*>(st.x) + st.x_offset)
+          [k * BLOCK_DIM + threadIdx.x];
+      gk = reinterpret_cast<const V*>(reinterpret_cast<const T*>(st.g) + st.g_offset)
+          [k * BLOCK_DIM + threadIdx.x];
+    }
+  };
+  auto values = [&](const Staged* st, int k, float(&xk)[N_READS], float(&gk)[N_READS],
+                    bool next = false) {
     if (st) {
       unstage(st->x, st->x_offset, k, xk);
       unstage(st->g, st->g_offset, k, gk);
+    } else if constexpr (PIPELINE == 2) {
+      widen(next ? xn[k] : xr[k], k, xk);
+      widen(next ? gn[k] : gr[k], k, gk);
     } else {
 #pragma unroll
       for (int j = 0; j < N_READS; ++j) {
@@ -205,13 +228,13 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(BLO
   // Pushes a row's one exchange. RMSNorm: the sums of x * x and w * g * x. LayerNorm: the warp's
   // mean m_w of x, then its sums of (x - m_w)^2, w * g and w * g * (x - m_w), which
   // kiln_cluster_wait_moments turns into exact two-pass sums about the row's mean.
-  auto push_row = [&](const Staged* st) {
+  auto push_row = [&](const Staged* st, bool next = false) {
     float sum = 0.0f, m_w = 0.0f;
     if constexpr (!RMS) {
 #pragma unroll
       for (int k = 0; k < ITEMS; ++k) {
         float xk[N_READS], gk[N_READS];
-        values(st, k, xk, gk);  // zeros past the chunk add nothing
+        values(st, k, xk, gk, next);  // zeros past the chunk add nothing
 #pragma unroll
         for (int j = 0; j < N_READS; ++j) sum += xk[j];
       }
@@ -224,7 +247,7 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(BLO
       // -m_w.
       if (!RMS && !inside(k)) break;
       float xk[N_READS], gk[N_READS], wk[N_READS];
-      values(st, k, xk, gk);
+      values(st, k, xk, gk, next);
       weights(k, wk);
 #pragma unroll
       for (int j = 0; j < N_READS; ++j) {
@@ -243,26 +266,52 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(BLO
   // its stage), and only then is the first awaited, so that each exchange's latency is spent on
   // the other's work. Every warp still waits on an exchange before it pushes the one two after
   // it (kiln_cluster_push's rule).
+  // PIPELINE 2 holds a row in registers a turn before its outputs: the row of `turn` is loaded
+  // from its stage (which then takes the row STAGES turns ahead) and its exchange pushed.
+  auto hold_next = [&](long long r, int turn) {
+    const Staged st = staged(r, turn);
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) hold(st, k, xn[k], gn[k]);
+    __syncthreads();
+    if (threadIdx.x == 0 && r + STAGES * clusters < rows) {
+      kiln_bulk_fence();
+      fetch(r + STAGES * clusters, turn % STAGES);
+    }
+    return push_row(nullptr, true);
+  };
   int pushed = 0;
-  if (PIPELINE && cluster < rows) {
+  if (PIPELINE == 1 && cluster < rows) {
     const Staged first = staged(cluster, 0);
     pushed = push_row(&first);
   }
+  if (PIPELINE == 2 && cluster < rows) pushed = hold_next(cluster, 0);
   int turn = 0;
   for (long long row = cluster; row < rows; row += clusters, ++turn) {
-    const Staged st = staged(row, turn);
+    int this_row;
+    if constexpr (PIPELINE == 2) {
+      // The row pushed a turn ago moves to the current registers; the next is held and pushed.
 #pragma unroll
-    for (int k = 0; k < ITEMS; ++k) values(&st, k, xv[k], gv[k]);
-    // Every thread has its values: the stage takes the row STAGES turns ahead.
-    __syncthreads();
-    if (threadIdx.x == 0 && row + STAGES * clusters < rows) {
-      kiln_bulk_fence();
-      fetch(row + STAGES * clusters, turn % STAGES);
-    }
-    const int this_row = PIPELINE ? pushed : push_row(nullptr);
-    if (PIPELINE && row + clusters < rows) {
-      const Staged next = staged(row + clusters, turn + 1);
-      pushed = push_row(&next);
+      for (int k = 0; k < ITEMS; ++k) {
+        xr[k] = xn[k];
+        gr[k] = gn[k];
+      }
+      this_row = pushed;
+      if (row + clusters < rows) pushed = hold_next(row + clusters, turn + 1);
+    } else {
+      const Staged st = staged(row, turn);
+#pragma unroll
+      for (int k = 0; k < ITEMS; ++k) values(&st, k, xv[k], gv[k]);
+      // Every thread has its values: the stage takes the row STAGES turns ahead.
+      __syncthreads();
+      if (threadIdx.x == 0 && row + STAGES * clusters < rows) {
+        kiln_bulk_fence();
+        fetch(row + STAGES * clusters, turn % STAGES);
+      }
+      this_row = PIPELINE ? pushed : push_row(nullptr);
+      if (PIPELINE && row + clusters < rows) {
+        const Staged next = staged(row + clusters, turn + 1);
+        pushed = push_row(&next);
+      }
     }
     // The row's statistics: mean, the centred sum of squares q, mean(w * g) and the sum of
     // w * g * (x - mean) (RMSNorm: x itself, mean 0).
@@ -281,16 +330,17 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(BLO
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
       if (!inside(k)) break;
-      float wk[N_READS], o[N_READS], pw[N_READS], pb[N_READS];
+      float wk[N_READS], o[N_READS], pw[N_READS], pb[N_READS], xk[N_READS], gk[N_READS];
       weights(k, wk);
       partials(k, pw, pb);
+      values(nullptr, k, xk, gk);
 #pragma unroll
       for (int j = 0; j < N_READS; ++j) {
         // Vectors past d are never reached (d is a multiple of N_READS).
-        const float xh = (xv[k][j] - mean) * rstd;
-        pw[j] += gv[k][j] * xh;
-        pb[j] += gv[k][j];
-        o[j] = rstd * (wk[j] * gv[k][j] - c2 - xh * c1);
+        const float xh = (xk[j] - mean) * rstd;
+        pw[j] += gk[j] * xh;
+        pb[j] += gk[j];
+        o[j] = rstd * (wk[j] * gk[j] - c2 - xh * c1);
       }
       keep(k, pw, pb);
       kiln_store_floats<N_READS>(dxr, at(k), len, o);

@@ -59,6 +59,25 @@ template <> __device__ __forceinline__ kiln_bf16 kiln_from_float<kiln_bf16>(floa
 // N elements moved as one aligned access: 16 bytes when N * sizeof(T) == 16.
 template <typename T, int N> struct alignas(sizeof(T) * N) kiln_vec { T v[N]; };
 
+// A vector's elements as floats.
+template <typename T, int N>
+__device__ __forceinline__ void kiln_widen(const kiln_vec<T, N>& r, float (&out)[N]) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) out[j] = kiln_to_float(r.v[j]);
+}
+// bf16 pairs a 32-bit word at a time: a shift or a mask an element, where taking each half
+// apart first costs two instructions.
+template <int N>
+__device__ __forceinline__ void kiln_widen(const kiln_vec<kiln_bf16, N>& r, float (&out)[N]) {
+#pragma unroll
+  for (int j = 0; j + 1 < N; j += 2) {
+    const unsigned w = *reinterpret_cast<const unsigned*>(&r.v[j]);
+    out[j] = __uint_as_float(w << 16);
+    out[j + 1] = __uint_as_float(w & 0xffff0000u);
+  }
+  if (N % 2) out[N - 1] = kiln_to_float(r.v[N - 1]);
+}
+
 // Loads N elements starting at p[i] as floats; elements at or past n read as 0. The vector path
 // needs p + i aligned to N elements, which the op guarantees when it picks N > 1.
 template <int N, typename T>

@@ -419,23 +419,25 @@ pub(super) fn vjp_split_layouts(dtype: DType) -> &'static [(usize, usize, bool)]
     }
 }
 
-/// Whether the split-row VJP overlaps each row's exchange with the next row's (PIPELINE in
-/// norm_vjp_split.cu), which costs a second read of each staged chunk: 16-bit RMSNorm rows in
-/// Hopper's non-portable clusters of 16, whose exchanges are the slowest. H200, direct mode, the
-/// norm bench's 16-bit rows, same call, two rounds each, pipelined in clusters of 4 and more
-/// against only in clusters of 16: unpipelined RMSNorm ran 1.13-1.14x at 30,000 (clusters of 4)
-/// and 1.03-1.04x at 65,536 (8), pipelined 1.07-1.08x at 131,072 (16). LayerNorm, whose
-/// exchange from a stage takes two passes over it (the warp's mean, then the sums about it), ran
-/// 2-8% slower pipelined at every width (H100; `--sweep --split` on an H200, bf16). f32 rows
-/// are not pipelined: they lost up to 2% on an H100. On an H200 (same call, two rounds),
-/// pipelined f32 LayerNorm rows in clusters of up to 8 ran 1.08-1.09x on aligned rows of 18,432
-/// and 30,000 (clusters of 3 and 4) and 1.01x at 65,536, but 0.93x on the element-at-a-time
-/// rows of 16,385. Pipelining only rows of whole vectors (clusters of up to 8) was then measured
-/// on eight lengths (H200, two rounds): 1.04-1.10x at 18,432-40,000, but 0.94-0.95x at 16,400
-/// (clusters of 3, like 18,432) and 0.92x at 50,000 (7), so no rule by width or by how full the
-/// chunks are separates them; not applied.
-pub(super) fn vjp_split_pipeline(kind: Kind, dtype: DType, cluster: usize) -> bool {
-    dtype.size() == 2 && kind == Kind::RmsNorm && cluster == 16
+/// How the split-row VJP overlaps each row's exchange with the next row's (PIPELINE in
+/// norm_vjp_split.cu): 0 not at all; 1 with the next row's sums read from its stage (a second
+/// read of each staged chunk); 2 with both rows held in registers as loaded.
+/// - 2: 16-bit rows of whole vectors in clusters of up to 8. H200, direct mode, same call as
+///   the tree before it, two rounds: LayerNorm 1.05-1.08x, RMSNorm 1.03-1.18x at 18,432, 30,000
+///   and 65,536 elements (clusters of 3, 4 and 8; bf16 RMSNorm at 65,536 67% -> 79% of copy).
+///   It lost on rows of one element a vector (16-bit rows of 16,385: 0.76-0.96x, whose held
+///   rows take a register per element) and on f32 rows (0.86-0.99x: 128 registers).
+/// - 1: 16-bit RMSNorm rows in Hopper's non-portable clusters of 16, whose exchanges are the
+///   slowest (pipelined 1.07-1.08x at 131,072 on an H200; 2 not measured there). LayerNorm,
+///   whose exchange from a stage takes two passes over it (the warp's mean, then the sums about
+///   it), ran 2-8% slower with 1 at every width. f32 rows with 1: 0.93-1.09x with no rule by
+///   width or by how full the chunks are that separates the gains from the losses (H200).
+pub(super) fn vjp_split_pipeline(kind: Kind, dtype: DType, cluster: usize, n_reads: usize) -> i32 {
+    match (dtype.size(), kind, cluster) {
+        (2, _, 2..=8) if n_reads > 1 => 2,
+        (2, Kind::RmsNorm, 16) => 1,
+        _ => 0,
+    }
 }
 
 /// The split-row VJP for rows of `d` elements, if a cluster's registers hold them: the first
@@ -458,7 +460,7 @@ pub(super) fn vjp_split_spec(kind: Kind, dtype: DType, d: usize, rows: Rows) -> 
                 items as i32,
                 cluster as i32,
                 smem_sums as i32,
-                vjp_split_pipeline(kind, dtype, cluster) as i32,
+                vjp_split_pipeline(kind, dtype, cluster, n_reads),
             ];
             Some(KernelSpec::new(
                 &VJP_SPLIT,
@@ -745,7 +747,9 @@ pub(super) fn check_chosen(
                 1 => items * n_reads <= 8,
                 _ => false,
             }
-            && spec.constant("PIPELINE").is_some_and(|p| p == 0 || p == 1);
+            && spec
+                .constant("PIPELINE")
+                .is_some_and(|p| (0..=2).contains(&p));
         if !ok {
             return Err(bad(
                 "spec",

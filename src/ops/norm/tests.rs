@@ -256,17 +256,34 @@ fn split_rows_pipeline_and_fill_blocks_as_measured() {
         assert!(is_split(&spec), "{spec}");
         spec
     };
-    // The VJP pipelines 16-bit RMSNorm rows in clusters of 16 only.
+    // The VJP holds two 16-bit rows in registers in clusters of up to 8 (PIPELINE 2), and
+    // pipelines 16-bit RMSNorm rows from their stages in clusters of 16 (1); f32 rows neither.
     for kind in [Kind::LayerNorm, Kind::RmsNorm] {
         for dtype in DType::ALL {
             for d in [18432, 30000, 65536, 65544, 131072] {
                 let spec = chosen(Pass::Vjp, kind, dtype, d);
-                let pipelined = kind == Kind::RmsNorm && dtype.size() == 2 && d > 65536;
+                let sixteen = dtype.size() == 2;
+                let pipeline = match (sixteen, d > 65536) {
+                    (true, false) => 2,
+                    (true, true) => (kind == Kind::RmsNorm) as i32,
+                    (false, _) => 0,
+                };
                 assert_eq!(spec.constant("CLUSTER") == Some(16), d > 65536, "{spec}");
-                assert_eq!(spec.constant("PIPELINE"), Some(pipelined as i32), "{spec}");
+                assert_eq!(spec.constant("PIPELINE"), Some(pipeline), "{spec}");
             }
         }
     }
+    // Rows of one element a vector (16-bit rows of odd length) are not pipelined.
+    let odd = choose_spec(
+        Pass::Vjp,
+        Kind::LayerNorm,
+        DType::BF16,
+        16385,
+        Rows::Alike,
+        Count::Few,
+        gpu,
+    );
+    assert_eq!(odd.constant("PIPELINE"), Some(0), "{odd}");
     // 16-bit LayerNorm: 32 elements a thread in the fewest blocks; RMSNorm 16 while 8 blocks
     // of 16 hold the row.
     let layout = |kind, d| {

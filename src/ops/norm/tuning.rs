@@ -71,7 +71,8 @@ pub fn vjp_with(
 
 /// Every split-row spec (a cluster of blocks a row) that could serve aligned rows of `d`: a
 /// power of two of vectors a thread, each cluster width that covers the row up to twice the
-/// fewest, and for the VJP the partial sums in registers or shared memory, pipelined or not.
+/// fewest, and for the VJP the partial sums in registers or shared memory, and each way of
+/// overlapping rows (PIPELINE 0, 1 or 2).
 /// Each passes the same check as a caller's spec. For `--sweep --split` to measure the choices
 /// of `split_layouts`, `vjp_split_layouts` and `vjp_split_pipeline`.
 pub fn split_candidates(pass: Pass, kind: Kind, dtype: DType, d: usize) -> Vec<KernelSpec> {
@@ -84,7 +85,7 @@ pub fn split_candidates(pass: Pass, kind: Kind, dtype: DType, d: usize) -> Vec<K
             match pass {
                 Pass::Vjp => {
                     for smem_sums in [0, 1] {
-                        for pipeline in [0, 1] {
+                        for pipeline in [0, 1, 2] {
                             specs.push(KernelSpec::new(
                                 &VJP_SPLIT,
                                 dtype,
