@@ -100,9 +100,9 @@ __device__ __forceinline__ void kiln_unstage_shifted(const T* stage, int shift, 
   }
   const kiln_vec<T, N> r = *reinterpret_cast<const kiln_vec<T, N>*>(stage + at);
   const bool whole = kiln_whole<N>(at, shift, len);
+  kiln_widen(r, v);
 #pragma unroll
-  for (int j = 0; j < N; ++j)
-    v[j] = whole || kiln_inside(at, shift, j, len) ? kiln_to_float(r.v[j]) : 0.0f;
+  for (int j = 0; j < N; ++j) v[j] = whole || kiln_inside(at, shift, j, len) ? v[j] : 0.0f;
 }
 
 // Stores the vector at `at` into a chunk of `len` elements at `out`, which starts `shift`

@@ -37,9 +37,8 @@ __device__ __forceinline__ void kiln_stage_row(const T* row, bool active, int la
 template <int N_READS, int BLOCK_DIM, typename T>
 __device__ __forceinline__ void kiln_unstage_vec(const kiln_vec<T, N_READS>* stage, int k,
                                                  float (&v)[N_READS]) {
-  const kiln_vec<T, N_READS> r = stage[k * BLOCK_DIM + threadIdx.x];
-#pragma unroll
-  for (int j = 0; j < N_READS; ++j) v[j] = kiln_to_float(r.v[j]);
+  const kiln_vec<T, N_READS> r = stage[k * BLOCK_DIM + threadIdx.x];  // one vector load
+  kiln_widen(r, v);
 }
 
 // A thread's whole staged row as floats.
@@ -53,7 +52,8 @@ __device__ __forceinline__ void kiln_unstage_row(const kiln_vec<T, N_READS>* sta
 // What the warps of a group hold of a row (vectors k * GROUP + lane of a row of d elements in
 // vectors of N_READS), which weighs each warp's mean in LayerNorm's one-barrier statistics
 // (kiln_group_moments): 1 / the elements of this thread's warp, and the elements of the group's
-// warp numbered like this thread's lane, with 1 / them (0 for none, or past the group's warps).
+// warp that kiln_group_moments gives this thread's lane (lane % kiln_moment_span), with 1 / them
+// (0 for none, or past the group's warps).
 // Computed once per kernel.
 struct kiln_warp_shares {
   float inv_own, n_lane, inv_lane;
@@ -64,11 +64,31 @@ __device__ __forceinline__ int kiln_warp_elements(int d, int warp) {
   const int rounds = vectors / GROUP, rest = vectors - rounds * GROUP;
   return warp < GROUP / 32 ? N_READS * (32 * rounds + min(32, max(0, rest - 32 * warp))) : 0;
 }
+// The lanes over which kiln_group_moments sums its warps' values: the next power of two of
+// the group's warps (lanes i, i + SPAN, ... take warp i), so that its two butterflies take
+// log2(SPAN) steps each, not five.
+template <int GROUP>
+__host__ __device__ constexpr int kiln_moment_span() {
+  int span = 1;
+  while (span < GROUP / 32) span *= 2;
+  return span;
+}
 template <int GROUP, int N_READS>
 __device__ __forceinline__ kiln_warp_shares kiln_warp_shares_of(int d) {
+  constexpr int SPAN = kiln_moment_span<GROUP>();
   const int own = kiln_warp_elements<GROUP, N_READS>(d, (int)(threadIdx.x % GROUP) / 32);
-  const int lane = kiln_warp_elements<GROUP, N_READS>(d, (int)(threadIdx.x % 32));
+  const int lane = kiln_warp_elements<GROUP, N_READS>(d, (int)(threadIdx.x % SPAN));
   return {own > 0 ? 1.0f / own : 0.0f, (float)lane, lane > 0 ? 1.0f / lane : 0.0f};
+}
+
+// Sum over each SPAN consecutive lanes (a power of two), returned to each of them: the same bits
+// in every lane, as kiln_warp_sum's.
+template <int SPAN>
+__device__ __forceinline__ float kiln_span_sum(float v) {
+#pragma unroll
+  for (int offset = SPAN / 2; offset > 0; offset >>= 1)
+    v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
 }
 
 // Per warp of a group, LayerNorm's partial sums for kiln_group_moments. Two halves of
@@ -94,10 +114,12 @@ __device__ __forceinline__ void kiln_group_moments(float sx, float q,
   float2* half = moments + (round++ & 1) * (BLOCK_DIM / 32);
   if (i == 0) half[warp] = make_float2(sx, q);
   kiln_group_barrier<GROUP, BLOCK_DIM>();
-  const float2 p = i < WARPS ? half[(warp / WARPS) * WARPS + i] : make_float2(0.0f, 0.0f);
-  mean = kiln_warp_sum(p.x) * inv_d;
+  constexpr int SPAN = kiln_moment_span<GROUP>();
+  const float2 p =
+      i % SPAN < WARPS ? half[(warp / WARPS) * WARPS + i % SPAN] : make_float2(0.0f, 0.0f);
+  mean = kiln_span_sum<SPAN>(p.x) * inv_d;
   const float dev = p.x * shares.inv_lane - mean;
-  m2 = kiln_warp_sum(p.y + shares.n_lane * dev * dev);
+  m2 = kiln_span_sum<SPAN>(p.y + shares.n_lane * dev * dev);
 }
 
 // Mean (0 for RMSNorm) and 1 / sqrt(var + eps) of a row held in registers, in exact passes: the

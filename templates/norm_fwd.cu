@@ -67,8 +67,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
       __syncthreads();  // staged by the first group, read by every group
     };
     // Normalises a row held in registers and writes it.
-    auto write = [&](long long row, float(&v)[NI][N_READS], float mean, float rstd) {
-      T* yr = y + row * (long long)d;
+    auto write = [&](T* yr, float(&v)[NI][N_READS], float mean, float rstd) {
 #pragma unroll
       for (int k = 0; k < NI; ++k) {
         const int i = (k * GROUP + lane) * N_READS;
@@ -76,12 +75,9 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
         float wv[N_READS], bv[N_READS];
         if constexpr (STAGES > 0) {
           const V wk = params[k * GROUP + lane];
-          const V bk = RMS ? V{} : params[(NI + k) * GROUP + lane];
-#pragma unroll
-          for (int j = 0; j < N_READS; ++j) {
-            wv[j] = kiln_to_float(wk.v[j]);
-            bv[j] = RMS ? 0.0f : kiln_to_float(bk.v[j]);
-          }
+          const V bk = RMS ? V{} : params[(NI + k) * GROUP + lane];  // zeros for RMSNorm
+          kiln_widen(wk, wv);
+          kiln_widen(bk, bv);
         } else {
           kiln_load_param<N_READS>(w, w_stride, w_vec, i, d, 1.0f, wv);
           kiln_load_param<N_READS>(RMS ? nullptr : b, b_stride, b_vec, i, d, 0.0f, bv);
@@ -96,30 +92,39 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
       }
     };
     if constexpr (STAGES > 0) {
-      auto stage = [&](long long row, int s) {
-        const bool active = row < rows;
-        kiln_stage_row<NI, N_READS, GROUP, BLOCK_DIM>(x + (active ? row : 0) * x_row_stride, active,
-                                                      lane, d, ring + s * NI * BLOCK_DIM);
-        kiln_cp_async_commit();
-      };
       // Rows r, r + step, ...; the loop runs on the block's first row, so every group of the
-      // block takes the same iterations (a row past the end computes and writes nothing).
+      // block takes the same iterations (a row past the end computes and writes nothing). The
+      // rows' x and y advance as pointers instead of being recomputed from 64-bit products
+      // every row.
       const long long step = (long long)gridDim.x * GROUPS;
       long long row = (long long)blockIdx.x * GROUPS + group;
+      long long ahead = row;  // the next row to stage
+      const T* x_ahead = x + row * x_row_stride;
+      T* yr = y + row * (long long)d;
+      const long long x_step = step * x_row_stride, y_step = step * (long long)d;
+      // Stages row `ahead` into stage s and moves on to the next.
+      auto stage = [&](int s) {
+        const bool active = ahead < rows;
+        kiln_stage_row<NI, N_READS, GROUP, BLOCK_DIM>(active ? x_ahead : x, active, lane, d,
+                                                      ring + s * NI * BLOCK_DIM);
+        kiln_cp_async_commit();
+        ahead += step;
+        x_ahead += x_step;
+      };
 #pragma unroll
-      for (int s = 0; s < STAGES - 1; ++s) stage(row + s * step, s);
+      for (int s = 0; s < STAGES - 1; ++s) stage(s);
       stage_params();
       int s = 0;
-      for (long long first = row - group; first < rows; first += step, row += step) {
+      for (long long first = row - group; first < rows; first += step, row += step, yr += y_step) {
         kiln_cp_async_wait<(STAGES > 2 ? STAGES - 2 : 0)>();  // this row's stage has landed
         float v[NI][N_READS], mean, rstd;
         kiln_unstage_row<NI, N_READS, BLOCK_DIM>(ring + s * NI * BLOCK_DIM, v);
         // The row STAGES - 1 ahead goes to the stage read one iteration ago.
-        stage(row + (STAGES - 1) * step, s == 0 ? STAGES - 1 : s - 1);
+        stage(s == 0 ? STAGES - 1 : s - 1);
         s = s == STAGES - 1 ? 0 : s + 1;
         kiln_row_stats<RMS, GROUP, BLOCK_DIM>(v, lane, d, inv_d, shares, eps, scratch, moments,
                                               round, mean, rstd);
-        if (row < rows) write(row, v, mean, rstd);
+        if (row < rows) write(yr, v, mean, rstd);
       }
       kiln_cp_async_wait<0>();  // no copy may land after the block has gone
     } else {
@@ -129,7 +134,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
       kiln_load_row<NI, N_READS, GROUP>(x + (active ? row : 0) * x_row_stride, active, lane, d, v);
       kiln_row_stats<RMS, GROUP, BLOCK_DIM>(v, lane, d, inv_d, shares, eps, scratch, moments,
                                             round, mean, rstd);
-      if (active) write(row, v, mean, rstd);
+      if (active) write(y + row * (long long)d, v, mean, rstd);
     }
   } else {
     // One row per block (GROUP == BLOCK_DIM).

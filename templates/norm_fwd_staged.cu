@@ -126,8 +126,7 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1)
       // when N_READS > 1).
       if (at(k) < len) {
         const V r = reinterpret_cast<const V*>(staged)[k * BLOCK_DIM + threadIdx.x];
-#pragma unroll
-        for (int j = 0; j < N_READS; ++j) v[k][j] = kiln_to_float(r.v[j]);
+        kiln_widen(r, v[k]);
       } else {
 #pragma unroll
         for (int j = 0; j < N_READS; ++j) v[k][j] = 0.0f;
@@ -179,11 +178,13 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1)
       const V vw = w_own[k * BLOCK_DIM + threadIdx.x];
       V vb;
       if constexpr (!RMS) vb = b_own[k * BLOCK_DIM + threadIdx.x];
-      float o[N_READS];
+      float o[N_READS], wf[N_READS], bf[N_READS];
+      kiln_widen(vw, wf);
+      if constexpr (!RMS) kiln_widen(vb, bf);
 #pragma unroll
       for (int j = 0; j < N_READS; ++j) {
-        o[j] = (v[k][j] - mean) * rstd * kiln_to_float(vw.v[j]);
-        if constexpr (!RMS) o[j] += kiln_to_float(vb.v[j]);
+        o[j] = (v[k][j] - mean) * rstd * wf[j];
+        if constexpr (!RMS) o[j] += bf[j];
       }
       if constexpr (SHIFTED) {
         kiln_store_shifted<N_READS>(yr, shift, at(k), len, o);

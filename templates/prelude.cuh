@@ -83,9 +83,10 @@ __device__ __forceinline__ void kiln_widen(const kiln_vec<kiln_bf16, N>& r, floa
 template <int N, typename T>
 __device__ __forceinline__ void kiln_load_floats(const T* p, int i, int n, float (&out)[N]) {
   if (i + N <= n) {
-    kiln_vec<T, N> v = *reinterpret_cast<const kiln_vec<T, N>*>(p + i);
-#pragma unroll
-    for (int k = 0; k < N; ++k) out[k] = kiln_to_float(v.v[k]);
+    // One vector load into registers first: widened straight from memory, the loads split
+    // into one an element.
+    const kiln_vec<T, N> v = *reinterpret_cast<const kiln_vec<T, N>*>(p + i);
+    kiln_widen(v, out);
   } else {
 #pragma unroll
     for (int k = 0; k < N; ++k) out[k] = (i + k < n) ? kiln_to_float(p[i + k]) : 0.0f;
@@ -388,8 +389,7 @@ __device__ __forceinline__ void kiln_load_params(const T* p, long long stride, b
       const int i = i0 + k * step;
       kiln_vec<T, N> v{};
       if (i + N <= n) v = *reinterpret_cast<const kiln_vec<T, N>*>(p + i);
-#pragma unroll
-      for (int j = 0; j < N; ++j) out[k][j] = kiln_to_float(v.v[j]);
+      kiln_widen(v, out[k]);
     }
 #pragma unroll
     for (int k = 0; k < NI; ++k) {

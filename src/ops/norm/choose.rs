@@ -42,6 +42,24 @@ pub(super) fn one_warp_rows(pass: Pass, dtype: DType, n_reads: usize, vectors: u
     pass == Pass::Forward && dtype.size() == 2 && n_reads > 1 && vectors <= 4 * 32
 }
 
+/// Threads and vectors a thread for vectorised 16-bit forward rows of more than one warp's
+/// (held in registers, with a ring of stages): of a power of two of threads with two or three
+/// vectors each, the layout that holds the fewest vectors (two on a tie), so that fewer threads
+/// idle past the row. On an H200 (bf16 LayerNorm, `--sweep --long`, direct mode) against two
+/// vectors on twice the threads: 3,000 elements on 128 x 3 at 3,444 GB/s against 3,291 on
+/// 256 x 2; 5,120 on 256 x 3 at 3,493 against 3,190 on 512 x 2; 12,288 on 512 x 3 at 3,245
+/// against 3,218 on 1,024 x 2.
+pub(super) fn forward_ring_layout(vectors: usize) -> (usize, usize) {
+    [2, 3]
+        .into_iter()
+        .map(|items| {
+            let group = vectors.div_ceil(items).next_power_of_two();
+            (group.clamp(32, max_group(Pass::Forward)), items)
+        })
+        .min_by_key(|&(group, items)| group * items)
+        .expect("two layouts")
+}
+
 /// Whether a row takes one vector per thread on as many whole warps as it needs (96 threads
 /// for 768 elements, not 128): vectorised 16-bit VJP rows of up to 256 vectors, whose cost
 /// is the instructions each row's threads issue, idle lanes included.
@@ -609,6 +627,8 @@ pub fn choose_spec(
     }
     let (group, items) = if one_warp_rows(pass, dtype, n_reads, vectors) {
         (32, vectors.div_ceil(32))
+    } else if pass == Pass::Forward && stages(dtype, n_reads, 1) > 0 {
+        forward_ring_layout(vectors)
     } else if one_vector_rows(pass, dtype, n_reads, vectors) {
         (vectors.next_multiple_of(32), 1)
     } else {

@@ -303,6 +303,41 @@ fn split_rows_pipeline_and_fill_blocks_as_measured() {
 }
 
 #[test]
+fn forward_rows_on_a_ring_hold_the_fewest_vectors() {
+    let gpu = Gpu::for_arch(90);
+    let layout = |dtype, d| {
+        let s = choose_spec(
+            Pass::Forward,
+            Kind::LayerNorm,
+            dtype,
+            d,
+            Rows::Aligned,
+            Count::Many,
+            gpu,
+        );
+        (
+            constant(&s, "GROUP"),
+            constant(&s, "ITEMS"),
+            constant(&s, "STAGES"),
+        )
+    };
+    for dtype in [DType::BF16, DType::F16] {
+        // Three vectors where two would leave more threads idle past the row.
+        assert_eq!(layout(dtype, 3000), (128, 3, 2));
+        assert_eq!(layout(dtype, 5120), (256, 3, 2));
+        assert_eq!(layout(dtype, 12288), (512, 3, 2));
+        // Two on a tie, and where two fill the row.
+        assert_eq!(layout(dtype, 4096), (256, 2, 2));
+        assert_eq!(layout(dtype, 8192), (512, 2, 2));
+        assert_eq!(layout(dtype, 16384), (1024, 2, 2));
+        // One warp up to 1,024 elements, as before.
+        assert_eq!(layout(dtype, 1024), (32, 4, 2));
+    }
+    // f32 rows keep the register layout without a ring.
+    assert_eq!(layout(DType::F32, 3000), (256, 4, 0));
+}
+
+#[test]
 fn long_forward_rows_take_a_block_each_where_rows_are_many() {
     let (hopper, ampere) = (Gpu::for_arch(90), Gpu::for_arch(80));
     let spec = |kind, dtype, d, count, gpu| {
