@@ -20,9 +20,9 @@
 //! `--rows 66,132` those counts of rows of each length instead of 2^25 elements and 16.
 //! `--sweep` measures every candidate spec of the rows one block holds (with `--long`, the long
 //! ones up to 32,768 elements, beside the spec the ops choose for fewer and for more rows than
-//! SMs, and past 16,384 RMSNorm too); `--sweep --split --long [--dtype f32|f16|bf16]` every
-//! split-row layout of the longer rows, both norms, forward and VJP. Both mark the spec the ops
-//! choose.
+//! SMs, and past 16,384 RMSNorm too; `--rms` RMSNorm at every length); `--sweep --split --long
+//! [--dtype f32|f16|bf16]` every split-row layout of the longer rows, both norms, forward and
+//! VJP. Both mark the spec the ops choose.
 
 mod common;
 
@@ -217,7 +217,7 @@ fn block_cases(enc: &CommandEncoder, dtype: DType) -> Vec<SweepCase> {
     let mut cases = Vec::new();
     for &(rows, d) in &shapes {
         // Rows past one block's registers: RMSNorm too, whose ring holds no bias.
-        let kinds: &[Kind] = if d > 16384 {
+        let kinds: &[Kind] = if d > 16384 || std::env::args().any(|a| a == "--rms") {
             &[Kind::LayerNorm, Kind::RmsNorm]
         } else {
             &[Kind::LayerNorm]
