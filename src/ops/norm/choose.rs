@@ -48,7 +48,8 @@ pub(super) fn one_warp_rows(pass: Pass, dtype: DType, n_reads: usize, vectors: u
 /// idle past the row. On an H200 (bf16 LayerNorm, `--sweep --long`, direct mode) against two
 /// vectors on twice the threads: 3,000 elements on 128 x 3 at 3,444 GB/s against 3,291 on
 /// 256 x 2; 5,120 on 256 x 3 at 3,493 against 3,190 on 512 x 2; 12,288 on 512 x 3 at 3,245
-/// against 3,218 on 1,024 x 2.
+/// against 3,218 on 1,024 x 2. RMSNorm was not swept: with this rule it ran 1.05-1.07x at 5,120
+/// and 12,288 but 0.98-0.99x at 3,000 (`notes/norm-bench-forward-layouts.txt`).
 pub(super) fn forward_ring_layout(vectors: usize) -> (usize, usize) {
     [2, 3]
         .into_iter()
