@@ -59,7 +59,8 @@ template <> __device__ __forceinline__ kiln_bf16 kiln_from_float<kiln_bf16>(floa
 // N elements moved as one aligned access: 16 bytes when N * sizeof(T) == 16.
 template <typename T, int N> struct alignas(sizeof(T) * N) kiln_vec { T v[N]; };
 
-// A vector's elements as floats.
+// A vector's elements as floats. Pass a vector already loaded into registers: widened through a
+// reference into global memory, NVRTC splits its one vector load into a load an element.
 template <typename T, int N>
 __device__ __forceinline__ void kiln_widen(const kiln_vec<T, N>& r, float (&out)[N]) {
 #pragma unroll
@@ -83,8 +84,7 @@ __device__ __forceinline__ void kiln_widen(const kiln_vec<kiln_bf16, N>& r, floa
 template <int N, typename T>
 __device__ __forceinline__ void kiln_load_floats(const T* p, int i, int n, float (&out)[N]) {
   if (i + N <= n) {
-    // One vector load into registers first: widened straight from memory, the loads split
-    // into one an element.
+    // One vector load into registers first (see kiln_widen).
     const kiln_vec<T, N> v = *reinterpret_cast<const kiln_vec<T, N>*>(p + i);
     kiln_widen(v, out);
   } else {
