@@ -1,7 +1,7 @@
 //! Prints ptxas's resource report (registers, spills, shared memory) for registered specs.
 //! Usage: cargo run --example ptxas_report [sm_90] [TEXT]: specs whose description contains TEXT
-//! (default: the norm forward and VJP kernels). `--candidates`: the bf16 LayerNorm candidates of
-//! the norm bench's `--sweep` instead of the registered specs; `--tf32`: the Hopper convolution
+//! (default: the norm forward and VJP kernels). `--candidates`: the bf16 and f32 candidates of
+//! the norm bench's `--sweep` (both norms, rows of 768 to 16,384) instead of the registered specs; `--tf32`: the Hopper convolution
 //! family's f32 (`KILN_ALLOW_TF32`) specs, which `kiln warm` leaves to first use;
 //! `--multipliers`: the grouped family's channel-multiplier specs, likewise; `--split`: the
 //! split-row norm layouts `--sweep --split --long` times (f16, bf16 and f32). `--cubin=DIR` also
@@ -17,16 +17,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let specs = if std::env::args().any(|a| a == "--candidates") {
         use kiln::ops::norm::{tuning, Kind, Pass};
         let mut all = Vec::new();
-        for d in [768, 1024, 4096, 8192, 16384] {
-            for pass in [Pass::Forward, Pass::Vjp] {
-                all.extend(tuning::candidates(
-                    pass,
-                    Kind::LayerNorm,
-                    kiln::DType::BF16,
-                    d,
-                ));
+        for dtype in [kiln::DType::BF16, kiln::DType::F32] {
+            for kind in [Kind::LayerNorm, Kind::RmsNorm] {
+                for d in [768, 1024, 3000, 4096, 5120, 8192, 10240, 12288, 16384] {
+                    for pass in [Pass::Forward, Pass::Vjp] {
+                        all.extend(tuning::candidates(pass, kind, dtype, d));
+                    }
+                }
             }
         }
+        all.sort_by_key(|s| s.to_string());
         all.dedup();
         all
     } else if std::env::args().any(|a| a == "--split") {

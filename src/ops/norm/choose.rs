@@ -68,6 +68,41 @@ pub(super) fn one_vector_rows(pass: Pass, dtype: DType, n_reads: usize, vectors:
     pass == Pass::Vjp && dtype.size() == 2 && n_reads > 1 && vectors <= 256
 }
 
+/// Threads, vectors a thread and residency (RESIDENT) of vectorised VJP rows that one group of
+/// up to 512 threads holds, past 256 vectors (16-bit rows of 2,049 to 16,384 elements, f32 rows
+/// of 1,025 to 8,192): the fewest pairs of warps, not a power of two of threads, so that few
+/// lanes idle past the row (pairs, not single warps, halve the kernels `kiln warm` compiles).
+/// 16-bit rows take 2, 3 or 4 vectors a thread, whichever holds the fewest vectors (the fewer
+/// on a tie), resident from 3 on (LayerNorm's x, cotangent, weights and two partial sums spill
+/// past 2 in registers); f32 rows take 4 vectors a thread. On an H200 (`--sweep --long --rms`,
+/// direct mode) against the powers of two: bf16 5,120 elements on 320 x 2 at 2,900 / 3,517
+/// GB/s (LayerNorm / RMSNorm) against 2,465 / 2,904 on 512 x 2; f32 5,120 on 320 x 4 at 2,970 /
+/// 3,302 against 2,768 / 3,107 on 512 x 4.
+pub(super) fn held_vjp_layout(
+    pass: Pass,
+    dtype: DType,
+    n_reads: usize,
+    vectors: usize,
+) -> Option<(usize, usize, bool)> {
+    let max = max_group(Pass::Vjp);
+    if pass != Pass::Vjp || n_reads == 1 || vectors <= 256 {
+        return None;
+    }
+    let warps = |items: usize| vectors.div_ceil(items).next_multiple_of(64);
+    let (group, items) = if dtype.size() == 2 {
+        [2, 3, 4]
+            .into_iter()
+            .map(|items| (warps(items), items))
+            .filter(|&(group, _)| group <= max)
+            .min_by_key(|&(group, items)| (group * items, items))?
+    } else {
+        let items = max_items(pass, n_reads);
+        let group = warps(items);
+        (group, vectors.div_ceil(group))
+    };
+    (group <= max).then_some((group, items, dtype.size() == 2 && items >= 3))
+}
+
 /// Threads per block: whole rows, at least MIN_BLOCK threads where rows are short.
 pub(super) fn block_of(group: usize) -> usize {
     group * (MIN_BLOCK / group).max(1)
@@ -590,6 +625,13 @@ pub fn choose_spec(
     };
     let vectors = d.div_ceil(n_reads).max(1);
     let max = max_items(pass, n_reads);
+    if let Some((group, items, resident)) = held_vjp_layout(pass, dtype, n_reads, vectors) {
+        let stages = stages(dtype, n_reads, items);
+        let spec = spec_with(pass, kind, dtype, n_reads, group, items, stages, resident);
+        if fits(&spec, shared_limit) {
+            return spec;
+        }
+    }
     if vectors > max_group(pass) * max {
         // A block a row where rows are many (or clusters absent): no exchange between blocks.
         if pass == Pass::Forward && (count == Count::Many || !gpu.clusters) {
@@ -611,7 +653,15 @@ pub fn choose_spec(
             }
         }
         if pass == Pass::Vjp && vectors <= SHARED_SUMS_GROUP * max {
-            let items = vectors.div_ceil(SHARED_SUMS_GROUP).next_power_of_two();
+            // Vectorised rows (f32 of 8,193 to 16,384 elements) take the fewest vectors a
+            // thread: on an H200, f32 10,240 on 1,024 x 3 at 3,078 / 3,542 GB/s (LayerNorm /
+            // RMSNorm) against 2,582 / 3,038 on 1,024 x 4.
+            let items = vectors.div_ceil(SHARED_SUMS_GROUP);
+            let items = if n_reads > 1 {
+                items
+            } else {
+                items.next_power_of_two()
+            };
             let spec = spec_of(pass, kind, dtype, n_reads, SHARED_SUMS_GROUP, items);
             if fits(&spec, shared_limit) {
                 return spec;
@@ -823,7 +873,6 @@ pub(super) fn check_chosen(
         && spec.dtype == dtype
         && legal_width
         && group % 32 == 0
-        && (group <= 256 || GROUPS.contains(&group))
         && group <= max
         && items <= 4
         && (items == 0 || group * items * n_reads >= d)

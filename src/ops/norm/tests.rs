@@ -338,6 +338,45 @@ fn forward_rows_on_a_ring_hold_the_fewest_vectors() {
 }
 
 #[test]
+fn vjp_rows_held_by_one_group_take_the_fewest_pairs_of_warps() {
+    let gpu = Gpu::for_arch(90);
+    let layout = |kind, dtype, d| {
+        let s = choose_spec(Pass::Vjp, kind, dtype, d, Rows::Aligned, Count::Many, gpu);
+        (
+            constant(&s, "GROUP"),
+            constant(&s, "ITEMS"),
+            constant(&s, "RESIDENT"),
+            s.block_dim as usize,
+        )
+    };
+    for kind in [Kind::LayerNorm, Kind::RmsNorm] {
+        for dtype in [DType::BF16, DType::F16] {
+            // Two vectors on whole pairs of warps, not a power of two of threads.
+            assert_eq!(layout(kind, dtype, 3000), (192, 2, 0, 192));
+            assert_eq!(layout(kind, dtype, 5120), (320, 2, 0, 320));
+            assert_eq!(layout(kind, dtype, 7168), (448, 2, 0, 448));
+            // Three or four where two would need more than 512 threads, resident.
+            assert_eq!(layout(kind, dtype, 4608), (192, 3, 1, 192));
+            assert_eq!(layout(kind, dtype, 10240), (320, 4, 1, 320));
+            assert_eq!(layout(kind, dtype, 12288), (512, 3, 1, 512));
+            assert_eq!(layout(kind, dtype, 16384), (512, 4, 1, 512));
+            // Powers of two where they fit the row.
+            assert_eq!(layout(kind, dtype, 4096), (256, 2, 0, 256));
+            assert_eq!(layout(kind, dtype, 8192), (512, 2, 0, 512));
+            // One vector a thread up to 2,048 elements, as before.
+            assert_eq!(layout(kind, dtype, 2048), (256, 1, 0, 256));
+        }
+        // f32: four vectors a thread on the fewest pairs of warps, then 1,024 threads with
+        // their sums in shared memory and the fewest vectors a thread.
+        assert_eq!(layout(kind, DType::F32, 3000), (192, 4, 0, 192));
+        assert_eq!(layout(kind, DType::F32, 5120), (320, 4, 0, 320));
+        assert_eq!(layout(kind, DType::F32, 8192), (512, 4, 0, 512));
+        assert_eq!(layout(kind, DType::F32, 10240), (1024, 3, 0, 1024));
+        assert_eq!(layout(kind, DType::F32, 16384), (1024, 4, 0, 1024));
+    }
+}
+
+#[test]
 fn long_forward_rows_take_a_block_each_where_rows_are_many() {
     let (hopper, ampere) = (Gpu::for_arch(90), Gpu::for_arch(80));
     let spec = |kind, dtype, d, count, gpu| {

@@ -5,38 +5,46 @@ use super::choose::*;
 use super::launch::*;
 use super::*;
 
-/// Every vectorised spec that could serve rows of `d` without a wasted half: threads per
-/// row, 1-4 vectors each, with and without a ring of stages (16-bit), resident or not (VJP).
-/// A superset of what `choose_spec` picks from, for `--sweep` to measure.
 /// Shared memory a Hopper block may opt into (227 KiB): candidates needing more are left out.
 const MAX_SHARED: usize = 227 * 1024;
 
+/// Every vectorised spec that could serve rows of `d` without a wasted half: threads per
+/// row (the powers of two, and for each count of vectors a thread the fewest whole warps that
+/// cover the row), 1-4 vectors each, with and without a ring of stages (16-bit), resident or
+/// not (VJP). A superset of what `choose_spec` picks from, for `--sweep` to measure.
 pub fn candidates(pass: Pass, kind: Kind, dtype: DType, d: usize) -> Vec<KernelSpec> {
     let n_reads = dtype.vec_width();
+    let vectors = d.div_ceil(n_reads).max(1);
     let mut out = Vec::new();
-    let groups = (1..8).map(|w| 32 * w).chain(GROUPS.into_iter().skip(3));
-    for group in groups {
-        for items in 1..=4 {
-            let covers = |g: usize| g * items * n_reads >= d;
-            if !covers(group) || (group > 32 && covers(group / 2)) {
+    let layouts = (1..=4).flat_map(|items| {
+        let tight = vectors.div_ceil(items).next_multiple_of(32);
+        let powers = GROUPS.into_iter().filter(move |&g| g != tight);
+        std::iter::once(tight)
+            .chain(powers)
+            .map(move |g| (g, items))
+    });
+    let mut layouts: Vec<_> = layouts.collect();
+    layouts.sort_unstable();
+    for (group, items) in layouts {
+        let covers = |g: usize| g * items * n_reads >= d;
+        if group > 1024 || !covers(group) || (group > 32 && covers(group / 2)) {
+            continue;
+        }
+        let mut variants = vec![(0, false)];
+        if dtype.size() == 2 {
+            variants.push((2, false));
+            if pass == Pass::Vjp {
+                variants.push((2, true));
+            }
+        }
+        for (stages, resident) in variants {
+            // Past 512 threads a VJP row is resident or keeps SHARED_SUMS (no ring).
+            let wide_ok = pass == Pass::Vjp && (resident || (stages == 0 && n_reads <= 4));
+            let spec = spec_with(pass, kind, dtype, n_reads, group, items, stages, resident);
+            if group > max_group(pass) && !wide_ok || ring_bytes(&spec) > MAX_SHARED {
                 continue;
             }
-            let mut variants = vec![(0, false)];
-            if dtype.size() == 2 {
-                variants.push((2, false));
-                if pass == Pass::Vjp {
-                    variants.push((2, true));
-                }
-            }
-            for (stages, resident) in variants {
-                // Past 512 threads a VJP row is resident or keeps SHARED_SUMS (no ring).
-                let wide_ok = pass == Pass::Vjp && (resident || (stages == 0 && n_reads <= 4));
-                let spec = spec_with(pass, kind, dtype, n_reads, group, items, stages, resident);
-                if group > max_group(pass) && !wide_ok || ring_bytes(&spec) > MAX_SHARED {
-                    continue;
-                }
-                out.push(spec);
-            }
+            out.push(spec);
         }
     }
     out
