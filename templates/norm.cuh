@@ -122,6 +122,58 @@ __device__ __forceinline__ void kiln_group_moments(float sx, float q,
   m2 = kiln_span_sum<SPAN>(p.y + shares.n_lane * dev * dev);
 }
 
+// Sums of three values over a warp, into lane 0 alone (the other lanes' results are partial):
+// after the first step the two half-warps carry different pairs, after the second each quarter
+// one value, so three sums take 8 shuffles (two of them to bring b and c to lane 0), not 15.
+__device__ __forceinline__ void kiln_warp_sum3_to_lane0(float& a, float& b, float& c) {
+  const int i = threadIdx.x % 32;
+  const bool upper = i >= 16;
+  // Halves: the lower keeps (a, c), the upper (b, 0).
+  float u = upper ? b : a, v = upper ? 0.0f : c;
+  u += __shfl_xor_sync(0xffffffffu, upper ? a : b, 16);
+  v += __shfl_xor_sync(0xffffffffu, upper ? c : 0.0f, 16);
+  // Quarters: lanes 0-7 a, 8-15 c, 16-23 b.
+  const bool odd = (i & 8) != 0;
+  float w = odd ? v : u;
+  w += __shfl_xor_sync(0xffffffffu, odd ? u : v, 8);
+#pragma unroll
+  for (int offset = 4; offset > 0; offset >>= 1) w += __shfl_xor_sync(0xffffffffu, w, offset);
+  a = w;
+  b = __shfl_sync(0xffffffffu, w, 16);
+  c = __shfl_sync(0xffffffffu, w, 8);
+}
+
+// Per warp of a group, the LayerNorm VJP's four row sums for kiln_group_vjp_sums, in two halves
+// used in turn (one barrier a row, as kiln_group_sum's scratch).
+#define KILN_VJP_SUMS(BLOCK_DIM) (2 * (BLOCK_DIM) / 32)
+
+// The LayerNorm VJP's row sums over a group of several warps after one barrier, exact as
+// kiln_group_moments. In: `sx`, this warp's sum of x (the same in every lane), and in lane 0
+// the warp's sums of (x - m_w)^2 (`q`), of wg (x - m_w) (`t`) and of wg (`swg`) about the
+// warp's own mean m_w = sx / n_w. Out, in every lane: the row's mean, q = sum (x - mean)^2 =
+// sum_w q_w + n_w (m_w - mean)^2, t = sum wg (x - mean) = sum_w t_w + (m_w - mean) swg_w (an
+// identity: nothing cancels) and swg = sum wg. Two rounds of group sums (the mean and sum wg,
+// then the others about the mean) would wait on the group twice a row.
+template <int GROUP, int BLOCK_DIM>
+__device__ __forceinline__ void kiln_group_vjp_sums(float sx, float& q, float& t, float& swg,
+                                                    const kiln_warp_shares& shares, float4* sums,
+                                                    int& round, float inv_d, float& mean) {
+  static_assert(GROUP > 32 && GROUP % 32 == 0 && BLOCK_DIM % GROUP == 0, "several whole warps");
+  constexpr int WARPS = GROUP / 32;
+  const int warp = threadIdx.x / 32, i = threadIdx.x % 32;
+  float4* half = sums + (round++ & 1) * (BLOCK_DIM / 32);
+  if (i == 0) half[warp] = make_float4(sx, q, t, swg);
+  kiln_group_barrier<GROUP, BLOCK_DIM>();
+  constexpr int SPAN = kiln_moment_span<GROUP>();
+  const float4 p = i % SPAN < WARPS ? half[(warp / WARPS) * WARPS + i % SPAN]
+                                    : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  mean = kiln_span_sum<SPAN>(p.x) * inv_d;
+  const float dev = p.x * shares.inv_lane - mean;  // m_w - mean (0 past the group's warps)
+  q = kiln_span_sum<SPAN>(p.y + shares.n_lane * dev * dev);
+  t = kiln_span_sum<SPAN>(p.z + dev * p.w);
+  swg = kiln_span_sum<SPAN>(p.w);
+}
+
 // Mean (0 for RMSNorm) and 1 / sqrt(var + eps) of a row held in registers, in exact passes: the
 // mean, then the squares about it. RMSNorm and one-warp rows: group sums. LayerNorm over
 // several warps: the squares about each warp's own mean, combined after one barrier
