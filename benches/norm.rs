@@ -156,22 +156,60 @@ fn compile_all(enc: &CommandEncoder, specs: &[kiln::jit::KernelSpec]) {
     });
 }
 
-/// A sweep's operands for `rows` x `d` in `dtype`: SETS inputs, which the timed calls take in
-/// turn, a cotangent and a weight.
-fn sweep_operands(
-    enc: &mut CommandEncoder,
-    dtype: DType,
-    rows: usize,
-    d: usize,
-) -> (Vec<Array>, Array, Array) {
+/// A sweep's operands: SETS inputs, which the timed calls take in turn, a cotangent and a weight.
+type SweepOperands = (Vec<Array>, Array, Array);
+
+/// A sweep's operands for `rows` x `d` in `dtype`.
+fn sweep_operands(enc: &mut CommandEncoder, dtype: DType, rows: usize, d: usize) -> SweepOperands {
     let n = rows * d;
     let mut rng = TestRng::new(7);
-    let xs: Vec<Array> = (0..SETS)
-        .map(|_| Array::from_f64(enc, dtype, &rng.values(n, 2.0, 0.0), &[rows, d]).unwrap())
-        .collect();
+    let x_values: Vec<Vec<f64>> = (0..SETS).map(|_| rng.values(n, 2.0, 0.0)).collect();
+    let xs = upload_all(enc, dtype, &[rows, d], &x_values);
     let g = Array::from_f64(enc, dtype, &rng.values(n, 1.0, 0.0), &[rows, d]).unwrap();
     let w = Array::from_f64(enc, dtype, &rng.values(d, 1.0, 1.0), &[d]).unwrap();
     (xs, g, w)
+}
+
+/// A shape's random inputs, made once for every dtype (each rounds the same values): SETS x's
+/// and cotangents, weights and bias, drawn in that order from one generator seeded by the shape.
+/// Drawing them again per dtype took most of a `--long` run (2^25 elements an array).
+struct ShapeValues {
+    xs: Vec<Vec<f64>>,
+    gs: Vec<Vec<f64>>,
+    w: Vec<f64>,
+    b: Vec<f64>,
+}
+
+impl ShapeValues {
+    fn new(rows: usize, d: usize) -> Self {
+        let n = rows * d;
+        let mut rng = TestRng::new(rows as u64 ^ d as u64);
+        let xs = (0..SETS).map(|_| rng.values(n, 2.0, 0.0)).collect();
+        let gs = (0..SETS).map(|_| rng.values(n, 1.0, 0.0)).collect();
+        let w = rng.values(d, 1.0, 1.0);
+        let b = rng.values(d, 1.0, 0.0);
+        ShapeValues { xs, gs, w, b }
+    }
+}
+
+/// Arrays of `shape` holding each of `values` rounded to `dtype`, rounded on a thread each.
+fn upload_all<V: AsRef<[f64]> + Sync>(
+    enc: &mut CommandEncoder,
+    dtype: DType,
+    shape: &[usize],
+    values: &[V],
+) -> Vec<Array> {
+    let bytes: Vec<Vec<u8>> = std::thread::scope(|s| {
+        let threads: Vec<_> = values
+            .iter()
+            .map(|v| s.spawn(move || kiln::dtype::encode(dtype, v.as_ref())))
+            .collect();
+        threads.into_iter().map(|t| t.join().unwrap()).collect()
+    });
+    bytes
+        .iter()
+        .map(|b| Array::from_bytes(enc, dtype, shape, b).unwrap())
+        .collect()
 }
 
 /// The spec the ops choose for `rows` aligned rows of `d` elements on `enc`'s GPU.
@@ -303,18 +341,23 @@ fn sweep(enc: &mut CommandEncoder, only: &str) {
     .collect();
     let specs: Vec<_> = cases.iter().flat_map(|c| c.4.iter().copied()).collect();
     compile_all(enc, &specs);
+    let mut operands: Option<((usize, usize), SweepOperands)> = None;
     for (rows, d, kind, pass, candidates) in cases {
-        let (xs, g, w) = sweep_operands(enc, dtype, rows, d);
-        let b = (kind == Kind::LayerNorm).then_some(&w);
+        // The cases of a shape follow one another: their operands are made once.
+        if operands.as_ref().map(|o| o.0) != Some((rows, d)) {
+            operands = Some(((rows, d), sweep_operands(enc, dtype, rows, d)));
+        }
+        let (xs, g, w) = &operands.as_ref().expect("made above").1;
+        let b = (kind == Kind::LayerNorm).then_some(w);
         let bytes = (rows * d * dtype.size()) as f64;
         let chosen = chosen_spec(enc, pass, kind, dtype, rows, d);
         let run = |e: &mut CommandEncoder, i: usize, spec| match pass {
             Pass::Forward => {
-                tuning::forward_with(e, kind, &xs[i % SETS], Some(&w), b, 1e-5, spec).map(|_| ())
+                tuning::forward_with(e, kind, &xs[i % SETS], Some(w), b, 1e-5, spec).map(|_| ())
             }
             Pass::Vjp => {
                 let x = &xs[i % SETS];
-                tuning::vjp_with(e, kind, x, Some(&w), b.is_some(), &g, 1e-5, spec).map(|_| ())
+                tuning::vjp_with(e, kind, x, Some(w), b.is_some(), g, 1e-5, spec).map(|_| ())
             }
         };
         for spec in candidates {
@@ -386,26 +429,25 @@ fn main() {
     );
     let mut misses = 0;
     for &(rows, d) in &shapes {
+        let ops = ["layer_norm", "rms_norm", "layer_norm_vjp", "rms_norm_vjp"];
+        let wanted_in = |dtype: DType, op: &str| format!("{rows}x{d} {dtype} {op}").contains(&only);
+        if !DType::ALL
+            .into_iter()
+            .any(|t| ops.iter().any(|op| wanted_in(t, op)))
+        {
+            continue; // no inputs to make
+        }
+        let values = ShapeValues::new(rows, d);
         for dtype in DType::ALL {
-            let wanted = |op: &str| format!("{rows}x{d} {dtype} {op}").contains(&only);
-            let ops = ["layer_norm", "rms_norm", "layer_norm_vjp", "rms_norm_vjp"];
+            let wanted = |op: &str| wanted_in(dtype, op);
             if !ops.iter().any(|op| wanted(op)) {
                 continue; // no inputs to make
             }
-            let n = rows * d;
-            let mut rng = TestRng::new(rows as u64 ^ d as u64);
-            let xs: Vec<Array> = (0..SETS)
-                .map(|_| {
-                    Array::from_f64(&mut enc, dtype, &rng.values(n, 2.0, 0.0), &[rows, d]).unwrap()
-                })
-                .collect();
-            let gs: Vec<Array> = (0..SETS)
-                .map(|_| {
-                    Array::from_f64(&mut enc, dtype, &rng.values(n, 1.0, 0.0), &[rows, d]).unwrap()
-                })
-                .collect();
-            let w = Array::from_f64(&mut enc, dtype, &rng.values(d, 1.0, 1.0), &[d]).unwrap();
-            let b = Array::from_f64(&mut enc, dtype, &rng.values(d, 1.0, 0.0), &[d]).unwrap();
+            let xs = upload_all(&mut enc, dtype, &[rows, d], &values.xs);
+            let gs = upload_all(&mut enc, dtype, &[rows, d], &values.gs);
+            let [w, b] = upload_all(&mut enc, dtype, &[d], &[&values.w, &values.b][..])
+                .try_into()
+                .unwrap();
             let bytes = (rows * d * dtype.size()) as f64;
             let mut runs: Vec<(&str, f64, f64)> = Vec::new();
             if wanted("layer_norm") {
@@ -445,7 +487,7 @@ fn main() {
                     (true, true) => (0.75, 1.5),
                     (false, _) => (0.85, 1.3),
                 };
-                let held_to_copy = if long { n >= 1 << 24 } else { d >= 768 };
+                let held_to_copy = if long { rows * d >= 1 << 24 } else { d >= 768 };
                 let mut verdict = Vec::new();
                 if held_to_copy && gbs < bw_target * copy {
                     verdict.push(format!("< {:.0}% copy", bw_target * 100.0));
