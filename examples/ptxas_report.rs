@@ -1,8 +1,9 @@
 //! Prints ptxas's resource report (registers, spills, shared memory) for registered specs.
 //! Usage: cargo run --example ptxas_report [sm_90] [TEXT]: specs whose description contains TEXT
 //! (default: the norm forward and VJP kernels). `--candidates`: the bf16 and f32 candidates of
-//! the norm bench's `--sweep` (both norms, rows of 768 to 16,384) instead of the registered specs; `--tf32`: the Hopper convolution
-//! family's f32 (`KILN_ALLOW_TF32`) specs, which `kiln warm` leaves to first use;
+//! the norm bench's `--sweep` (both norms, rows of 768 to 16,384) instead of the registered
+//! specs; `--tf32`: the Hopper convolution family's f32 (`KILN_ALLOW_TF32`) specs, which
+//! `kiln warm` leaves to first use;
 //! `--multipliers`: the grouped family's channel-multiplier specs, likewise; `--split`: the
 //! split-row norm layouts `--sweep --split --long` times (f16, bf16 and f32). `--cubin=DIR` also
 //! writes each spec's cubin into DIR (for `cuobjdump --dump-sass`).

@@ -143,17 +143,14 @@ __device__ __forceinline__ void kiln_warp_sum3_to_lane0(float& a, float& b, floa
   c = __shfl_sync(0xffffffffu, w, 8);
 }
 
-// Per warp of a group, the LayerNorm VJP's four row sums for kiln_group_vjp_sums, in two halves
-// used in turn (one barrier a row, as kiln_group_sum's scratch).
-#define KILN_VJP_SUMS(BLOCK_DIM) (2 * (BLOCK_DIM) / 32)
-
 // The LayerNorm VJP's row sums over a group of several warps after one barrier, exact as
-// kiln_group_moments. In: `sx`, this warp's sum of x (the same in every lane), and in lane 0
-// the warp's sums of (x - m_w)^2 (`q`), of wg (x - m_w) (`t`) and of wg (`swg`) about the
-// warp's own mean m_w = sx / n_w. Out, in every lane: the row's mean, q = sum (x - mean)^2 =
-// sum_w q_w + n_w (m_w - mean)^2, t = sum wg (x - mean) = sum_w t_w + (m_w - mean) swg_w (an
-// identity: nothing cancels) and swg = sum wg. Two rounds of group sums (the mean and sum wg,
-// then the others about the mean) would wait on the group twice a row.
+// kiln_group_moments, whose layout `sums` takes (KILN_MOMENTS(BLOCK_DIM) entries). In: `sx`,
+// this warp's sum of x (the same in every lane), and in lane 0 the warp's sums of (x - m_w)^2
+// (`q`), of wg (x - m_w) (`t`) and of wg (`swg`) about the warp's own mean m_w = sx / n_w.
+// Out, in every lane: the row's mean, q = sum (x - mean)^2 = sum_w q_w + n_w (m_w - mean)^2,
+// t = sum wg (x - mean) = sum_w t_w + (m_w - mean) swg_w (an identity: nothing cancels) and
+// swg = sum wg. Two rounds of group sums (the mean and sum wg, then the others about the mean)
+// would wait on the group twice a row.
 template <int GROUP, int BLOCK_DIM>
 __device__ __forceinline__ void kiln_group_vjp_sums(float sx, float& q, float& t, float& swg,
                                                     const kiln_warp_shares& shares, float4* sums,
@@ -168,7 +165,8 @@ __device__ __forceinline__ void kiln_group_vjp_sums(float sx, float& q, float& t
   const float4 p = i % SPAN < WARPS ? half[(warp / WARPS) * WARPS + i % SPAN]
                                     : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   mean = kiln_span_sum<SPAN>(p.x) * inv_d;
-  const float dev = p.x * shares.inv_lane - mean;  // m_w - mean (0 past the group's warps)
+  // m_w - mean; past the group's warps its terms vanish (n_lane and swg are 0 there).
+  const float dev = p.x * shares.inv_lane - mean;
   q = kiln_span_sum<SPAN>(p.y + shares.n_lane * dev * dev);
   t = kiln_span_sum<SPAN>(p.z + dev * p.w);
   swg = kiln_span_sum<SPAN>(p.w);

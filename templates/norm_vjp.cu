@@ -93,7 +93,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
     long long x_row_stride, long long g_row_stride, long long w_stride, int w_vec, float eps,
     int smem_partials) {
   __shared__ float scratch[KILN_SCRATCH(BLOCK_DIM)];
-  __shared__ float4 vjp_sums[MOMENTS ? KILN_VJP_SUMS(BLOCK_DIM) : 1];
+  __shared__ float4 vjp_sums[MOMENTS ? KILN_MOMENTS(BLOCK_DIM) : 1];
   int round = 0;
   const int group = threadIdx.x / GROUP, lane = threadIdx.x % GROUP;
   const long long step = (long long)gridDim.x * GROUPS;
