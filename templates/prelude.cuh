@@ -167,7 +167,11 @@ __device__ __forceinline__ void kiln_group_barrier() {
   if constexpr (GROUPS == 1) {
     __syncthreads();
   } else {
+#ifdef KILN_HOST
+    kiln_host_group_barrier(GROUP);  // host emulation (tests): tests/host/cuda_host.h
+#else
     asm volatile("bar.sync %0, %1;" ::"r"(1 + (int)threadIdx.x / GROUP), "n"(GROUP) : "memory");
+#endif
   }
 }
 template <int GROUP, int BLOCK_DIM>

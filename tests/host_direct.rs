@@ -9,11 +9,12 @@
 
 mod common;
 
+use common::host::{self, compiler, push_bytes};
+
 use common::conv_cases::{random, worst, worst_tf32};
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use kiln::ops::conv::{
     depthwise, direct, grouped,
@@ -22,103 +23,17 @@ use kiln::ops::conv::{
 };
 use kiln::selfcheck::TestRng;
 use kiln::DType;
-use sha2::{Digest, Sha256};
 
 /// Multiprocessors and shared memory of the device the launches are planned for: few
 /// multiprocessors keep the grids small, and still split backward-weight's longer sums.
 const SMS: usize = 4;
 const SHARED: usize = 64 * 1024;
 
-fn compiler() -> Option<String> {
-    let candidates = std::env::var("CXX")
-        .ok()
-        .into_iter()
-        .chain(["g++".to_string(), "c++".to_string()]);
-    for cxx in candidates {
-        let ok = Command::new(&cxx)
-            .arg("--version")
-            .output()
-            .is_ok_and(|o| o.status.success());
-        if ok {
-            return Some(cxx);
-        }
-    }
-    if std::env::var("KILN_REQUIRE_HOST_CXX").as_deref() == Ok("1") {
-        panic!("KILN_REQUIRE_HOST_CXX=1 but no C++ compiler (CXX, g++, c++) runs");
-    }
-    None
-}
-
-fn host_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/host")
-}
-
-/// The host executable for `spec`, compiled once per rendered source, harness and `defines`
-/// (`-D` arguments: the entry point and problem struct of a family other than the direct one).
+/// The host executable for `spec` (`run_direct.cpp` around its rendered source) with `defines`
+/// (the entry point and problem struct of a family other than the direct one).
 fn executable(cxx: &str, spec: &kiln::jit::KernelSpec, defines: &[&str]) -> PathBuf {
     let source = kiln::jit::template::render(spec).unwrap().source;
-    let mut h = Sha256::new();
-    h.update(cxx);
-    h.update(&source);
-    for d in defines {
-        h.update(d);
-    }
-    for f in ["cuda_host.h", "run_direct.cpp"] {
-        h.update(std::fs::read(host_dir().join(f)).unwrap());
-    }
-    let key: String = h.finalize()[..8]
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
-    let dir = std::env::temp_dir().join("kiln-host-direct");
-    std::fs::create_dir_all(&dir).unwrap();
-    let exe = dir.join(format!("run-{key}"));
-    if exe.exists() {
-        return exe;
-    }
-    // Paths of this call's own: tests run as threads of one process, and two of them may compile
-    // the same source at once (one would rename or rewrite the other's files).
-    static CALLS: AtomicUsize = AtomicUsize::new(0);
-    let call = format!(
-        "{}.{}",
-        std::process::id(),
-        CALLS.fetch_add(1, Ordering::Relaxed)
-    );
-    let kernel = dir.join(format!("kernel-{key}.{call}.cu"));
-    std::fs::write(&kernel, &source).unwrap();
-    let partial = dir.join(format!("run-{key}.{call}.tmp"));
-    // The portable paths (sm_70) unless the defines name an architecture.
-    let arch = if defines.iter().any(|d| d.starts_with("KILN_ARCH=")) {
-        None
-    } else {
-        Some("-DKILN_ARCH=700")
-    };
-    let out = Command::new(cxx)
-        .args(["-std=c++20", "-O1", "-g", "-pthread", "-x", "c++"])
-        .args(["-fsanitize=address,undefined", "-fno-sanitize-recover=all"])
-        .args(["-DKILN_HOST", "-Wno-unknown-pragmas"])
-        .args(arch)
-        .args(defines.iter().map(|d| format!("-D{d}")))
-        .arg(format!("-DKILN_KERNEL=\"{}\"", kernel.display()))
-        .arg(format!("-I{}", host_dir().display()))
-        .arg(host_dir().join("run_direct.cpp"))
-        .arg("-o")
-        .arg(&partial)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{spec}: the host compile failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    // Renamed into place, so that tests compiling the same spec at once do not collide.
-    std::fs::rename(&partial, &exe).unwrap();
-    exe
-}
-
-fn push_bytes(buf: &mut Vec<u8>, bytes: &[u8]) {
-    buf.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
-    buf.extend_from_slice(bytes);
+    host::executable(cxx, &source, "run_direct.cpp", defines, spec)
 }
 
 /// One launch of a host-built kernel: its grid, block, dynamic shared memory and problem bytes,

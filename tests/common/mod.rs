@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod conv_cases;
+pub mod host;
 
 use std::path::Path;
 

@@ -1,9 +1,10 @@
 // Just enough of CUDA for kiln's plain-C++ kernels to compile and run on the host: each block's
 // threads are OS threads, __syncthreads a barrier among them, dynamic shared memory one buffer
-// for the block that runs. Asynchronous copies are plain copies; ldmatrix and mma.sync (the
-// m16n8k16 shapes kiln uses) are emulated warp by warp; warp shuffles are not. Used by
-// tests/host_direct.rs with -DKILN_HOST and -DKILN_ARCH=700 (the portable paths) or 800 (the
-// tensor-core paths of a family that has no other).
+// for the block that runs. Asynchronous copies are plain copies; ldmatrix, mma.sync (the
+// m16n8k16 shapes kiln uses) and float warp shuffles are emulated warp by warp, named barriers
+// group by group. Used by tests/host_direct.rs and tests/host_norm.rs with -DKILN_HOST and
+// -DKILN_ARCH=700 (the portable paths) or 800 (the tensor-core paths of a family that has no
+// other).
 #pragma once
 
 #include <barrier>
@@ -67,15 +68,6 @@ inline unsigned __float_as_uint(float f) {
   return u;
 }
 
-// Warp shuffles cannot be emulated thread by thread: a kernel that reaches one is not for this
-// harness.
-inline float kiln_host_no_warps() {
-  std::fprintf(stderr, "host emulation: warp shuffles are not emulated\n");
-  std::abort();
-}
-inline float __shfl_xor_sync(unsigned, float, int) { return kiln_host_no_warps(); }
-inline float __shfl_sync(unsigned, float, int) { return kiln_host_no_warps(); }
-
 // A warp's meeting place for the collective operations below: its 32 threads publish their
 // operands, meet, read what each needs from the others, and meet again before the next
 // operation overwrites what was published. Every lane must call them, as on the GPU.
@@ -84,9 +76,50 @@ struct kiln_host_warp {
   const void* addr[32];
   unsigned a[32][4];
   unsigned b[32][2];
+  float f[32];
 };
 inline thread_local kiln_host_warp* kiln_host_this_warp = nullptr;
 inline thread_local unsigned kiln_host_lane = 0;
+
+// A warp collective in a block that is not whole warps: not for this harness.
+inline kiln_host_warp* kiln_host_warp_or_abort() {
+  if (kiln_host_this_warp == nullptr) {
+    std::fprintf(stderr, "host emulation: a warp collective in a block of partial warps\n");
+    std::abort();
+  }
+  return kiln_host_this_warp;
+}
+
+// __shfl_sync and __shfl_xor_sync on floats over the whole warp (the full mask, width 32): each
+// lane publishes its value and reads lane `src`'s.
+inline float kiln_host_shuffle(float v, unsigned src) {
+  kiln_host_warp* w = kiln_host_warp_or_abort();
+  w->f[kiln_host_lane] = v;
+  w->meet.arrive_and_wait();
+  const float r = w->f[src % 32];
+  w->meet.arrive_and_wait();
+  return r;
+}
+inline float __shfl_sync(unsigned, float v, int src) { return kiln_host_shuffle(v, src); }
+inline float __shfl_xor_sync(unsigned, float v, int mask) {
+  return kiln_host_shuffle(v, kiln_host_lane ^ (unsigned)mask);
+}
+
+// A named barrier (bar.sync with a thread count) among the `threads` consecutive threads of this
+// thread's group; the runner sets up one barrier per group.
+inline thread_local std::barrier<>* kiln_host_group = nullptr;
+inline thread_local unsigned kiln_host_group_size = 0;
+inline void kiln_host_group_barrier(int threads) {
+  if (kiln_host_group == nullptr || kiln_host_group_size != (unsigned)threads) {
+    std::fprintf(stderr, "host emulation: a named barrier of %d threads the runner did not set up\n",
+                 threads);
+    std::abort();
+  }
+  kiln_host_group->arrive_and_wait();
+}
+
+// The GPU's rsqrtf is approximate (within 2 ulp); the exact value is within the tests' bounds.
+inline float rsqrtf(float v) { return 1.0f / std::sqrt(v); }
 
 // ldmatrix .x2 / .x4 (.trans): lane l gives the address of row l % 8 of matrix l / 8 (eight
 // 16-bit elements); register m of lane l receives elements (l / 4, 2 (l % 4)) and the next of

@@ -50,6 +50,13 @@ pub fn candidates(pass: Pass, kind: Kind, dtype: DType, d: usize) -> Vec<KernelS
     out
 }
 
+/// Dynamic shared memory the ops give a launch of `spec` (`norm_fwd` or `norm_vjp`): its ring of
+/// row stages and staged weights, 0 for a kernel without a ring. (The VJP's one-row-a-block
+/// kernel takes `2 * d` floats of partial sums instead when they fit.)
+pub fn ring_shared_bytes(spec: &KernelSpec) -> usize {
+    ring_bytes(spec)
+}
+
 #[allow(clippy::too_many_arguments)]
 pub fn forward_with(
     enc: &mut CommandEncoder,
