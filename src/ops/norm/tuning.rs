@@ -10,8 +10,8 @@ const MAX_SHARED: usize = 227 * 1024;
 
 /// Every vectorised spec that could serve rows of `d` without a wasted half: threads per
 /// row (the powers of two, and for each count of vectors a thread the fewest whole warps that
-/// cover the row), 1-4 vectors each, with and without a ring of stages (16-bit), resident or
-/// not (VJP). A superset of what `choose_spec` picks from, for `--sweep` to measure.
+/// cover the row), 1-4 vectors each, with and without a ring of stages (16-bit, and the VJP's
+/// f32), resident or not (VJP). A superset of what `choose_spec` picks from, for `--sweep` to measure.
 pub fn candidates(pass: Pass, kind: Kind, dtype: DType, d: usize) -> Vec<KernelSpec> {
     let n_reads = dtype.vec_width();
     let vectors = d.div_ceil(n_reads).max(1);
@@ -30,8 +30,11 @@ pub fn candidates(pass: Pass, kind: Kind, dtype: DType, d: usize) -> Vec<KernelS
         if group > 1024 || !covers(group) || (group > 32 && covers(group / 2)) {
             continue;
         }
+        // A ring of stages for 16-bit rows, and for the VJP's f32 rows too: held in registers,
+        // 4 vectors a thread on 320-512 threads take 120-136 of them (one block an SM), where
+        // resident rows keep only the partial sums.
         let mut variants = vec![(0, false)];
-        if dtype.size() == 2 {
+        if dtype.size() == 2 || pass == Pass::Vjp {
             variants.push((2, false));
             if pass == Pass::Vjp {
                 variants.push((2, true));
