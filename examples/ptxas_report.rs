@@ -1,7 +1,7 @@
 //! Prints ptxas's resource report (registers, spills, shared memory) for registered specs.
 //! Usage: cargo run --example ptxas_report [sm_90] [TEXT]: specs whose description contains TEXT
-//! (default: the norm forward and VJP kernels). `--candidates`: the bf16 and f32 candidates of
-//! the norm bench's `--sweep` (both norms, rows of 768 to 16,384) instead of the registered
+//! (default: the norm forward and VJP kernels). `--candidates`: the f16, bf16 and f32 candidates
+//! of the norm bench's `--sweep` (both norms, rows of 768 to 16,384) instead of the registered
 //! specs; `--tf32`: the Hopper convolution family's f32 (`KILN_ALLOW_TF32`) specs, which
 //! `kiln warm` leaves to first use;
 //! `--multipliers`: the grouped family's channel-multiplier specs, likewise; `--split`: the
@@ -18,7 +18,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let specs = if std::env::args().any(|a| a == "--candidates") {
         use kiln::ops::norm::{tuning, Kind, Pass};
         let mut all = Vec::new();
-        for dtype in [kiln::DType::BF16, kiln::DType::F32] {
+        for dtype in [kiln::DType::F16, kiln::DType::BF16, kiln::DType::F32] {
             for kind in [Kind::LayerNorm, Kind::RmsNorm] {
                 for d in [768, 1024, 3000, 4096, 5120, 8192, 10240, 12288, 16384] {
                     for pass in [Pass::Forward, Pass::Vjp] {

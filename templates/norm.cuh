@@ -41,6 +41,17 @@ __device__ __forceinline__ void kiln_unstage_vec(const kiln_vec<T, N_READS>* sta
   kiln_widen(r, v);
 }
 
+// Marks a ring's 16-byte vector held in registers as changed, so that what the compiler derived
+// from it before (its widened floats) is derived anew after: registers for the vector, not its
+// floats. (Kernels without a ring, whose vectors may be narrower, compile it without calling it.)
+template <typename T, int N>
+__device__ __forceinline__ void kiln_opaque(kiln_vec<T, N>& v) {
+  if constexpr (sizeof(v) == 16) {
+    unsigned* w = reinterpret_cast<unsigned*>(&v);
+    asm volatile("" : "+r"(w[0]), "+r"(w[1]), "+r"(w[2]), "+r"(w[3]));
+  }
+}
+
 // A thread's whole staged row as floats.
 template <int NI, int N_READS, int BLOCK_DIM, typename T>
 __device__ __forceinline__ void kiln_unstage_row(const kiln_vec<T, N_READS>* stage,

@@ -13,7 +13,8 @@
 // ITEMS > 0: x and g rows and the thread's partial sums held in registers, the block's groups
 // combined once at the end; with RESIDENT the rows stay in their shared memory stage instead and
 // each pass reads them there (rows too long for registers, whose partial sums still fit), and
-// the weights after the ring;
+// the weights after the ring; with PACKED they stay in registers as loaded (16-bit words, half
+// the registers of floats) with the weights, and each pass widens what it uses;
 // ITEMS = 0: one row per block, streamed three times (RMSNorm: twice), partials accumulated in
 // shared memory or in place in global memory (each thread owns the same columns for every row).
 {{> prelude}}
@@ -28,7 +29,11 @@ constexpr bool RMS = {{RMS}};
 // STAGES > 0: the next STAGES - 1 rows of x and g in flight in a ring of shared memory stages
 // while the current row is worked on (see norm_fwd.cu).
 constexpr int STAGES = ITEMS > 0 ? {{STAGES}} : 0;
-constexpr bool RESIDENT = {{RESIDENT}} != 0 && STAGES > 0;
+// Where a row on the ring stays during the passes (RESIDENT): 0 widened into floats in
+// registers, 1 in its shared memory stage (RESIDENT), 2 in registers as loaded (PACKED).
+constexpr int HOLD = STAGES > 0 ? {{RESIDENT}} : 0;
+constexpr bool RESIDENT = HOLD == 1;
+constexpr bool PACKED = HOLD == 2;
 constexpr int GROUPS = BLOCK_DIM / GROUP;
 constexpr int NI = ITEMS > 0 ? ITEMS : 1;
 // Rows held in registers by 1024 threads, whose 64 registers each hold x and g and no more: the
@@ -135,13 +140,18 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
     float wv[NI][N_READS];
     V* w_staged = ring + STAGES * STAGE;
     kiln_load_params<NI, N_READS>(w, w_stride, w_vec, lane * N_READS, GROUP * N_READS, d, 1.0f, wv);
-    if constexpr (RESIDENT) {
+    V w_packed[NI];  // PACKED: the weights as T, in registers
+    if constexpr (RESIDENT || PACKED) {
 #pragma unroll
       for (int k = 0; k < NI; ++k) {
         V wk;
 #pragma unroll
         for (int j = 0; j < N_READS; ++j) wk.v[j] = kiln_from_float<T>(wv[k][j]);
-        w_staged[k * BLOCK_DIM + threadIdx.x] = wk;
+        if constexpr (RESIDENT) {
+          w_staged[k * BLOCK_DIM + threadIdx.x] = wk;
+        } else {
+          w_packed[k] = wk;
+        }
       }
     }
     // SHARED_SUMS: the weights, then the partial sums of dw and db, as vectors of floats.
@@ -216,15 +226,34 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
         s = s == STAGES - 1 ? 0 : s + 1;
       }
       float mean = 0.0f, c2 = 0.0f, rstd, c1;
-      if constexpr (RESIDENT) {
-        // x and g stay in their stages; each of the three passes reads them there, one
-        // vector at a time: loads hoisted across vectors would hold all of x and g and spill
-        // (the partial sums already take 64 registers).
+      if constexpr (RESIDENT || PACKED) {
+        // RESIDENT: x and g stay in their stages; each of the three passes reads them there,
+        // one vector at a time: loads hoisted across vectors would hold all of x and g and
+        // spill (the partial sums already take 64 registers). PACKED: each pass widens the
+        // row's words anew; kiln_opaque keeps the compiler from holding the floats of one pass
+        // for the next, which is what would take the registers.
+        V x_packed[NI], g_packed[NI];
+        if constexpr (PACKED) {
+#pragma unroll
+          for (int k = 0; k < NI; ++k) {
+            x_packed[k] = sx[k * BLOCK_DIM + threadIdx.x];
+            g_packed[k] = sg[k * BLOCK_DIM + threadIdx.x];
+          }
+        }
         auto vector = [&](int k, float(&xk)[N_READS], float(&gk)[N_READS], float(&wk)[N_READS]) {
-          asm volatile("" ::: "memory");
-          kiln_unstage_vec<N_READS, BLOCK_DIM>(sx, k, xk);
-          kiln_unstage_vec<N_READS, BLOCK_DIM>(sg, k, gk);
-          kiln_unstage_vec<N_READS, BLOCK_DIM>(w_staged, k, wk);
+          if constexpr (PACKED) {
+            kiln_opaque(x_packed[k]);
+            kiln_opaque(g_packed[k]);
+            kiln_opaque(w_packed[k]);
+            kiln_widen(x_packed[k], xk);
+            kiln_widen(g_packed[k], gk);
+            kiln_widen(w_packed[k], wk);
+          } else {
+            asm volatile("" ::: "memory");
+            kiln_unstage_vec<N_READS, BLOCK_DIM>(sx, k, xk);
+            kiln_unstage_vec<N_READS, BLOCK_DIM>(sg, k, gk);
+            kiln_unstage_vec<N_READS, BLOCK_DIM>(w_staged, k, wk);
+          }
         };
         float s_x = 0.0f, s_wg = 0.0f, centre = 0.0f;  // with MOMENTS the warp's mean
         if constexpr (!RMS) {

@@ -103,6 +103,19 @@ pub(super) fn held_vjp_layout(
     (group <= max).then_some((group, items, dtype.size() == 2 && items >= 3))
 }
 
+/// Where a VJP row on a ring of stages stays while the kernel's passes read it (the VJP's
+/// RESIDENT constant).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Hold {
+    /// Widened into floats in registers, once a row.
+    Floats = 0,
+    /// In its shared memory stage, read there on every pass (rows longer than registers hold).
+    Stage = 1,
+    /// In registers as loaded (16-bit words, half the registers of floats), widened anew on
+    /// every pass.
+    Packed = 2,
+}
+
 /// Threads per block: whole rows, at least MIN_BLOCK threads where rows are short.
 pub(super) fn block_of(group: usize) -> usize {
     group * (MIN_BLOCK / group).max(1)
@@ -118,8 +131,12 @@ pub(super) fn spec_of(
     items: usize,
 ) -> KernelSpec {
     let stages = stages(dtype, n_reads, items);
-    let resident = resident(pass, dtype, n_reads, group, items);
-    spec_with(pass, kind, dtype, n_reads, group, items, stages, resident)
+    let hold = if resident(pass, dtype, n_reads, group, items) {
+        Hold::Stage
+    } else {
+        Hold::Floats
+    };
+    spec_with(pass, kind, dtype, n_reads, group, items, stages, hold)
 }
 
 /// The spec of every choice spelt out (`spec_of` derives the ring and residency from the rules).
@@ -132,7 +149,7 @@ pub(super) fn spec_with(
     group: usize,
     items: usize,
     stages: usize,
-    resident: bool,
+    hold: Hold,
 ) -> KernelSpec {
     let def = match pass {
         Pass::Forward => &FORWARD,
@@ -146,7 +163,7 @@ pub(super) fn spec_with(
         stages as i32,
     ];
     if pass == Pass::Vjp {
-        consts.push(resident as i32);
+        consts.push(hold as i32);
     }
     KernelSpec::new(def, dtype, block as u16, n_reads as u8, &consts)
 }
@@ -252,7 +269,7 @@ pub(super) fn ring_bytes(spec: &KernelSpec) -> usize {
     let (items, stages) = (constant(spec, "ITEMS"), constant(spec, "STAGES"));
     let vectors = items * spec.block_dim as usize;
     let floats = vectors * spec.n_reads as usize * 4;
-    let extra = if vjp && constant(spec, "RESIDENT") != 0 {
+    let extra = if vjp && constant(spec, "RESIDENT") == Hold::Stage as usize {
         vectors * 16
     } else if shared_sums(spec) {
         3 * floats
@@ -627,7 +644,8 @@ pub fn choose_spec(
     let max = max_items(pass, n_reads);
     if let Some((group, items, resident)) = held_vjp_layout(pass, dtype, n_reads, vectors) {
         let stages = stages(dtype, n_reads, items);
-        let spec = spec_with(pass, kind, dtype, n_reads, group, items, stages, resident);
+        let hold = if resident { Hold::Stage } else { Hold::Floats };
+        let spec = spec_with(pass, kind, dtype, n_reads, group, items, stages, hold);
         if fits(&spec, shared_limit) {
             return spec;
         }
@@ -694,7 +712,7 @@ pub fn choose_spec(
         spec
     } else {
         // The same rows in registers, without the ring.
-        spec_with(pass, kind, dtype, n_reads, group, items, 0, false)
+        spec_with(pass, kind, dtype, n_reads, group, items, 0, Hold::Floats)
     }
 }
 
@@ -862,11 +880,15 @@ pub(super) fn check_chosen(
     }
     let (group, items) = (constant(&spec, "GROUP"), constant(&spec, "ITEMS"));
     let stages = constant(&spec, "STAGES");
-    let resident = spec.consts.get(4).is_some_and(|&r| r != 0);
+    let hold = match constant(&spec, "RESIDENT") {
+        0 => Hold::Floats,
+        1 => Hold::Stage,
+        _ => Hold::Packed,
+    };
     // 1,024 threads: the looped path, and VJP rows resident or with SHARED_SUMS (no ring).
     let max = match pass {
         _ if items == 0 => 1024,
-        Pass::Vjp if resident || (stages == 0 && n_reads <= 4) => 1024,
+        Pass::Vjp if hold == Hold::Stage || (stages == 0 && n_reads <= 4) => 1024,
         _ => max_group(pass),
     };
     let ok = *spec.template == *family
@@ -877,8 +899,9 @@ pub(super) fn check_chosen(
         && items <= 4
         && (items == 0 || group * items * n_reads >= d)
         && (stages == 0 || (stages == 2 && items > 0 && dtype.size() * n_reads == 16))
-        && (!resident || stages > 0)
-        && spec == spec_with(pass, kind, dtype, n_reads, group, items, stages, resident);
+        && (hold == Hold::Floats || stages > 0)
+        && (hold != Hold::Packed || dtype.size() == 2)
+        && spec == spec_with(pass, kind, dtype, n_reads, group, items, stages, hold);
     if !ok {
         return Err(bad(
             "spec",

@@ -578,3 +578,33 @@ fn the_split_sweep_measures_the_chosen_spec_among_others() {
         }
     }
 }
+
+#[test]
+fn packed_rows_are_a_16_bit_ring_layout_the_sweep_offers_and_the_rules_do_not_choose() {
+    let (vjp, ln) = (Pass::Vjp, Kind::LayerNorm);
+    let packed = spec_with(vjp, ln, DType::F16, 8, 320, 2, 2, Hold::Packed);
+    assert!(check_chosen(packed, vjp, ln, DType::F16, 5120, Rows::Aligned).is_ok());
+    // Its ring is the register layout's: no weights in shared memory.
+    let floats = spec_with(vjp, ln, DType::F16, 8, 320, 2, 2, Hold::Floats);
+    assert_eq!(ring_bytes(&packed), ring_bytes(&floats));
+    // f32 has nothing to pack, and packing needs the ring.
+    let f32 = spec_with(vjp, ln, DType::F32, 4, 320, 4, 2, Hold::Packed);
+    assert!(check_chosen(f32, vjp, ln, DType::F32, 5120, Rows::Aligned).is_err());
+    let no_ring = spec_with(vjp, ln, DType::F16, 8, 320, 2, 0, Hold::Packed);
+    assert!(check_chosen(no_ring, vjp, ln, DType::F16, 5120, Rows::Aligned).is_err());
+    let packed_bf16 = spec_with(vjp, ln, DType::BF16, 8, 320, 2, 2, Hold::Packed);
+    assert!(tuning::candidates(vjp, ln, DType::BF16, 5120).contains(&packed_bf16));
+    // Not chosen until it is measured.
+    for d in (8..=16384).step_by(8) {
+        let s = choose_spec(
+            vjp,
+            ln,
+            DType::F16,
+            d,
+            Rows::Aligned,
+            Count::Many,
+            Gpu::for_arch(90),
+        );
+        assert_ne!(constant(&s, "RESIDENT"), Hold::Packed as usize, "{d}: {s}");
+    }
+}

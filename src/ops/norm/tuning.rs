@@ -11,7 +11,7 @@ const MAX_SHARED: usize = 227 * 1024;
 /// Every vectorised spec that could serve rows of `d` without a wasted half: threads per
 /// row (the powers of two, and for each count of vectors a thread the fewest whole warps that
 /// cover the row), 1-4 vectors each, with and without a ring of stages (16-bit, and the VJP's
-/// f32), resident or not (VJP). A superset of what `choose_spec` picks from, for `--sweep` to measure.
+/// f32), the VJP's rows on a ring held as floats, resident or (16-bit) packed. A superset of what `choose_spec` picks from, for `--sweep` to measure.
 pub fn candidates(pass: Pass, kind: Kind, dtype: DType, d: usize) -> Vec<KernelSpec> {
     let n_reads = dtype.vec_width();
     let vectors = d.div_ceil(n_reads).max(1);
@@ -32,18 +32,22 @@ pub fn candidates(pass: Pass, kind: Kind, dtype: DType, d: usize) -> Vec<KernelS
         }
         // A ring of stages for 16-bit rows, and for the VJP's f32 rows too: held in registers,
         // 4 vectors a thread on 320-512 threads take 120-136 of them (one block an SM), where
-        // resident rows keep only the partial sums.
-        let mut variants = vec![(0, false)];
+        // resident rows keep only the partial sums. 16-bit VJP rows may also stay packed.
+        let mut variants = vec![(0, Hold::Floats)];
         if dtype.size() == 2 || pass == Pass::Vjp {
-            variants.push((2, false));
+            variants.push((2, Hold::Floats));
             if pass == Pass::Vjp {
-                variants.push((2, true));
+                variants.push((2, Hold::Stage));
+                if dtype.size() == 2 {
+                    variants.push((2, Hold::Packed));
+                }
             }
         }
-        for (stages, resident) in variants {
+        for (stages, hold) in variants {
             // Past 512 threads a VJP row is resident or keeps SHARED_SUMS (no ring).
-            let wide_ok = pass == Pass::Vjp && (resident || (stages == 0 && n_reads <= 4));
-            let spec = spec_with(pass, kind, dtype, n_reads, group, items, stages, resident);
+            let wide_ok =
+                pass == Pass::Vjp && (hold == Hold::Stage || (stages == 0 && n_reads <= 4));
+            let spec = spec_with(pass, kind, dtype, n_reads, group, items, stages, hold);
             if group > max_group(pass) && !wide_ok || ring_bytes(&spec) > MAX_SHARED {
                 continue;
             }
