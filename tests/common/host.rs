@@ -34,7 +34,7 @@ pub fn host_dir() -> PathBuf {
 }
 
 /// The host executable of `runner` (a file in `tests/host/`) around the kernel `source`, compiled
-/// once per source, runner, header and `defines` (`-D` arguments) with AddressSanitizer and
+/// once per source, runner, headers and `defines` (`-D` arguments) with AddressSanitizer and
 /// UndefinedBehaviorSanitizer; `label` names the kernel in a failure.
 pub fn executable(
     cxx: &str,
@@ -49,7 +49,7 @@ pub fn executable(
     for d in defines {
         h.update(d);
     }
-    for f in ["cuda_host.h", runner] {
+    for f in ["cuda_host.h", "host_input.h", runner] {
         h.update(std::fs::read(host_dir().join(f)).unwrap());
     }
     let key: String = h.finalize()[..8]

@@ -7,6 +7,7 @@
 // count (u64). OUT receives the output's bytes, then the partials. The output starts as all-ones
 // bytes (a NaN in every dtype), so an element the kernel never writes shows.
 #include "cuda_host.h"
+#include "host_input.h"
 
 #include <fstream>
 #include <thread>
@@ -26,18 +27,6 @@
 // The running block's dynamic shared memory (the template's extern __shared__ array).
 constexpr size_t kSharedFloat4s = 1 << 16;
 float4 kiln_w4[kSharedFloat4s];
-
-template <typename V> static V take(std::ifstream& in) {
-  V v;
-  in.read(reinterpret_cast<char*>(&v), sizeof v);
-  return v;
-}
-
-static std::vector<unsigned char> take_bytes(std::ifstream& in) {
-  std::vector<unsigned char> v(take<uint64_t>(in));
-  in.read(reinterpret_cast<char*>(v.data()), v.size());
-  return v;
-}
 
 int main(int argc, char** argv) {
   if (argc != 3) return 2;

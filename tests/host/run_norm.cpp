@@ -10,6 +10,7 @@
 // partials (u64 each; 0: a null pointer). OUT receives the output, then the partials. Outputs
 // start as all-ones bytes (a NaN in every dtype), so an element the kernel never writes shows.
 #include "cuda_host.h"
+#include "host_input.h"
 
 #include <fstream>
 #include <memory>
@@ -28,18 +29,6 @@ alignas(16) kiln_vec<T, N_READS> ring[kSharedBytes / sizeof(kiln_vec<T, N_READS>
 #ifdef KILN_VJP
 alignas(16) float acc_dyn[kSharedBytes / sizeof(float)];
 #endif
-
-template <typename V> static V take(std::ifstream& in) {
-  V v;
-  in.read(reinterpret_cast<char*>(&v), sizeof v);
-  return v;
-}
-
-static std::vector<unsigned char> take_bytes(std::ifstream& in) {
-  std::vector<unsigned char> v(take<uint64_t>(in));
-  in.read(reinterpret_cast<char*>(v.data()), v.size());
-  return v;
-}
 
 template <typename P> static P* or_null(std::vector<unsigned char>& v) {
   return v.empty() ? nullptr : reinterpret_cast<P*>(v.data());
