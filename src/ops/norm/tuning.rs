@@ -10,8 +10,9 @@ const MAX_SHARED: usize = 227 * 1024;
 
 /// Every vectorised spec that could serve rows of `d` without a wasted half: threads per
 /// row (the powers of two, and for each count of vectors a thread the fewest whole warps that
-/// cover the row), 1-4 vectors each, with and without a ring of stages (16-bit, and the VJP's
-/// f32), the VJP's rows on a ring held as floats, resident or (16-bit) packed. A superset of what `choose_spec` picks from, for `--sweep` to measure.
+/// cover the row), 1-4 vectors each, with and without a ring of stages, the VJP's rows on a
+/// ring held as floats, resident or (16-bit) packed. A superset of what `choose_spec` picks
+/// from, for `--sweep` to measure.
 pub fn candidates(pass: Pass, kind: Kind, dtype: DType, d: usize) -> Vec<KernelSpec> {
     let n_reads = dtype.vec_width();
     let vectors = d.div_ceil(n_reads).max(1);
@@ -30,17 +31,14 @@ pub fn candidates(pass: Pass, kind: Kind, dtype: DType, d: usize) -> Vec<KernelS
         if group > 1024 || !covers(group) || (group > 32 && covers(group / 2)) {
             continue;
         }
-        // A ring of stages for 16-bit rows, and for the VJP's f32 rows too: held in registers,
-        // 4 vectors a thread on 320-512 threads take 120-136 of them (one block an SM), where
-        // resident rows keep only the partial sums. 16-bit VJP rows may also stay packed.
-        let mut variants = vec![(0, Hold::Floats)];
-        if dtype.size() == 2 || pass == Pass::Vjp {
-            variants.push((2, Hold::Floats));
-            if pass == Pass::Vjp {
-                variants.push((2, Hold::Stage));
-                if dtype.size() == 2 {
-                    variants.push((2, Hold::Packed));
-                }
+        // A ring of stages for every dtype (f32 rows hold 16-byte vectors as 16-bit rows do);
+        // for the VJP also resident rows, which keep only the partial sums in registers, and
+        // for 16-bit VJP rows packed ones.
+        let mut variants = vec![(0, Hold::Floats), (2, Hold::Floats)];
+        if pass == Pass::Vjp {
+            variants.push((2, Hold::Stage));
+            if dtype.size() == 2 {
+                variants.push((2, Hold::Packed));
             }
         }
         for (stages, hold) in variants {
