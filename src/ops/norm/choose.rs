@@ -68,22 +68,36 @@ pub(super) fn one_vector_rows(pass: Pass, dtype: DType, n_reads: usize, vectors:
     pass == Pass::Vjp && dtype.size() == 2 && n_reads > 1 && vectors <= 256
 }
 
-/// Threads, vectors a thread and residency (RESIDENT) of vectorised VJP rows that one group of
-/// up to 512 threads holds, past 256 vectors (16-bit rows of 2,049 to 16,384 elements, f32 rows
-/// of 1,025 to 8,192): the fewest pairs of warps, not a power of two of threads, so that few
-/// lanes idle past the row (pairs, not single warps, halve the kernels `kiln warm` compiles).
-/// 16-bit rows take 2, 3 or 4 vectors a thread, whichever holds the fewest vectors (the fewer
-/// on a tie), resident from 3 on (LayerNorm's x, cotangent, weights and two partial sums spill
-/// past 2 in registers); f32 rows take 4 vectors a thread. On an H200 (`--sweep --long --rms`,
-/// direct mode) against the powers of two: bf16 5,120 elements on 320 x 2 at 2,900 / 3,517
-/// GB/s (LayerNorm / RMSNorm) against 2,465 / 2,904 on 512 x 2; f32 5,120 on 320 x 4 at 2,970 /
-/// 3,302 against 2,768 / 3,107 on 512 x 4.
+/// Threads, vectors a thread and hold (RESIDENT) of vectorised VJP rows that one group of up
+/// to 512 threads holds, past 256 vectors (16-bit rows of 2,049 to 16,384 elements, f32 rows of
+/// 1,025 to 8,192), on a ring of `HELD_STAGES`: the fewest pairs of warps, not a power of two of
+/// threads, so that few lanes idle past the row (pairs, not single warps, halve the kernels
+/// `kiln warm` compiles). 16-bit rows take 2, 3 or 4 vectors a thread, whichever holds the
+/// fewest vectors (the fewer on a tie), packed at 3 and resident at 4 (LayerNorm's x,
+/// cotangent, weights and two partial sums widened to floats spill past 2; packed, they spill
+/// at 512 x 4, ptxas for sm_90); f32 rows take 4 vectors a thread. On an H200
+/// (`--sweep --long --rms`, direct mode):
+/// - pairs of warps against powers of two: bf16 5,120 elements on 320 x 2 at 2,900 / 3,517
+///   GB/s (LayerNorm / RMSNorm) against 2,465 / 2,904 on 512 x 2; f32 5,120 on 320 x 4 at
+///   2,970 / 3,302 against 2,768 / 3,107 on 512 x 4 (both without a ring);
+/// - packed against resident rows (the stage read on every pass), LayerNorm / RMSNorm: f16
+///   4,608 on 192 x 3 3,185 / 3,441 against 3,015 / 3,345, bf16 3,249 / 3,476 against 3,052 /
+///   3,359; 12,288 on 512 x 3 f16 3,032 / 3,395 against 2,928 / 3,413, bf16 3,061 / 3,418
+///   against 2,948 / 3,403 (9,216 and 4,352 alike). Floats on the ring were faster for f16
+///   on up to 384 threads but far slower for bf16 LayerNorm (2,810 at 4,608) and on 512
+///   threads (2,133). Packed rows of 2 vectors won at 5,120 (320 x 2) but lost at 3,000 and
+///   7,168: floats stay there; packed rows of 4 spill;
+/// - the ring for f32, against the same layout without: 4,608 on 320 x 4 3,775 / 3,858
+///   against 2,791 / 3,200; 5,120 3,840 / 3,932 against 3,007 / 3,350; 6,144 on 384 x 4
+///   3,683 / 3,852 against 3,264 / 3,472; 7,168 on 448 x 4 3,763 / 3,817 against 3,443 /
+///   3,644; 0.95-1.06x at 1,536, 2,048, 3,000, 4,000 and 8,192 (the bench reads 86-93% of
+///   copy with the ring from 1,536 to 8,192).
 pub(super) fn held_vjp_layout(
     pass: Pass,
     dtype: DType,
     n_reads: usize,
     vectors: usize,
-) -> Option<(usize, usize, bool)> {
+) -> Option<(usize, usize, Hold)> {
     let max = max_group(Pass::Vjp);
     if pass != Pass::Vjp || n_reads == 1 || vectors <= 256 {
         return None;
@@ -100,8 +114,16 @@ pub(super) fn held_vjp_layout(
         let group = warps(items);
         (group, vectors.div_ceil(group))
     };
-    (group <= max).then_some((group, items, dtype.size() == 2 && items >= 3))
+    let hold = match (dtype.size(), items) {
+        (2, 3) => Hold::Packed,
+        (2, 4) => Hold::Stage,
+        _ => Hold::Floats,
+    };
+    (group <= max).then_some((group, items, hold))
 }
+
+/// Stages of the ring of rows `held_vjp_layout` lays out (one row ahead, as `stages`).
+pub(super) const HELD_STAGES: usize = 2;
 
 /// Where a VJP row on a ring of stages stays while the kernel's passes read it (the VJP's
 /// RESIDENT constant).
@@ -223,9 +245,10 @@ pub(super) fn resident(
 /// (`--sweep`, bf16 65536x256: 2,763 GB/s against 2,529). The kernel then runs on a grid no
 /// larger than the GPU holds at once, each block looping over rows. 16-bit rows carry half the
 /// bytes of f32 rows for the same work per row, and one row at a time left their loads
-/// latency-bound (one-warp VJP rows of 256 elements: 1,778 -> 2,111 GB/s with the ring). Two stages (one row ahead): three and four were
-/// no faster on an H100 and take more shared memory (notes/performance.md). f32 rows take none:
-/// they already run near copy speed.
+/// latency-bound (one-warp VJP rows of 256 elements: 1,778 -> 2,111 GB/s with the ring). Two
+/// stages (one row ahead): three and four were no faster on an H100 and take more shared memory
+/// (notes/performance.md). f32 rows take none here, as they run near copy speed, except the
+/// VJP's rows that one group holds (`held_vjp_layout`).
 pub(super) fn stages(dtype: DType, n_reads: usize, items: usize) -> usize {
     if dtype.size() == 2 && n_reads > 1 && items > 0 {
         2
@@ -642,12 +665,14 @@ pub fn choose_spec(
     };
     let vectors = d.div_ceil(n_reads).max(1);
     let max = max_items(pass, n_reads);
-    if let Some((group, items, resident)) = held_vjp_layout(pass, dtype, n_reads, vectors) {
-        let stages = stages(dtype, n_reads, items);
-        let hold = if resident { Hold::Stage } else { Hold::Floats };
-        let spec = spec_with(pass, kind, dtype, n_reads, group, items, stages, hold);
+    if let Some((group, items, hold)) = held_vjp_layout(pass, dtype, n_reads, vectors) {
+        let spec = spec_with(pass, kind, dtype, n_reads, group, items, HELD_STAGES, hold);
         if fits(&spec, shared_limit) {
             return spec;
+        }
+        if hold == Hold::Floats && dtype.size() == 4 {
+            // f32 rows fit in registers without the ring, where its stages do not fit.
+            return spec_with(pass, kind, dtype, n_reads, group, items, 0, Hold::Floats);
         }
     }
     if vectors > max_group(pass) * max {

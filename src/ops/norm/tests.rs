@@ -355,10 +355,11 @@ fn vjp_rows_held_by_one_group_take_the_fewest_pairs_of_warps() {
             assert_eq!(layout(kind, dtype, 3000), (192, 2, 0, 192));
             assert_eq!(layout(kind, dtype, 5120), (320, 2, 0, 320));
             assert_eq!(layout(kind, dtype, 7168), (448, 2, 0, 448));
-            // Three or four where two would need more than 512 threads, resident.
-            assert_eq!(layout(kind, dtype, 4608), (192, 3, 1, 192));
+            // Three where it holds fewer vectors than two, or two would need more than 512
+            // threads, packed; four resident.
+            assert_eq!(layout(kind, dtype, 4608), (192, 3, 2, 192));
+            assert_eq!(layout(kind, dtype, 12288), (512, 3, 2, 512));
             assert_eq!(layout(kind, dtype, 10240), (320, 4, 1, 320));
-            assert_eq!(layout(kind, dtype, 12288), (512, 3, 1, 512));
             assert_eq!(layout(kind, dtype, 16384), (512, 4, 1, 512));
             // Powers of two where they fit the row.
             assert_eq!(layout(kind, dtype, 4096), (256, 2, 0, 256));
@@ -366,11 +367,33 @@ fn vjp_rows_held_by_one_group_take_the_fewest_pairs_of_warps() {
             // One vector a thread up to 2,048 elements, as before.
             assert_eq!(layout(kind, dtype, 2048), (256, 1, 0, 256));
         }
-        // f32: four vectors a thread on the fewest pairs of warps, then 1,024 threads with
-        // their sums in shared memory and the fewest vectors a thread.
+        // f32: four vectors a thread on the fewest pairs of warps with a ring (without one
+        // where its stages do not fit), then 1,024 threads with their sums in shared memory
+        // and the fewest vectors a thread.
         assert_eq!(layout(kind, DType::F32, 3000), (192, 4, 0, 192));
         assert_eq!(layout(kind, DType::F32, 5120), (320, 4, 0, 320));
         assert_eq!(layout(kind, DType::F32, 8192), (512, 4, 0, 512));
+        let ring = |d, gpu| {
+            let s = choose_spec(
+                Pass::Vjp,
+                kind,
+                DType::F32,
+                d,
+                Rows::Aligned,
+                Count::Many,
+                gpu,
+            );
+            constant(&s, "STAGES")
+        };
+        assert_eq!(ring(5120, gpu), HELD_STAGES);
+        assert_eq!(ring(8192, gpu), HELD_STAGES);
+        // 99 KiB of shared memory (consumer Ampere and Ada): 512 x 4 f32 vectors take 128 KiB.
+        let small = Gpu {
+            shared_limit: 99 * 1024,
+            ..gpu
+        };
+        assert_eq!(ring(8192, small), 0);
+        assert_eq!(ring(3000, small), HELD_STAGES);
         assert_eq!(layout(kind, DType::F32, 10240), (1024, 3, 0, 1024));
         assert_eq!(layout(kind, DType::F32, 16384), (1024, 4, 0, 1024));
     }
@@ -580,7 +603,7 @@ fn the_split_sweep_measures_the_chosen_spec_among_others() {
 }
 
 #[test]
-fn packed_rows_are_a_16_bit_ring_layout_the_sweep_offers_and_the_rules_do_not_choose() {
+fn packed_rows_are_a_16_bit_ring_layout_chosen_for_three_vectors_a_thread() {
     let (vjp, ln) = (Pass::Vjp, Kind::LayerNorm);
     let packed = spec_with(vjp, ln, DType::F16, 8, 320, 2, 2, Hold::Packed);
     assert!(check_chosen(packed, vjp, ln, DType::F16, 5120, Rows::Aligned).is_ok());
@@ -594,7 +617,7 @@ fn packed_rows_are_a_16_bit_ring_layout_the_sweep_offers_and_the_rules_do_not_ch
     assert!(check_chosen(no_ring, vjp, ln, DType::F16, 5120, Rows::Aligned).is_err());
     let packed_bf16 = spec_with(vjp, ln, DType::BF16, 8, 320, 2, 2, Hold::Packed);
     assert!(tuning::candidates(vjp, ln, DType::BF16, 5120).contains(&packed_bf16));
-    // Not chosen until it is measured.
+    // Chosen for three vectors a thread, and only there.
     for d in (8..=16384).step_by(8) {
         let s = choose_spec(
             vjp,
@@ -605,6 +628,8 @@ fn packed_rows_are_a_16_bit_ring_layout_the_sweep_offers_and_the_rules_do_not_ch
             Count::Many,
             Gpu::for_arch(90),
         );
-        assert_ne!(constant(&s, "RESIDENT"), Hold::Packed as usize, "{d}: {s}");
+        let packed = constant(&s, "RESIDENT") == Hold::Packed as usize;
+        let three = s.template.name == VJP.name && constant(&s, "ITEMS") == 3;
+        assert_eq!(packed, three && constant(&s, "STAGES") > 0, "{d}: {s}");
     }
 }
