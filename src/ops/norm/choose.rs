@@ -61,6 +61,31 @@ pub(super) fn forward_ring_layout(vectors: usize) -> (usize, usize) {
         .expect("two layouts")
 }
 
+/// Threads and vectors a thread for vectorised f32 forward rows of more than one warp's four
+/// vectors each (1,025 to 16,384 elements, held in registers without a ring): four vectors a
+/// thread on the fewest pairs of warps, as the VJP's held rows take, not a power of two of
+/// threads, so that few lanes idle past the row. On an H200 (`--sweep --long`, direct mode),
+/// LayerNorm / RMSNorm: 12,288 elements on 768 x 4 at 3,839 / 3,892 GB/s against 3,015 / 3,340
+/// on 1,024 x 4; 10,240 on 640 x 4 at 3,864 / 3,898 against 2,787 / 3,048; 8,192 on 512 x 4
+/// either way.
+pub(super) fn register_forward_layout(
+    pass: Pass,
+    dtype: DType,
+    n_reads: usize,
+    vectors: usize,
+) -> Option<(usize, usize)> {
+    let items = max_items(pass, n_reads);
+    if pass != Pass::Forward
+        || n_reads == 1
+        || stages(dtype, n_reads, 1) > 0
+        || vectors <= 64 * items
+    {
+        return None;
+    }
+    let group = vectors.div_ceil(items).next_multiple_of(64);
+    (group <= max_group(pass)).then(|| (group, vectors.div_ceil(group)))
+}
+
 /// Whether a row takes one vector per thread on as many whole warps as it needs (96 threads
 /// for 768 elements, not 128): vectorised 16-bit VJP rows of up to 256 vectors, whose cost
 /// is the instructions each row's threads issue, idle lanes included.
@@ -426,10 +451,25 @@ pub(super) fn split_pad(n_reads: usize, rows: Rows) -> usize {
     }
 }
 
+/// Vectors a split-row thread holds to cover `needed`: the next power of two or three times
+/// one (1, 2, 3, 4, 6, 8, 12, 16, ...), so that at most a quarter of a thread's lanes idle
+/// past its block's chunk, where a power of two alone left up to half, and `kiln warm` compiles
+/// two counts for each power of two instead of every count.
+pub(super) fn split_items(needed: usize) -> usize {
+    let power = needed.max(1).next_power_of_two();
+    if power >= 4 && 3 * power / 4 >= needed {
+        3 * power / 4
+    } else {
+        power
+    }
+}
+
 /// A split-row layout for rows of `d` elements, blocks of `block` threads of `n_reads`-element
 /// vectors: (blocks per cluster, vectors per thread), the fewest blocks of `VJP_SPLIT_CLUSTERS`
-/// up to `most` whose threads, each holding a power of two of vectors within `elements`
-/// elements, cover a block's chunk and `pad` elements more.
+/// up to `most` whose threads, each holding `elements` elements at most, cover a block's chunk
+/// and `pad` elements more, and the fewest vectors a thread of `split_items` that do (16-bit
+/// LayerNorm rows of 18,432 forward on two blocks of 9,216 elements: 512 x 3 vectors, not 4;
+/// unaligned 16,385 VJP rows on three blocks of 5,464: 12 elements a thread, not 16).
 fn fit_cluster(
     block: usize,
     most: usize,
@@ -442,15 +482,13 @@ fn fit_cluster(
     let cluster = *VJP_SPLIT_CLUSTERS
         .iter()
         .find(|&&c| c <= most && split_chunk(d, c) + pad <= per_block)?;
-    let items = (split_chunk(d, cluster) + pad)
-        .div_ceil(block * n_reads)
-        .next_power_of_two();
+    let items = split_items((split_chunk(d, cluster) + pad).div_ceil(block * n_reads));
     (items * n_reads <= elements).then_some((cluster, items))
 }
 
 /// The split-row forward for rows of `d` elements, if a cluster's registers hold them: the
 /// first layout that does, with the fewest blocks per cluster (of `VJP_SPLIT_CLUSTERS`, up to
-/// the layout's) whose threads, each holding a power of two of vectors, cover the row.
+/// the layout's) whose threads, each holding the fewest vectors of `split_items`, cover the row.
 pub(super) fn split_spec(kind: Kind, dtype: DType, d: usize, rows: Rows) -> Option<KernelSpec> {
     split_widths(dtype, rows)
         .flat_map(|n_reads| {
@@ -536,8 +574,8 @@ pub(super) fn vjp_split_pipeline(kind: Kind, dtype: DType, cluster: usize, n_rea
 
 /// The split-row VJP for rows of `d` elements, if a cluster's registers hold them: the first
 /// layout of `vjp_split_layouts` that does, with the fewest blocks per cluster (up to the
-/// layout's) whose threads, each holding a power of two of vectors within the layout's elements,
-/// cover the row.
+/// layout's) whose threads, each holding the fewest vectors of `split_items` within the layout's
+/// elements, cover the row.
 pub(super) fn vjp_split_spec(kind: Kind, dtype: DType, d: usize, rows: Rows) -> Option<KernelSpec> {
     split_widths(dtype, rows)
         .filter(|&n_reads| split_takes(&VJP_SPLIT, dtype, rows, n_reads))
@@ -723,6 +761,8 @@ pub fn choose_spec(
         (32, vectors.div_ceil(32))
     } else if pass == Pass::Forward && stages(dtype, n_reads, 1) > 0 {
         forward_ring_layout(vectors)
+    } else if let Some(layout) = register_forward_layout(pass, dtype, n_reads, vectors) {
+        layout
     } else if one_vector_rows(pass, dtype, n_reads, vectors) {
         (vectors.next_multiple_of(32), 1)
     } else {
@@ -845,12 +885,13 @@ pub(super) fn check_chosen(
         (legal_width, 0)
     };
     if is_vjp_split(&spec) {
-        // Any power of two of vectors a thread, within its registers, that covers the row.
+        // Vectors a thread of `split_items`, within its registers, that cover the row.
         let (items, cluster) = (constant(&spec, "ITEMS"), constant(&spec, "CLUSTER"));
         let ok = pass == Pass::Vjp
             && spec.dtype == dtype
             && legal_width
-            && items.is_power_of_two()
+            && items > 0
+            && split_items(items) == items
             && items * n_reads <= VJP_SPLIT_ELEMENTS
             && VJP_SPLIT_CLUSTERS.contains(&cluster)
             && spec.block_dim as usize == VJP_SPLIT_BLOCK
@@ -873,8 +914,8 @@ pub(super) fn check_chosen(
         return Ok(spec);
     }
     if is_split(&spec) {
-        // Any power of two of vectors a thread that, over the cluster, covers the row, within
-        // one of the dtype's layouts.
+        // Vectors a thread of `split_items` that, over the cluster, cover the row, within one of
+        // the dtype's layouts.
         let (items, cluster) = (constant(&spec, "ITEMS"), constant(&spec, "CLUSTER"));
         let in_layout = split_layouts(kind, dtype)
             .iter()
@@ -884,7 +925,8 @@ pub(super) fn check_chosen(
         let ok = pass == Pass::Forward
             && spec.dtype == dtype
             && legal_width
-            && items.is_power_of_two()
+            && items > 0
+            && split_items(items) == items
             && in_layout
             && VJP_SPLIT_CLUSTERS.contains(&cluster)
             && spec.block_dim as usize == SPLIT_BLOCK

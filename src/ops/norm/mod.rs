@@ -1,7 +1,7 @@
 //! LayerNorm and RMSNorm, forward and VJP, over the last axis (MLX's `fast::layer_norm` and
 //! `fast::rms_norm` semantics). Output dtype is x's; accumulation is f32.
 //!
-//! Spec choice: GROUP threads per row, as a power of two in [32, 1024]; rows that fit stay in
+//! Spec choice: GROUP threads per row, whole warps up to 1,024; rows that fit stay in
 //! registers (ITEMS vectors of 16 bytes per thread), several short rows share a block, longer
 //! rows loop. Vectorised 16-bit rows keep the next row in flight in shared memory (STAGES); on
 //! Hopper, forward rows past one block's registers take a cluster of blocks each where a call has

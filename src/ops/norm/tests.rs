@@ -284,8 +284,9 @@ fn split_rows_pipeline_and_fill_blocks_as_measured() {
         gpu,
     );
     assert_eq!(odd.constant("PIPELINE"), Some(0), "{odd}");
-    // 16-bit LayerNorm: 32 elements a thread in the fewest blocks; RMSNorm 16 while 8 blocks
-    // of 16 hold the row.
+    // 16-bit LayerNorm: up to 32 elements a thread in the fewest blocks; RMSNorm 16 while 8
+    // blocks of 16 hold the row. Each thread holds the fewest vectors that cover its block's
+    // chunk (18,432 elements on two blocks: 9,216 each, 3 vectors of 512 threads, not 4).
     let layout = |kind, d| {
         let spec = chosen(Pass::Forward, kind, DType::BF16, d);
         (
@@ -293,7 +294,7 @@ fn split_rows_pipeline_and_fill_blocks_as_measured() {
             spec.constant("CLUSTER").unwrap(),
         )
     };
-    assert_eq!(layout(Kind::LayerNorm, 18432), (4, 2));
+    assert_eq!(layout(Kind::LayerNorm, 18432), (3, 2));
     assert_eq!(layout(Kind::LayerNorm, 30000), (4, 2));
     assert_eq!(layout(Kind::LayerNorm, 65536), (4, 4));
     assert_eq!(layout(Kind::LayerNorm, 131072), (4, 8));
@@ -333,8 +334,17 @@ fn forward_rows_on_a_ring_hold_the_fewest_vectors() {
         // One warp up to 1,024 elements, as before.
         assert_eq!(layout(dtype, 1024), (32, 4, 2));
     }
-    // f32 rows keep the register layout without a ring.
-    assert_eq!(layout(DType::F32, 3000), (256, 4, 0));
+    // f32 rows keep the registers without a ring, four vectors a thread on the fewest pairs
+    // of warps past 1,024 elements.
+    assert_eq!(layout(DType::F32, 3000), (192, 4, 0));
+    assert_eq!(layout(DType::F32, 10240), (640, 4, 0));
+    assert_eq!(layout(DType::F32, 12288), (768, 4, 0));
+    assert_eq!(layout(DType::F32, 8192), (512, 4, 0));
+    assert_eq!(layout(DType::F32, 16384), (1024, 4, 0));
+    assert_eq!(layout(DType::F32, 1536), (128, 3, 0));
+    // Up to 1,024 elements, a power of two of threads as before.
+    assert_eq!(layout(DType::F32, 768), (64, 4, 0));
+    assert_eq!(layout(DType::F32, 256), (32, 2, 0));
 }
 
 #[test]
@@ -472,6 +482,16 @@ fn unaligned_long_rows_take_vectors_on_the_ring_kernels() {
             }
         }
     }
+    // Each thread holds the fewest vectors that cover its block's chunk: 16,385 elements on
+    // three VJP blocks of 5,464 (12 of 512 threads' elements, not 16), on two 16-bit LayerNorm
+    // forward blocks of 8,200 (3 shifted vectors of 8, not 4).
+    let items = |pass, dtype, kind| {
+        let s = choose_spec(pass, kind, dtype, 16385, Rows::Alike, Count::Many, gpu);
+        (constant(&s, "ITEMS"), constant(&s, "CLUSTER"))
+    };
+    assert_eq!(items(Pass::Vjp, DType::BF16, Kind::LayerNorm), (12, 3));
+    assert_eq!(items(Pass::Vjp, DType::F32, Kind::RmsNorm), (12, 3));
+    assert_eq!(items(Pass::Forward, DType::F16, Kind::LayerNorm), (3, 2));
     // The longest rows a layout holds take single elements where shifted vectors would not fit:
     // 8 blocks of 16,384 elements hold aligned rows of 131,072 and unaligned ones of 131,071.
     let forward = |d, rows| {

@@ -90,47 +90,56 @@ pub fn vjp_with(
 }
 
 /// Every split-row spec (a cluster of blocks a row) that could serve aligned rows of `d`: a
-/// power of two of vectors a thread, each cluster width that covers the row up to twice the
-/// fewest, and for the VJP the partial sums in registers or shared memory, and each way of
-/// overlapping rows (PIPELINE 0, 1 or 2).
+/// power of two of vectors a thread or the fewest of `split_items` that cover a block's chunk,
+/// each cluster width that covers the row up to twice the fewest, and for the VJP the partial
+/// sums in registers or shared memory, and each way of overlapping rows (PIPELINE 0, 1 or 2).
 /// Each passes the same check as a caller's spec. For `--sweep --split` to measure the choices
 /// of `split_layouts`, `vjp_split_layouts` and `vjp_split_pipeline`.
 pub fn split_candidates(pass: Pass, kind: Kind, dtype: DType, d: usize) -> Vec<KernelSpec> {
     let n_reads = dtype.vec_width();
     let rms = (kind == Kind::RmsNorm) as i32;
     let mut specs = Vec::new();
-    for items in [1usize, 2, 4, 8] {
-        for &cluster in VJP_SPLIT_CLUSTERS.iter() {
-            let (items, cluster) = (items as i32, cluster as i32);
-            match pass {
-                Pass::Vjp => {
-                    for smem_sums in [0, 1] {
-                        for pipeline in [0, 1, 2] {
-                            specs.push(KernelSpec::new(
-                                &VJP_SPLIT,
-                                dtype,
-                                VJP_SPLIT_BLOCK as u16,
-                                n_reads as u8,
-                                &[rms, items, cluster, smem_sums, pipeline],
-                            ));
-                        }
+    let layouts = VJP_SPLIT_CLUSTERS.iter().flat_map(|&cluster| {
+        let block = match pass {
+            Pass::Forward => SPLIT_BLOCK,
+            Pass::Vjp => VJP_SPLIT_BLOCK,
+        };
+        let fewest = split_items(split_chunk(d, cluster).div_ceil(block * n_reads));
+        let powers = [1, 2, 4, 8].into_iter().filter(move |&i| i != fewest);
+        std::iter::once(fewest)
+            .chain(powers)
+            .map(move |items| (items, cluster))
+    });
+    for (items, cluster) in layouts {
+        let (items, cluster) = (items as i32, cluster as i32);
+        match pass {
+            Pass::Vjp => {
+                for smem_sums in [0, 1] {
+                    for pipeline in [0, 1, 2] {
+                        specs.push(KernelSpec::new(
+                            &VJP_SPLIT,
+                            dtype,
+                            VJP_SPLIT_BLOCK as u16,
+                            n_reads as u8,
+                            &[rms, items, cluster, smem_sums, pipeline],
+                        ));
                     }
                 }
-                Pass::Forward => {
-                    // Every layout of a dtype is of the same kernel.
-                    let family = split_layouts(kind, dtype)[0].0;
-                    let mut consts = vec![rms, items, cluster];
-                    if *family == FORWARD_STAGED {
-                        consts.push(0);
-                    }
-                    specs.push(KernelSpec::new(
-                        family,
-                        dtype,
-                        SPLIT_BLOCK as u16,
-                        n_reads as u8,
-                        &consts,
-                    ));
+            }
+            Pass::Forward => {
+                // Every layout of a dtype is of the same kernel.
+                let family = split_layouts(kind, dtype)[0].0;
+                let mut consts = vec![rms, items, cluster];
+                if *family == FORWARD_STAGED {
+                    consts.push(0);
                 }
+                specs.push(KernelSpec::new(
+                    family,
+                    dtype,
+                    SPLIT_BLOCK as u16,
+                    n_reads as u8,
+                    &consts,
+                ));
             }
         }
     }
