@@ -451,10 +451,10 @@ pub(super) fn split_pad(n_reads: usize, rows: Rows) -> usize {
     }
 }
 
-/// Vectors a split-row thread holds to cover `needed`: the next power of two or three times
-/// one (1, 2, 3, 4, 6, 8, 12, 16, ...), so that at most a quarter of a thread's lanes idle
-/// past its block's chunk, where a power of two alone left up to half, and `kiln warm` compiles
-/// two counts for each power of two instead of every count.
+/// Vectors a split-row thread holds to cover `needed`: the next power of two, or three quarters
+/// of it where that covers `needed` (1, 2, 3, 4, 6, 8, 12, 16, ...), so that at most a quarter
+/// of a thread's lanes idle past its block's chunk, where a power of two alone left up to half,
+/// and `kiln warm` compiles two counts for each power of two instead of every count.
 pub(super) fn split_items(needed: usize) -> usize {
     let power = needed.max(1).next_power_of_two();
     if power >= 4 && 3 * power / 4 >= needed {

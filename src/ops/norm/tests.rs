@@ -482,6 +482,12 @@ fn unaligned_long_rows_take_vectors_on_the_ring_kernels() {
             }
         }
     }
+    // Counts of vectors a split-row thread may hold: powers of two and three quarters of them.
+    let counts: Vec<usize> = (0..=17).map(split_items).collect();
+    assert_eq!(
+        counts,
+        [1, 1, 2, 3, 4, 6, 6, 8, 8, 12, 12, 12, 12, 16, 16, 16, 16, 24]
+    );
     // Each thread holds the fewest vectors that cover its block's chunk: 16,385 elements on
     // three VJP blocks of 5,464 (12 of 512 threads' elements, not 16), on two 16-bit LayerNorm
     // forward blocks of 8,200 (3 shifted vectors of 8, not 4).
