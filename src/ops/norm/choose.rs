@@ -61,6 +61,12 @@ pub(super) fn forward_ring_layout(vectors: usize) -> (usize, usize) {
         .expect("two layouts")
 }
 
+/// Threads, in whole pairs of warps, that cover `vectors` at `items` vectors a thread: the
+/// fewest, where a power of two of threads could leave almost half of them idle past the row.
+fn fewest_pairs_of_warps(vectors: usize, items: usize) -> usize {
+    vectors.div_ceil(items).next_multiple_of(64)
+}
+
 /// Threads and vectors a thread for vectorised f32 forward rows of more than one warp's four
 /// vectors each (1,025 to 16,384 elements, held in registers without a ring): four vectors a
 /// thread on the fewest pairs of warps, as the VJP's held rows take, not a power of two of
@@ -82,7 +88,7 @@ pub(super) fn register_forward_layout(
     {
         return None;
     }
-    let group = vectors.div_ceil(items).next_multiple_of(64);
+    let group = fewest_pairs_of_warps(vectors, items);
     (group <= max_group(pass)).then(|| (group, vectors.div_ceil(group)))
 }
 
@@ -127,16 +133,15 @@ pub(super) fn held_vjp_layout(
     if pass != Pass::Vjp || n_reads == 1 || vectors <= 256 {
         return None;
     }
-    let warps = |items: usize| vectors.div_ceil(items).next_multiple_of(64);
     let (group, items) = if dtype.size() == 2 {
         [2, 3, 4]
             .into_iter()
-            .map(|items| (warps(items), items))
+            .map(|items| (fewest_pairs_of_warps(vectors, items), items))
             .filter(|&(group, _)| group <= max)
             .min_by_key(|&(group, items)| (group * items, items))?
     } else {
         let items = max_items(pass, n_reads);
-        let group = warps(items);
+        let group = fewest_pairs_of_warps(vectors, items);
         (group, vectors.div_ceil(group))
     };
     let hold = match (dtype.size(), items) {
@@ -890,7 +895,6 @@ pub(super) fn check_chosen(
         let ok = pass == Pass::Vjp
             && spec.dtype == dtype
             && legal_width
-            && items > 0
             && split_items(items) == items
             && items * n_reads <= VJP_SPLIT_ELEMENTS
             && VJP_SPLIT_CLUSTERS.contains(&cluster)
@@ -925,7 +929,6 @@ pub(super) fn check_chosen(
         let ok = pass == Pass::Forward
             && spec.dtype == dtype
             && legal_width
-            && items > 0
             && split_items(items) == items
             && in_layout
             && VJP_SPLIT_CLUSTERS.contains(&cluster)
