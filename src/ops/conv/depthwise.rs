@@ -264,6 +264,18 @@ fn stencil_tile(pass: Pass, one_row: bool, stride: [usize; 2]) -> [usize; 2] {
     }
 }
 
+/// The PASS constant the column-walk, rows and tensor-core kernels of `s` are compiled with.
+/// They run backward-data at stride 1 as the forward's gather over the cotangent, the problem's
+/// fields walking the taps backwards: their PASS 1 code is the PASS 0 code (checked in SASS), so
+/// both passes share one module, one compile and one cache entry. Any other stride keeps PASS 1,
+/// which the templates refuse at compile time.
+fn walk_pass(pass: Pass, s: &Shape) -> i32 {
+    match pass {
+        Pass::BackwardData if s.stride == [1, 1] => Pass::Forward as i32,
+        _ => pass as i32,
+    }
+}
+
 pub fn spec(dtype: DType, pass: Pass, s: Shape) -> KernelSpec {
     if let Variant::Columns { vector } = s.variant {
         return KernelSpec::new(
@@ -272,7 +284,7 @@ pub fn spec(dtype: DType, pass: Pass, s: Shape) -> KernelSpec {
             THREADS,
             1,
             &[
-                pass as i32,
+                walk_pass(pass, &s),
                 s.kernel[0] as i32,
                 s.kernel[1] as i32,
                 s.out_tile[1] as i32,
@@ -288,7 +300,7 @@ pub fn spec(dtype: DType, pass: Pass, s: Shape) -> KernelSpec {
             THREADS,
             1,
             &[
-                pass as i32,
+                walk_pass(pass, &s),
                 s.kernel[0] as i32,
                 s.kernel[1] as i32,
                 s.out_tile[1] as i32,
@@ -307,7 +319,11 @@ pub fn spec(dtype: DType, pass: Pass, s: Shape) -> KernelSpec {
         THREADS,
         1,
         &[
-            pass as i32,
+            if s.variant == Variant::Tensor {
+                walk_pass(pass, &s)
+            } else {
+                pass as i32
+            },
             s.mg as i32,
             s.kernel[0] as i32,
             s.kernel[1] as i32,
@@ -317,6 +333,14 @@ pub fn spec(dtype: DType, pass: Pass, s: Shape) -> KernelSpec {
             s.out_tile[1] as i32,
         ],
     )
+}
+
+/// Adds `spec` to `out` unless it is there: the walks' stride-1 backward-data asks for the
+/// forward's spec ([`walk_pass`]).
+fn push_new(out: &mut Vec<KernelSpec>, spec: KernelSpec) {
+    if !out.contains(&spec) {
+        out.push(spec);
+    }
 }
 
 /// The common 2-D depthwise layers `kiln warm` compiles for `arch`: square 3x3, 5x5 and 7x7
@@ -376,7 +400,7 @@ pub fn specs(arch: u32) -> Vec<KernelSpec> {
                         },
                         variant,
                     };
-                    out.push(spec(dtype, pass, shape));
+                    push_new(&mut out, spec(dtype, pass, shape));
                 }
                 // Forward and backward-data of 3x3 layers on small images are the column walks',
                 // a row or part of one a thread (stride 2: the 16-bit forward).
@@ -391,7 +415,7 @@ pub fn specs(arch: u32) -> Vec<KernelSpec> {
                                 vector: COLUMNS_OUTPUT_VECTOR,
                             },
                         };
-                        out.push(spec(dtype, pass, columns));
+                        push_new(&mut out, spec(dtype, pass, columns));
                     }
                 }
                 // Backward-weight of 3x3 layers with few channels (16: MobileNetV3) is the
@@ -406,7 +430,7 @@ pub fn specs(arch: u32) -> Vec<KernelSpec> {
                             vector: columns_most_vector(dtype, [k, k]),
                         },
                     };
-                    out.push(spec(dtype, pass, columns));
+                    push_new(&mut out, spec(dtype, pass, columns));
                 }
             }
         }
@@ -1863,6 +1887,27 @@ mod tests {
                             all.contains(&spec(dtype, pass, l.shape)),
                             "{k} {s} {size} {pass:?}"
                         );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn stride_one_backward_data_shares_the_forwards_module_except_on_the_stencil() {
+        for dtype in DType::ALL {
+            for size in [56, 7] {
+                for k in [3, 5, 7] {
+                    for stride in [1, 2] {
+                        let (x, w, p) = depthwise(96, 1, [size, size], k, stride);
+                        let kk = key(dtype, Pass::BackwardData, &x, &w, &p);
+                        let l = launch_for(&kk, 132, H100_SHARED).unwrap();
+                        let as_forward = spec(dtype, Pass::Forward, l.shape);
+                        let shared = spec(dtype, Pass::BackwardData, l.shape) == as_forward;
+                        let walk = l.shape.variant != Variant::Stencil;
+                        assert_eq!(shared, walk && stride == 1, "{dtype} {size} {k} {stride}");
+                        let pass = spec(dtype, Pass::BackwardData, l.shape).constant("PASS");
+                        assert_eq!(pass, Some(if shared { 0 } else { 1 }));
                     }
                 }
             }

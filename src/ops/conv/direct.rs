@@ -145,6 +145,17 @@ fn min_blocks(cg: usize) -> usize {
     }
 }
 
+/// The PASS constant `pass` is compiled with. With one input and one output channel a group
+/// (depthwise), backward-data's roles and weight index are the forward's and the rest lies in
+/// the problem's fields: its PASS 1 code is the PASS 0 code (checked in SASS), so both passes
+/// share one module, one compile and one cache entry.
+fn compiled_pass(pass: Pass, cg: usize, mg: usize) -> i32 {
+    match pass {
+        Pass::BackwardData if cg == 1 && mg == 1 => Pass::Forward as i32,
+        _ => pass as i32,
+    }
+}
+
 pub fn spec(dtype: DType, pass: Pass, cg: usize, mg: usize, s: Shape) -> KernelSpec {
     KernelSpec::new(
         &DIRECT,
@@ -152,7 +163,7 @@ pub fn spec(dtype: DType, pass: Pass, cg: usize, mg: usize, s: Shape) -> KernelS
         THREADS,
         1,
         &[
-            pass as i32,
+            compiled_pass(pass, cg, mg),
             cg as i32,
             mg as i32,
             s.no as i32,
@@ -409,6 +420,24 @@ mod tests {
     use super::super::geometry::ConvParams;
     use super::super::plan::test_key as key;
     use super::*;
+
+    #[test]
+    fn depthwise_backward_data_shares_the_forwards_module() {
+        for dtype in DType::ALL {
+            for (cg, mg) in GROUP_SHAPES {
+                for kw in [3, 5, 7] {
+                    for full in [true, false] {
+                        let shape = shape_with(dtype, Pass::BackwardData, cg, mg, kw, full);
+                        let data = spec(dtype, Pass::BackwardData, cg, mg, shape);
+                        let forward = spec(dtype, Pass::Forward, cg, mg, shape);
+                        assert_eq!(data == forward, cg == 1 && mg == 1, "{cg} {mg}");
+                        let weight = spec(dtype, Pass::BackwardWeight, cg, mg, shape);
+                        assert_eq!(weight.constant("PASS"), Some(2));
+                    }
+                }
+            }
+        }
+    }
 
     #[test]
     fn takes_the_group_shapes_it_compiles() {
