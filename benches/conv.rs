@@ -13,13 +13,13 @@
 //! layers (MobileNetV2, EfficientNet, ConvNeXt, ResNeXt) at least 1.0x cuDNN, depthwise also at
 //! least 60% of the copy bandwidth counting the bytes each pass moves (its two operands and its
 //! result; the `% copy` column, against a 256 MiB copy; `% sized` is the same bytes against a
-//! copy of that many bytes, timed alike, which a layer of a few MB cannot beat either); ViT patch embeddings at least 1.0x; 3-channel stems at least 0.8x (`--suite stems`:
-//! just the stems, with the seven shapes' one; `--suite depthwise`, `grouped` or `patch`: one
-//! class). `--sweep-hopper` times every
-//! Hopper tile on the model layers it takes (bf16; those whose name contains `--only TEXT`),
-//! checks each tile's result against the `mma.sync` path's, and counts how often the plan's tile
-//! is within 5% of the best. `--paired` times the plan's Hopper tile against it and the large
-//! tiles in clusters of two.
+//! copy of that many bytes, timed alike, which a layer of a few MB cannot beat either); ViT
+//! patch embeddings at least 1.0x; 3-channel stems at least 0.8x (`--suite stems`: just the
+//! stems, with the seven shapes' one; `--suite depthwise`, `grouped` or `patch`: one class).
+//! `--sweep-hopper` times every Hopper tile on the model layers it takes (bf16; those whose
+//! name contains `--only TEXT`), checks each tile's result against the `mma.sync` path's, and
+//! counts how often the plan's tile is within 5% of the best. `--paired` times the plan's Hopper
+//! tile against it and the large tiles in clusters of two.
 //!
 //! kiln is timed on the host around many calls in direct mode (stream order, one synchronise at
 //! the end); PyTorch with CUDA events. `--sweep` times every tile (and split) kiln has on each shape and

@@ -269,7 +269,7 @@ fn stencil_tile(pass: Pass, one_row: bool, stride: [usize; 2]) -> [usize; 2] {
 /// fields walking the taps backwards: their PASS 1 code is the PASS 0 code (checked in SASS), so
 /// both passes share one module, one compile and one cache entry. Any other stride keeps PASS 1,
 /// which the templates refuse at compile time.
-fn walk_pass(pass: Pass, s: &Shape) -> i32 {
+fn compiled_pass(pass: Pass, s: &Shape) -> i32 {
     match pass {
         Pass::BackwardData if s.stride == [1, 1] => Pass::Forward as i32,
         _ => pass as i32,
@@ -284,7 +284,7 @@ pub fn spec(dtype: DType, pass: Pass, s: Shape) -> KernelSpec {
             THREADS,
             1,
             &[
-                walk_pass(pass, &s),
+                compiled_pass(pass, &s),
                 s.kernel[0] as i32,
                 s.kernel[1] as i32,
                 s.out_tile[1] as i32,
@@ -300,7 +300,7 @@ pub fn spec(dtype: DType, pass: Pass, s: Shape) -> KernelSpec {
             THREADS,
             1,
             &[
-                walk_pass(pass, &s),
+                compiled_pass(pass, &s),
                 s.kernel[0] as i32,
                 s.kernel[1] as i32,
                 s.out_tile[1] as i32,
@@ -320,7 +320,7 @@ pub fn spec(dtype: DType, pass: Pass, s: Shape) -> KernelSpec {
         1,
         &[
             if s.variant == Variant::Tensor {
-                walk_pass(pass, &s)
+                compiled_pass(pass, &s)
             } else {
                 pass as i32
             },
@@ -335,8 +335,8 @@ pub fn spec(dtype: DType, pass: Pass, s: Shape) -> KernelSpec {
     )
 }
 
-/// Adds `spec` to `out` unless it is there: the walks' stride-1 backward-data asks for the
-/// forward's spec ([`walk_pass`]).
+/// Adds `spec` to `out` unless it is there: stride-1 backward-data may ask for the forward's
+/// spec ([`compiled_pass`]).
 fn push_new(out: &mut Vec<KernelSpec>, spec: KernelSpec) {
     if !out.contains(&spec) {
         out.push(spec);
@@ -1904,8 +1904,8 @@ mod tests {
                         let l = launch_for(&kk, 132, H100_SHARED).unwrap();
                         let as_forward = spec(dtype, Pass::Forward, l.shape);
                         let shared = spec(dtype, Pass::BackwardData, l.shape) == as_forward;
-                        let walk = l.shape.variant != Variant::Stencil;
-                        assert_eq!(shared, walk && stride == 1, "{dtype} {size} {k} {stride}");
+                        let gather = l.shape.variant != Variant::Stencil;
+                        assert_eq!(shared, gather && stride == 1, "{dtype} {size} {k} {stride}");
                         let pass = spec(dtype, Pass::BackwardData, l.shape).constant("PASS");
                         assert_eq!(pass, Some(if shared { 0 } else { 1 }));
                     }
