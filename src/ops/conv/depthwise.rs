@@ -332,14 +332,6 @@ pub fn spec(dtype: DType, pass: Pass, s: Shape) -> KernelSpec {
     )
 }
 
-/// Adds `spec` to `out` unless it is there: stride-1 backward-data may ask for the forward's
-/// spec ([`compiled_pass`]).
-fn push_new(out: &mut Vec<KernelSpec>, spec: KernelSpec) {
-    if !out.contains(&spec) {
-        out.push(spec);
-    }
-}
-
 /// The common 2-D depthwise layers `kiln warm` compiles for `arch`: square 3x3, 5x5 and 7x7
 /// kernels at strides 1 and 2 (MobileNet, EfficientNet, ConvNeXt), every pass, and channel
 /// multiplier 2 at stride 1 for 3x3 and 5x5. From sm_80 on, at multiplier 1, forward (strides 1
@@ -397,7 +389,7 @@ pub fn specs(arch: u32) -> Vec<KernelSpec> {
                         },
                         variant,
                     };
-                    push_new(&mut out, spec(dtype, pass, shape));
+                    out.push(spec(dtype, pass, shape));
                 }
                 // Forward and backward-data of 3x3 layers on small images are the column walks',
                 // a row or part of one a thread (stride 2: the 16-bit forward).
@@ -412,7 +404,7 @@ pub fn specs(arch: u32) -> Vec<KernelSpec> {
                                 vector: COLUMNS_OUTPUT_VECTOR,
                             },
                         };
-                        push_new(&mut out, spec(dtype, pass, columns));
+                        out.push(spec(dtype, pass, columns));
                     }
                 }
                 // Backward-weight of 3x3 layers with few channels (16: MobileNetV3) is the
@@ -427,7 +419,7 @@ pub fn specs(arch: u32) -> Vec<KernelSpec> {
                             vector: columns_most_vector(dtype, [k, k]),
                         },
                     };
-                    push_new(&mut out, spec(dtype, pass, columns));
+                    out.push(spec(dtype, pass, columns));
                 }
             }
         }

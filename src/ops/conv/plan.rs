@@ -246,6 +246,9 @@ pub fn specs(arch: u32) -> Vec<KernelSpec> {
     if arch == hopper::ARCH {
         out.extend(hopper::specs());
     }
+    // Each once: passes that run the same code ask for one spec, and shapes may share a spec.
+    let mut seen = std::collections::HashSet::new();
+    out.retain(|spec| seen.insert(*spec));
     out
 }
 

@@ -99,11 +99,11 @@ pub fn split_candidates(pass: Pass, kind: Kind, dtype: DType, d: usize) -> Vec<K
     let n_reads = dtype.vec_width();
     let rms = (kind == Kind::RmsNorm) as i32;
     let mut specs = Vec::new();
+    let block = match pass {
+        Pass::Forward => SPLIT_BLOCK,
+        Pass::Vjp => VJP_SPLIT_BLOCK,
+    };
     let layouts = VJP_SPLIT_CLUSTERS.iter().flat_map(|&cluster| {
-        let block = match pass {
-            Pass::Forward => SPLIT_BLOCK,
-            Pass::Vjp => VJP_SPLIT_BLOCK,
-        };
         let fewest = split_items(split_chunk(d, cluster).div_ceil(block * n_reads));
         let powers = [1, 2, 4, 8].into_iter().filter(move |&i| i != fewest);
         std::iter::once(fewest)
