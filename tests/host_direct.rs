@@ -833,7 +833,46 @@ fn check_depthwise_tc(pass: Pass) {
         .into_iter()
         .filter(|(_, x, w, p)| taken(x, w, p))
         .take(6);
-    let cases: Vec<_> = fixed.into_iter().chain(random).collect();
+    // Rows wider than one tile, a chunk of 8 channels, a row stride, 6-row and one-row kernels.
+    let d = ConvParams::default;
+    let layer = |x: &[usize], w: &[usize], p: ConvParams| {
+        (
+            format!("tensor {x:?} {w:?} {p:?}"),
+            x.to_vec(),
+            w.to_vec(),
+            p,
+        )
+    };
+    let strided = d().groups(16).padding_lo(&[3, 2]).padding_hi(&[1, 3]);
+    let wide: Vec<Case> = [
+        layer(
+            &[2, 11, 130, 24],
+            &[24, 7, 7, 1],
+            d().groups(24).padding(&[3]),
+        ),
+        layer(
+            &[1, 17, 61, 8],
+            &[8, 5, 5, 1],
+            d().groups(8).padding(&[2]).flip(true),
+        ),
+        layer(&[2, 40, 35, 16], &[16, 7, 7, 1], strided.strides(&[2, 1])),
+        layer(
+            &[1, 33, 20, 16],
+            &[16, 6, 5, 1],
+            d().groups(16).padding_lo(&[2, 1]),
+        ),
+        layer(
+            &[1, 5, 17, 40],
+            &[40, 1, 7, 1],
+            d().groups(40).padding(&[0, 3]),
+        ),
+    ]
+    .into_iter()
+    .filter(|(_, x, w, p)| taken(x, w, p))
+    .collect();
+    // All five forward, all but the row stride in backward-data.
+    assert!(wide.len() >= 4, "the tensor-core kernel takes these layers");
+    let cases: Vec<_> = fixed.into_iter().chain(random).chain(wide).collect();
     let sixteen = [DType::F16, DType::BF16];
     check_dtypes(
         "host_depthwise_tc",
