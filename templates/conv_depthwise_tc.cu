@@ -12,12 +12,12 @@
 //
 // A's rows run along the source row of one channel, while memory has channels innermost. So a
 // block works on 16 channels: it copies a tile's source pixels into shared memory as they are
-// (cp.async, 16-byte units, even and odd columns apart so that the reads below meet no bank
-// twice), turns them into one plane per channel (16-bit pairs of neighbouring columns as
-// 32-bit words), and ldmatrix reads A from the planes. Outputs go the same way back: each
-// warp's products land in per-channel output planes, which the block turns into pixels of 16
-// channels and stores as 16-byte vectors. The next tile's copy is in flight while a tile is
-// multiplied.
+// (cp.async, 16-byte units), turns them into one plane per channel with ldmatrix .trans (a
+// matrix of 8 pixels x 8 channels read as 8 channels x 8 pixels: 16-bit pairs of neighbouring
+// columns as 32-bit words), and ldmatrix reads A from the planes. Outputs go the same way
+// back: each warp's products land in per-channel output planes, which ldmatrix .trans turns
+// into pixels again, stored 4 channels (8 bytes) a lane. The next tile's copy is in flight
+// while a tile is multiplied.
 //
 // Non-finite values: T's zeros meet source columns the outputs do not read (a segment's window
 // is 16 columns wide), so an infinite or NaN source value may make NaN of outputs up to 15
@@ -99,20 +99,18 @@ __device__ __forceinline__ kiln_slot kiln_slot_of(int width) {
   return {slot - row * width, row, step, row < step};
 }
 
-// Elements between two planes of `cells` cells: 32 past a multiple of 64 (128 bytes), so that
-// the planes of channels i and 8 + i, which lie side by side, start 16 banks apart.
-__device__ __forceinline__ int kiln_plane_stride(int cells) { return (cells + 31) / 64 * 64 + 32; }
+// Elements between two planes of `cells` cells: 4 words past a multiple of 32 words (128
+// bytes), so that planes 0..7 start in bank groups 0, 4, ..., 28: the transposes' stores (lane
+// l writes word l % 4 of plane l / 4) and reads (row i of an ldmatrix from plane i) meet no bank
+// twice. 16-byte aligned, as ldmatrix's rows must be.
+__device__ __forceinline__ int kiln_plane_stride(int cells) { return (cells + 63) / 64 * 64 + 8; }
 
-// The plane of channel c: channels i and 8 + i side by side (a warp's two channels, and the
-// two halves of a pixel's 16 channels that one thread pair moves).
-__device__ __forceinline__ int kiln_plane(int c) { return (c % 8) * 2 + c / 8; }
-
-// Word i (channels 2i, 2i + 1) of the 16-byte unit u; its 16-bit halves apart.
-__device__ __forceinline__ unsigned kiln_unit_word(const uint4& u, int i) {
-  return i == 0 ? u.x : i == 1 ? u.y : i == 2 ? u.z : u.w;
-}
-__device__ __forceinline__ unsigned kiln_half(const uint4& u, int c) {
-  return (kiln_unit_word(u, c / 2) >> (16 * (c % 2))) & 0xffffu;
+// The output plane of channel c (c = 4a + b): the ldmatrix that turns planes into pixels reads
+// channels {4a, 4a + 1} (slots 0-7) as one matrix and {4a + 2, 4a + 3} (slots 8-15) as the
+// other, so that lane 4 g + t receives channels 4t..4t+3 of pixel g, one 8-byte store.
+__device__ __forceinline__ int kiln_out_slot(int c) {
+  const int a = c / 4, b = c % 4;
+  return 8 * (b / 2) + 2 * a + b % 2;
 }
 
 // Two floats rounded to T, as the low and high halves of one word.
@@ -135,68 +133,115 @@ __device__ __forceinline__ unsigned kiln_pack2(kiln_bf16, float lo, float hi) {
 #endif
 }
 
-// The staged source of a tile: rows, columns (outputs plus a segment's window, at most
-// THREADS / 2), column pairs, and the elements between planes.
+// The staged source of a tile: rows, columns (outputs plus a segment's window, a multiple of 8,
+// at most THREADS / 2), groups of 8 columns, and the elements between planes.
 struct kiln_staged {
-  int rows, cols, pairs, plane;
+  int rows, cols, groups, plane;
 };
 __device__ __forceinline__ kiln_staged kiln_staged_of(const kiln_depthwise& p) {
   const int rows = (p.tile_h - 1) * SH + KH, cols = p.tile_w + SEG;
-  return {rows, cols, cols / 2, kiln_plane_stride(rows * cols)};
+  return {rows, cols, cols / 8, kiln_plane_stride(rows * cols)};
 }
 
-// Starts copying the source pixels (channels c0..c0+15) of the tile at `t` into `raw`: unit
-// (row, column parity, column pair, half) holds the 8 channels of one half of a pixel; zeros
-// outside the source and past its channels. `at` is this thread's pixel slot.
+// The raw copy's 16-byte unit of pixel `pixel` (row x cols + column) and channel half `half`:
+// the halves of pixels 4-7 of each 8 swapped, so that the 8 units an ldmatrix row set reads
+// (one half of 8 neighbouring pixels) fall in 8 different bank groups.
+__device__ __forceinline__ int kiln_raw_unit(int pixel, int half) {
+  return 2 * pixel + (half ^ ((pixel >> 2) & 1));
+}
+
+// Starts copying the source pixels (channels c0..c0+15) of the tile at `t` into `raw`; zeros
+// outside the source and past its channels. A thread pair takes one pixel (each thread one
+// 16-byte half of its 16 channels); `at` is this thread's pixel slot.
 __device__ __forceinline__ void kiln_issue(const T* __restrict__ src, const kiln_depthwise& p,
                                            const kiln_staged& st, const kiln_slot& at,
                                            uint4* raw, kiln_tile t, int c0) {
   if (at.on) {
     const int half = threadIdx.x & 1, c = c0 + half * 8;
-    const int h0 = t.oh * SH + p.off_h, w = t.ow + p.off_w + at.item;
+    const int w = t.ow + p.off_w + at.item;
     const bool column = w >= 0 && w < p.src_w && c < p.src_c;
     // Offsets within one image fit an int (the plan checks).
     const T* image = src + (long long)t.n * p.src_h * p.src_w * p.src_c + c;
     const int row_elems = p.src_w * p.src_c;
-    uint4* d = raw + ((at.row * 2 + (at.item & 1)) * st.pairs + at.item / 2) * 2 + half;
-    for (int r = at.row; r < st.rows; r += at.step, d += at.step * st.pairs * 4) {
-      const int h = h0 + r;
+    int h = t.oh * SH + p.off_h + at.row;
+    int offset = h * row_elems + w * p.src_c;
+    // Rows are whole groups of 8 pixels: the unit's swap is the item's in every row.
+    uint4* d = raw + kiln_raw_unit(at.row * st.cols + at.item, half);
+    for (int r = at.row; r < st.rows; r += at.step, d += 2 * at.step * st.cols) {
       const bool ok = column && h >= 0 && h < p.src_h;
-      kiln_cp_async<16, false>(d, ok ? image + h * row_elems + w * p.src_c : src, ok);
+      kiln_cp_async<16, false>(d, ok ? image + offset : src, ok);
+      h += at.step;
+      offset += at.step * row_elems;
     }
   }
   kiln_cp_async_commit();
 }
 
 // The staged pixels as planes: word (row, pair) of channel c's plane holds columns 2 pair and
-// 2 pair + 1. A thread takes one half (8 channels) of two neighbouring pixels; `at` is its
-// column-pair slot.
+// 2 pair + 1. Warp by warp, 8 pixels at a time: ldmatrix .trans over their two halves gives
+// lane 4 g + t channels g and 8 + g of columns 2t and 2t + 1.
 __device__ __forceinline__ void kiln_to_planes(const uint4* raw, unsigned* planes,
-                                               const kiln_staged& st, const kiln_slot& at) {
-  if (!at.on) return;
-  const int half = threadIdx.x & 1;
-  unsigned* mine = planes + (half * st.plane) / 2;  // channel half * 8's plane, kiln_plane(8 half)
-  for (int r = at.row; r < st.rows; r += at.step) {
-    const uint4 even = raw[((r * 2) * st.pairs + at.item) * 2 + half];
-    const uint4 odd = raw[((r * 2 + 1) * st.pairs + at.item) * 2 + half];
-    const int pair = r * st.pairs + at.item;
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-      mine[i * st.plane + pair] = kiln_half(even, i) | (kiln_half(odd, i) << 16);
+                                               const kiln_staged& st) {
+  const int lane = threadIdx.x, warp = threadIdx.y;
+  const int g = lane / 4, t = lane % 4;
+  // Lanes 0-15 name the rows: pixel lane % 8 of the 8, half lane / 8.
+  const uint4* from = raw + kiln_raw_unit(lane % 8, (lane / 8) & 1);
+  unsigned* to = planes + g * st.plane / 2 + t;
+  const int items = st.rows * st.groups, high = 8 * st.plane / 2;
+  for (int item = warp; item < items; item += WARPS) {
+    // Pixel 8 item is the group's first (cols = 8 groups), word 4 item its first pair.
+    unsigned w[2];
+    kiln_ldmatrix_x2<true>(w, from + 16 * item);
+    to[4 * item] = w[0];
+    to[4 * item + high] = w[1];
   }
 }
 
-// A segment (8 outputs along a row) of the tile: its row and its place in the row, advanced
-// 16 segments at a time without dividing.
-struct kiln_seg {
-  int row, col;
-};
-__device__ __forceinline__ void kiln_advance(kiln_seg& s, int rows16, int cols16, int per_row) {
-  s.row += rows16;
-  s.col += cols16;
-  if (s.col >= per_row) {
-    s.col -= per_row;
-    ++s.row;
+// The products of M tiles mt..mt + M - 1 (16 segments each) for this warp's two channels: KH
+// tap rows, each an ldmatrix and an MMA a channel and M tile, their MMAs side by side so that
+// 2 M accumulations are in flight; then C into the output planes. `mine` is the warp's first
+// source plane (the second `high` elements further) from source column 8 (lane / 16); `out` each
+// channel's output plane at this lane's word of C. Segment s is row s / per_row, outputs
+// 8 (s % per_row)..+7 of it, and words 4 s..4 s + 3 of an output plane.
+template <int M>
+__device__ __forceinline__ void kiln_products(int mt, int segments, int per_row,
+                                              unsigned long long by_row, int cols, int high,
+                                              const unsigned short* mine,
+                                              const unsigned (&band)[2][KH][2],
+                                              unsigned* const (&out)[2]) {
+  const int lane = threadIdx.x;
+  const unsigned short* a_row[M];
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    // Lane l's ldmatrix row: segment 16 (mt + m) + l % 16 (past the last: the last, unused).
+    const int s = min((mt + m) * 16 + lane % 16, segments - 1);
+    const int row = kiln_div(s, by_row);
+    a_row[m] = mine + row * SH * cols + (s - row * per_row) * SEG;
+  }
+  float acc[M][2][4] = {};
+#pragma unroll
+  for (int r = 0; r < KH; ++r) {
+    unsigned f[M][2][4];
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      kiln_ldmatrix_x4<false>(f[m][0], a_row[m] + r * cols);
+      kiln_ldmatrix_x4<false>(f[m][1], a_row[m] + high + r * cols);
+    }
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) kiln_mma<T>::run(acc[m][h], f[m][h], band[h][r][0], band[h][r][1]);
+  }
+  // C's rows are segments 16 (mt + m) + lane / 4 (+8), columns 2 (lane % 4) and the next: word
+  // 64 (mt + m) + lane (+32) of each channel's output plane.
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    const int c_seg = (mt + m) * 16 + lane / 4, word = 64 * (mt + m);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (c_seg < segments) out[h][word] = kiln_pack2(T{}, acc[m][h][0], acc[m][h][1]);
+      if (c_seg + 8 < segments) out[h][word + 32] = kiln_pack2(T{}, acc[m][h][2], acc[m][h][3]);
+    }
   }
 }
 
@@ -216,10 +261,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{kernel}}(
   unsigned short* wts = reinterpret_cast<unsigned short*>(kiln_w4);
   uint4* raw = reinterpret_cast<uint4*>(kiln_w4) + WEIGHT_UNITS;
   unsigned* planes = reinterpret_cast<unsigned*>(raw + st.rows * st.cols * 2);
-  unsigned* outs = planes + CB * st.plane / 2;
+  unsigned short* outs = reinterpret_cast<unsigned short*>(planes + CB * st.plane / 2);
 
   const unsigned long long by_w = kiln_magic(p.tiles_w), by_h = kiln_magic(p.tiles_h);
-  const kiln_slot pixel_at = kiln_slot_of(st.cols), pair_at = kiln_slot_of(st.pairs);
+  const kiln_slot pixel_at = kiln_slot_of(st.cols);
   if (blockIdx.x < p.tiles)
     kiln_issue(src, p, st, pixel_at, raw, kiln_tile_at(p, blockIdx.x, by_w, by_h), c0);
 
@@ -248,80 +293,58 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{kernel}}(
       }
   }
 
-  const int per_row = p.tile_w / SEG, mtiles = (p.tile_h * per_row + 15) / 16;
-  const int rows16 = 16 / per_row, cols16 = 16 - rows16 * per_row;
-  const int out_pairs = p.tile_w / 2;
-  const kiln_slot out_at = kiln_slot_of(out_pairs);
-  // This warp's two channels' planes (kiln_plane(warp) = 2 warp, kiln_plane(warp + 8) next).
-  const unsigned short* mine = reinterpret_cast<const unsigned short*>(planes) + 2 * warp * st.plane;
-  unsigned* mine_out = outs + warp * out_plane;
-  // The segments of this lane's ldmatrix row (lane % 16) and C rows (lane / 4, lane / 4 + 8)
-  // in M tile 0.
-  const kiln_seg a0 = {(lane % 16) / per_row, (lane % 16) % per_row};
-  const kiln_seg c_lo = {(lane / 4) / per_row, (lane / 4) % per_row};
-  const kiln_seg c_hi = {(lane / 4 + 8) / per_row, (lane / 4 + 8) % per_row};
+  // The tile's segments (8 outputs along a row) in row order: segment s is row s / per_row,
+  // outputs 8 (s % per_row)..+7, and words 4 s..4 s + 3 of an output plane.
+  const int per_row = p.tile_w / SEG, segments = p.tile_h * per_row;
+  const unsigned long long by_row = kiln_magic(per_row);
+  const int mtiles = (segments + 15) / 16;
+  // This warp's two channels' source planes, from source column 8 (lane / 16) of the window of
+  // the segment this lane names to ldmatrix; their output planes, at this lane's word of C.
+  const unsigned short* mine =
+      reinterpret_cast<const unsigned short*>(planes) + warp * st.plane + 8 * (lane / 16);
+  const int high = 8 * st.plane;
+  unsigned* mine_out[2] = {
+      reinterpret_cast<unsigned*>(outs + kiln_out_slot(warp) * out_plane) + lane,
+      reinterpret_cast<unsigned*>(outs + kiln_out_slot(warp + 8) * out_plane) + lane};
+  // Turning the output planes into pixels: lane l names row l % 8 of matrix l / 8, slot
+  // l % 16 (channel planes 0-7, then 8-15) at output 8 (l / 16) of 16; lane 4 g + t then
+  // holds channels 4t..4t+3 of outputs g and 8 + g.
+  const unsigned short* out_from = outs + (lane % 16) * out_plane + SEG * (lane / 16);
   for (int tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
     // This tile's copy has landed: into planes; then the next tile's copy may start.
     kiln_cp_async_wait<0>();
     __syncthreads();
-    kiln_to_planes(raw, planes, st, pair_at);
+    kiln_to_planes(raw, planes, st);
     __syncthreads();
     if (tile + gridDim.x < p.tiles)
       kiln_issue(src, p, st, pixel_at, raw, kiln_tile_at(p, tile + gridDim.x, by_w, by_h), c0);
 
-    // Products, 16 segments at a time.
-    kiln_seg a = a0, cs[2] = {c_lo, c_hi};
-    for (int mt = 0; mt < mtiles; ++mt) {
-      // Lane l gives ldmatrix the row of segment l % 16 (past the last: one in the tile,
-      // unused), at source column 8 (l / 16) of its window.
-      const unsigned short* a_row =
-          mine + min(a.row, p.tile_h - 1) * SH * st.cols + a.col * SEG + 8 * (lane / 16);
-      float acc[2][4] = {};
-#pragma unroll
-      for (int r = 0; r < KH; ++r) {
-        unsigned f0[4], f1[4];
-        kiln_ldmatrix_x4<false>(f0, a_row + r * st.cols);
-        kiln_ldmatrix_x4<false>(f1, a_row + st.plane + r * st.cols);
-        kiln_mma<T>::run(acc[0], f0, band[0][r][0], band[0][r][1]);
-        kiln_mma<T>::run(acc[1], f1, band[1][r][0], band[1][r][1]);
-      }
-      // C's rows are segments lane / 4 and lane / 4 + 8, columns 2 (lane % 4) and the next:
-      // one word of each channel's output plane.
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        if (cs[half].row < p.tile_h) {
-          const int word = cs[half].row * out_pairs + cs[half].col * (SEG / 2) + lane % 4;
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-            mine_out[h * out_plane / 2 + word] =
-                kiln_pack2(T{}, acc[h][2 * half], acc[h][2 * half + 1]);
-        }
-        kiln_advance(cs[half], rows16, cols16, per_row);
-      }
-      kiln_advance(a, rows16, cols16, per_row);
-    }
+    // Products, 16 segments (an M tile) at a time, two M tiles together where there are two.
+    int mt = 0;
+    for (; mt + 1 < mtiles; mt += 2)
+      kiln_products<2>(mt, segments, per_row, by_row, st.cols, high, mine, band, mine_out);
+    if (mt < mtiles)
+      kiln_products<1>(mt, segments, per_row, by_row, st.cols, high, mine, band, mine_out);
     __syncthreads();
 
-    // The output planes as pixels: a thread takes one half (8 channels) of two neighbouring
-    // outputs, and stores each as a 16-byte vector.
+    // The output planes as pixels, a row a warp, 16 outputs (two segments) at a time: lane
+    // 4 g + t stores channels 4t..4t+3 of outputs g and 8 + g as 8-byte words. A row of an odd
+    // number of segments reads one past its end (the next row's first, or the plane's
+    // padding), which is not stored.
     const kiln_tile t = kiln_tile_at(p, tile, by_w, by_h);
-    const int half = lane & 1, c = c0 + half * 8, ow = t.ow + 2 * out_at.item;
-    if (out_at.on && c < p.out_c && ow < p.out_w) {
-      const unsigned* from = outs + half * out_plane / 2;  // kiln_plane(8 half)
-      T* image = out + (long long)t.n * p.out_h * p.out_w * p.out_c + c;
-      const int last = min(p.tile_h, p.out_h - t.oh);
-      for (int orow = out_at.row; orow < last; orow += out_at.step) {
-        const int pair = orow * out_pairs + out_at.item;
-        unsigned w[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) w[i] = from[i * out_plane + pair];
-        const uint4 even = make_uint4((w[0] & 0xffffu) | (w[1] << 16), (w[2] & 0xffffu) | (w[3] << 16),
-                                      (w[4] & 0xffffu) | (w[5] << 16), (w[6] & 0xffffu) | (w[7] << 16));
-        const uint4 odd = make_uint4((w[0] >> 16) | (w[1] & 0xffff0000u), (w[2] >> 16) | (w[3] & 0xffff0000u),
-                                     (w[4] >> 16) | (w[5] & 0xffff0000u), (w[6] >> 16) | (w[7] & 0xffff0000u));
-        T* dst = image + ((t.oh + orow) * p.out_w + ow) * p.out_c;
-        *reinterpret_cast<uint4*>(dst) = even;
-        if (ow + 1 < p.out_w) *reinterpret_cast<uint4*>(dst + p.out_c) = odd;
+    const int g = lane / 4, c = c0 + 4 * (lane % 4);
+    const int last = min(p.tile_h, p.out_h - t.oh);
+    const int outputs = min(p.tile_w, p.out_w - t.ow);  // of a row of this tile
+    T* image = out + (long long)t.n * p.out_h * p.out_w * p.out_c + c;
+    for (int orow = warp; orow < last; orow += WARPS) {
+      const unsigned short* from = out_from + orow * p.tile_w;
+      T* dst = image + ((t.oh + orow) * p.out_w + t.ow + g) * p.out_c;
+      for (int x = 0; x < outputs; x += 2 * SEG, from += 2 * SEG, dst += 2 * SEG * p.out_c) {
+        unsigned w[4];
+        kiln_ldmatrix_x4<true>(w, from);
+        if (c < p.out_c && x + g < outputs) *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
+        if (c < p.out_c && x + SEG + g < outputs)
+          *reinterpret_cast<uint2*>(dst + SEG * p.out_c) = make_uint2(w[2], w[3]);
       }
     }
   }

@@ -1129,9 +1129,9 @@ fn choose_tile(
 }
 
 /// Elements between two channel planes of `cells` cells, as the tensor-core template spaces
-/// them (32 past a multiple of 64).
+/// them (8 past a multiple of 64: 4 words past a multiple of 32).
 fn plane_stride(cells: usize) -> usize {
-    (cells + 31) / 64 * 64 + 32
+    cells.div_ceil(64) * 64 + 8
 }
 
 /// Dynamic shared memory of a tensor-core block with a `tile` of outputs, as the template lays
@@ -1853,10 +1853,10 @@ mod tests {
                 assert!(pr.tiles_w * pr.tile_w >= pr.out_w && pr.tiles_h * pr.tile_h >= pr.out_h);
                 assert!(l.shared * tensor_min_blocks(k) <= H100_SHARED + 1024);
                 assert_eq!(l.grid.1 as usize, 32 / TENSOR_CHANNELS);
-                // The template's plane stride: 32 past a multiple of 64, room for every cell.
+                // The template's plane stride: 8 past a multiple of 64, room for every cell.
                 for cells in [1, 31, 32, 33, 64, 96, 97, 1000] {
                     let ps = plane_stride(cells);
-                    assert!(ps >= cells && ps % 64 == 32, "{cells} {ps}");
+                    assert!(ps >= cells && ps % 64 == 8, "{cells} {ps}");
                 }
             }
         }
