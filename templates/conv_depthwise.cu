@@ -78,6 +78,7 @@ struct kiln_depthwise {
   int vec_dy;               // backward-weight: so may the cotangent
   int tiles_per_split;      // backward-weight: tiles a block sums
   int base_h, base_w;       // output position of tile 0 (backward-data at stride 2: -1 or 0)
+  int split_halo;           // unused (0)
 };
 
 // The staged source rows and columns of a tile.

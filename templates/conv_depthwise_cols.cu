@@ -69,6 +69,7 @@ struct kiln_depthwise {
   int vec_dy;               // unused
   int tiles_per_split;      // unused: blocks walk every gridDim.x-th tile
   int base_h, base_w;       // unused (0)
+  int split_halo;           // unused (0)
 };
 
 typedef kiln_vec<T, V> kiln_chans;  // a thread's channels at one pixel, as stored

@@ -67,6 +67,7 @@ struct kiln_depthwise {
   int vec_dy;               // unused
   int tiles_per_split;      // unused
   int base_h, base_w;       // unused (0)
+  int split_halo;           // unused (0)
 };
 
 // Backward-weight's walk of a block's segment (the kernel's copies of its first AHEAD rows

@@ -63,6 +63,7 @@ struct kiln_depthwise {
   int vec_dy;               // unused
   int tiles_per_split;      // unused
   int base_h, base_w;       // unused (0)
+  int split_halo;           // 1: each staged row's last unit apart (kiln_staged_of)
 };
 
 // x / d for 0 <= x < 2^32 / d, as a multiply by m = kiln_magic(d) (no division in the loops).
@@ -134,13 +135,39 @@ __device__ __forceinline__ unsigned kiln_pack2(kiln_bf16, float lo, float hi) {
 }
 
 // The staged source of a tile: rows, columns (outputs plus a segment's window, a multiple of 8,
-// at most THREADS / 2), groups of 8 columns, and the elements between planes.
+// at most THREADS / 2), groups of 8 columns (units), and the layout of a channel plane.
+//
+// A plane holds the staged rows as 16-byte units (8 columns), in one of two layouts. An
+// ldmatrix matrix reads 8 segments' windows, which run on from one row to the next; packed row
+// after row (per_row + 1 units a row), eight segments crossing a row read two units in one bank
+// group: two wavefronts for that matrix. With split_halo, each row's first per_row units (its
+// body) are packed per_row units apart, so that the units any matrix reads fall in 8 bank
+// groups, and its last unit (the halo, the window's end past the tile's outputs) lies in a
+// second region, where the next row's first would be. Rows are kept apart by class rho % SH
+// (rows SH apart serve neighbouring output rows), `span` units (a multiple of 8) a class:
+//   body unit u < per_row:   c * span + q * per_row + u          (c = rho % SH, q = rho / SH)
+//   halo (u = per_row):      (SH + c) * span + (q + 1) * per_row
+// Both layouts are  c * class_span + q * row_step + u (+ halo_base for the halo): packed rows
+// are class_span = groups, row_step = SH x groups, halo_base = 0. The split layout takes about
+// twice the shared memory; the plan chooses it where the products, not the staging, dominate.
 struct kiln_staged {
-  int rows, cols, groups, plane;
+  int rows, cols, groups, per_row;
+  int class_span, row_step, halo_base, plane;
 };
 __device__ __forceinline__ kiln_staged kiln_staged_of(const kiln_depthwise& p) {
-  const int rows = (p.tile_h - 1) * SH + KH, cols = p.tile_w + SEG;
-  return {rows, cols, cols / 8, kiln_plane_stride(rows * cols)};
+  const int rows = (p.tile_h - 1) * SH + KH, cols = p.tile_w + SEG, per_row = p.tile_w / SEG;
+  const int groups = cols / 8;
+  if (!p.split_halo)
+    return {rows, cols, groups, per_row, groups, SH * groups, 0, kiln_plane_stride(rows * cols)};
+  const int span = ((rows + SH - 1) / SH * per_row + 1 + 7) / 8 * 8;
+  const int plane = kiln_plane_stride(2 * SH * span * 8);
+  return {rows, cols, groups, per_row, span, per_row, SH * span, plane};
+}
+
+// The plane unit (16-byte unit index) of staged row `rho`, unit `u` (0..per_row).
+__device__ __forceinline__ int kiln_plane_unit(const kiln_staged& st, int rho, int u) {
+  return (rho % SH) * st.class_span + (rho / SH) * st.row_step + u +
+         (u == st.per_row ? st.halo_base : 0);
 }
 
 // The raw copy's 16-byte unit of pixel `pixel` (row x cols + column) and channel half `half`:
@@ -177,55 +204,72 @@ __device__ __forceinline__ void kiln_issue(const T* __restrict__ src, const kiln
   kiln_cp_async_commit();
 }
 
-// The staged pixels as planes: word (row, pair) of channel c's plane holds columns 2 pair and
-// 2 pair + 1. Warp by warp, 8 pixels at a time: ldmatrix .trans over their two halves gives
-// lane 4 g + t channels g and 8 + g of columns 2t and 2t + 1.
+// The staged pixels as planes: word 4 unit + j of channel c's plane holds columns 2j and
+// 2j + 1 of that unit (kiln_plane_unit). Warp by warp, 8 pixels at a time: ldmatrix .trans
+// over their two halves gives lane 4 g + t channels g and 8 + g of columns 2t and 2t + 1.
 __device__ __forceinline__ void kiln_to_planes(const uint4* raw, unsigned* planes,
-                                               const kiln_staged& st) {
+                                               const kiln_staged& st,
+                                               unsigned long long by_groups) {
   const int lane = threadIdx.x, warp = threadIdx.y;
   const int g = lane / 4, t = lane % 4;
   // Lanes 0-15 name the rows: pixel lane % 8 of the 8, half lane / 8.
   const uint4* from = raw + kiln_raw_unit(lane % 8, (lane / 8) & 1);
   unsigned* to = planes + g * st.plane / 2 + t;
   const int items = st.rows * st.groups, high = 8 * st.plane / 2;
+  if (!st.halo_base) {
+    // Packed rows: unit = item.
+    for (int item = warp; item < items; item += WARPS) {
+      unsigned w[2];
+      kiln_ldmatrix_x2<true>(w, from + 16 * item);
+      to[4 * item] = w[0];
+      to[4 * item + high] = w[1];
+    }
+    return;
+  }
   for (int item = warp; item < items; item += WARPS) {
-    // Pixel 8 item is the group's first (cols = 8 groups), word 4 item its first pair.
+    // Pixel 8 item is the group's first (cols = 8 groups): row item / groups, its unit the rest.
     unsigned w[2];
     kiln_ldmatrix_x2<true>(w, from + 16 * item);
-    to[4 * item] = w[0];
-    to[4 * item + high] = w[1];
+    const int rho = kiln_div(item, by_groups);
+    const int unit = kiln_plane_unit(st, rho, item - rho * st.groups);
+    to[4 * unit] = w[0];
+    to[4 * unit + high] = w[1];
   }
 }
 
 // The products of M tiles mt..mt + M - 1 (16 segments each) for this warp's two channels: KH
 // tap rows, each an ldmatrix and an MMA a channel and M tile, their MMAs side by side so that
 // 2 M accumulations are in flight; then C into the output planes. `mine` is the warp's first
-// source plane (the second `high` elements further) from source column 8 (lane / 16); `out` each
-// channel's output plane at this lane's word of C. Segment s is row s / per_row, outputs
-// 8 (s % per_row)..+7 of it, and words 4 s..4 s + 3 of an output plane.
+// source plane (the second `high` elements further); `out` each channel's output plane at this
+// lane's word of C. Segment s is output row s / per_row, outputs 8 (s % per_row)..+7 of it, and
+// words 4 s..4 s + 3 of an output plane; at tap row r it reads staged row SH (s / per_row) + r.
 template <int M>
-__device__ __forceinline__ void kiln_products(int mt, int segments, int per_row,
-                                              unsigned long long by_row, int cols, int high,
+__device__ __forceinline__ void kiln_products(int mt, int segments, unsigned long long by_row,
+                                              const kiln_staged& st, int high,
                                               const unsigned short* mine,
                                               const unsigned (&band)[2][KH][2],
                                               unsigned* const (&out)[2]) {
-  const int lane = threadIdx.x;
+  const int lane = threadIdx.x, per_row = st.per_row;
   const unsigned short* a_row[M];
 #pragma unroll
   for (int m = 0; m < M; ++m) {
-    // Lane l's ldmatrix row: segment 16 (mt + m) + l % 16 (past the last: the last, unused).
+    // Lane l's ldmatrix row: segment 16 (mt + m) + l % 16 (past the last: the last, unused),
+    // unit l / 16 of its window, at tap row 0 (kiln_plane_unit of row SH j, of class 0).
     const int s = min((mt + m) * 16 + lane % 16, segments - 1);
-    const int row = kiln_div(s, by_row);
-    a_row[m] = mine + row * SH * cols + (s - row * per_row) * SEG;
+    const int j = kiln_div(s, by_row), u = s - j * per_row + lane / 16;
+    const int unit = j * st.row_step + u + (u == per_row ? st.halo_base : 0);
+    a_row[m] = mine + 8 * unit;
   }
   float acc[M][2][4] = {};
 #pragma unroll
   for (int r = 0; r < KH; ++r) {
+    // Tap row r: staged rows r further, class r % SH, r / SH rows on within the class.
+    const int tap = 8 * ((r % SH) * st.class_span + (r / SH) * st.row_step);
     unsigned f[M][2][4];
 #pragma unroll
     for (int m = 0; m < M; ++m) {
-      kiln_ldmatrix_x4<false>(f[m][0], a_row[m] + r * cols);
-      kiln_ldmatrix_x4<false>(f[m][1], a_row[m] + high + r * cols);
+      kiln_ldmatrix_x4<false>(f[m][0], a_row[m] + tap);
+      kiln_ldmatrix_x4<false>(f[m][1], a_row[m] + high + tap);
     }
 #pragma unroll
     for (int m = 0; m < M; ++m)
@@ -296,12 +340,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{kernel}}(
   // The tile's segments (8 outputs along a row) in row order: segment s is row s / per_row,
   // outputs 8 (s % per_row)..+7, and words 4 s..4 s + 3 of an output plane.
   const int per_row = p.tile_w / SEG, segments = p.tile_h * per_row;
-  const unsigned long long by_row = kiln_magic(per_row);
+  const unsigned long long by_row = kiln_magic(per_row), by_groups = kiln_magic(st.groups);
   const int mtiles = (segments + 15) / 16;
-  // This warp's two channels' source planes, from source column 8 (lane / 16) of the window of
-  // the segment this lane names to ldmatrix; their output planes, at this lane's word of C.
-  const unsigned short* mine =
-      reinterpret_cast<const unsigned short*>(planes) + warp * st.plane + 8 * (lane / 16);
+  // This warp's two channels' source planes; their output planes, at this lane's word of C.
+  const unsigned short* mine = reinterpret_cast<const unsigned short*>(planes) + warp * st.plane;
   const int high = 8 * st.plane;
   unsigned* mine_out[2] = {
       reinterpret_cast<unsigned*>(outs + kiln_out_slot(warp) * out_plane) + lane,
@@ -314,7 +356,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{kernel}}(
     // This tile's copy has landed: into planes; then the next tile's copy may start.
     kiln_cp_async_wait<0>();
     __syncthreads();
-    kiln_to_planes(raw, planes, st);
+    kiln_to_planes(raw, planes, st, by_groups);
     __syncthreads();
     if (tile + gridDim.x < p.tiles)
       kiln_issue(src, p, st, pixel_at, raw, kiln_tile_at(p, tile + gridDim.x, by_w, by_h), c0);
@@ -322,9 +364,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{kernel}}(
     // Products, 16 segments (an M tile) at a time, two M tiles together where there are two.
     int mt = 0;
     for (; mt + 1 < mtiles; mt += 2)
-      kiln_products<2>(mt, segments, per_row, by_row, st.cols, high, mine, band, mine_out);
-    if (mt < mtiles)
-      kiln_products<1>(mt, segments, per_row, by_row, st.cols, high, mine, band, mine_out);
+      kiln_products<2>(mt, segments, by_row, st, high, mine, band, mine_out);
+    if (mt < mtiles) kiln_products<1>(mt, segments, by_row, st, high, mine, band, mine_out);
     __syncthreads();
 
     // The output planes as pixels, a row a warp, 16 outputs (two segments) at a time: lane

@@ -278,7 +278,9 @@ fn run_host_depthwise_columns(
     run_depthwise_launch(cxx, dtype, pass, g, ops, launch)
 }
 
-/// Runs `pass` of `g` through the host build of the depthwise family's tensor-core kernel.
+/// Runs `pass` of `g` through the host build of the depthwise family's tensor-core kernel, in
+/// both plane layouts (the plan's and the other, `Problem::split_halo`): they place the staged
+/// source differently and must give the same bits.
 fn run_host_depthwise_tc(
     cxx: &str,
     dtype: DType,
@@ -288,7 +290,23 @@ fn run_host_depthwise_tc(
 ) -> Vec<f64> {
     let launch =
         depthwise_tc_launch(dtype, pass, g).expect("the tensor-core kernel takes the case");
-    run_depthwise_launch(cxx, dtype, pass, g, ops, launch)
+    let mut other = launch;
+    other.problem.split_halo ^= 1;
+    let tile = [
+        launch.problem.tile_h as usize,
+        launch.problem.tile_w as usize,
+    ];
+    let split = other.problem.split_halo == 1;
+    other.shared = depthwise::shared_bytes(dtype, pass, launch.shape, tile, split);
+    let out = run_depthwise_launch(cxx, dtype, pass, g, ops, launch);
+    let out_other = run_depthwise_launch(cxx, dtype, pass, g, ops, other);
+    let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert!(
+        bits(&out) == bits(&out_other),
+        "the two plane layouts differ (plan's split_halo {})",
+        launch.problem.split_halo
+    );
+    out
 }
 
 /// Runs `pass` of `g` through the host build of the grouped family's kernel: its tensor-core
