@@ -18,6 +18,12 @@ use std::collections::{HashSet, VecDeque};
 use std::sync::{Condvar, Mutex, OnceLock};
 
 use super::compiler::Jit;
+
+/// Stack of a thread that runs NVRTC. NVRTC compiles on the calling thread, and a thread's
+/// default 2 MiB was not always enough: a background compile thread overflowed it under
+/// compute-sanitizer (H100, f32 3x3 backward-data); the main thread has 8 MiB. Only the pages
+/// a compile touches are committed.
+pub(crate) const COMPILE_STACK: usize = 16 << 20;
 use super::spec::KernelSpec;
 use super::target::Target;
 
@@ -65,6 +71,7 @@ impl Jit {
             for i in 0..threads {
                 let spawned = std::thread::Builder::new()
                     .name(format!("kiln-compile-{i}"))
+                    .stack_size(COMPILE_STACK)
                     .spawn(move || self.background_worker());
                 if let Err(e) = spawned {
                     tracing::warn!(error = %e, "could not start a background compile thread");
@@ -104,6 +111,7 @@ impl Jit {
         for (spec, target) in urgent {
             let spawned = std::thread::Builder::new()
                 .name("kiln-compile-urgent".into())
+                .stack_size(COMPILE_STACK)
                 .spawn(move || self.compile_one(spec, target));
             if let Err(e) = spawned {
                 // The call that needs the spec compiles it itself.

@@ -161,40 +161,56 @@ fn run<I: Sync>(
     let done = AtomicUsize::new(0);
     let (compiled, cached) = (AtomicUsize::new(0), AtomicUsize::new(0));
     let failures = Mutex::new(Vec::new());
+    let worker = || loop {
+        let i = next.fetch_add(1, Ordering::Relaxed);
+        let Some(item) = work.get(i) else {
+            break;
+        };
+        let (what, target, result) = compile(item);
+        let origin = match result {
+            Ok(c) => {
+                let counter = if c.origin == Origin::Compiled {
+                    &compiled
+                } else {
+                    &cached
+                };
+                counter.fetch_add(1, Ordering::Relaxed);
+                Some(c.origin)
+            }
+            Err(e) => {
+                failures
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(format!("{what} on {target}: {e}"));
+                None
+            }
+        };
+        progress(&WarmProgress {
+            what: &what,
+            target,
+            origin,
+            done: done.fetch_add(1, Ordering::Relaxed) + 1,
+            total: work.len(),
+        });
+    };
     std::thread::scope(|scope| {
+        let mut threads = 0;
         for _ in 0..jobs.min(work.len()) {
-            scope.spawn(|| loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                let Some(item) = work.get(i) else {
+            let spawned = std::thread::Builder::new()
+                .name("kiln-warm".into())
+                .stack_size(super::background::COMPILE_STACK)
+                .spawn_scoped(scope, worker);
+            match spawned {
+                Ok(_) => threads += 1,
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not start a warm thread");
                     break;
-                };
-                let (what, target, result) = compile(item);
-                let origin = match result {
-                    Ok(c) => {
-                        let counter = if c.origin == Origin::Compiled {
-                            &compiled
-                        } else {
-                            &cached
-                        };
-                        counter.fetch_add(1, Ordering::Relaxed);
-                        Some(c.origin)
-                    }
-                    Err(e) => {
-                        failures
-                            .lock()
-                            .unwrap_or_else(|e| e.into_inner())
-                            .push(format!("{what} on {target}: {e}"));
-                        None
-                    }
-                };
-                progress(&WarmProgress {
-                    what: &what,
-                    target,
-                    origin,
-                    done: done.fetch_add(1, Ordering::Relaxed) + 1,
-                    total: work.len(),
-                });
-            });
+                }
+            }
+        }
+        // No thread could start: warm on this one.
+        if threads == 0 {
+            worker();
         }
     });
     WarmReport {
