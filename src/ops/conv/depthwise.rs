@@ -1224,10 +1224,11 @@ fn choose_tensor_tile(
 /// layout reads the planes without bank conflicts but takes about twice their shared memory,
 /// and its staging computes each unit's place: it is chosen where its tile stages at most two
 /// source rows an output row, so that the products outweigh the staging. H100, 16-bit, split
-/// / packed: 1.06-1.22x on seven 5x5 and 7x7 layers whose split tiles stage 1.4-2 rows an
-/// output row (64 x 240ch 56x56 5x5: 4 rows a tile against 8 packed, 1.06x); 0.92-0.93x on 64ch
-/// 112x112 7x7 (3 rows against 5: 3 staged an output row), 0.94-0.96x on batch 8 of 96ch 56x56
-/// 7x7 (2 rows either way: 4 staged an output row).
+/// planes everywhere against the packed kernel before them: 1.06-1.22x on seven 5x5 and 7x7
+/// layers whose split tiles stage 1.4-2 rows an output row (64 x 240ch 56x56 5x5: 4 rows a
+/// tile against 8 packed, 1.06x); 0.92-0.93x on 64ch 112x112 7x7 (3 rows against 5: 3 staged
+/// an output row), which the rule keeps packed (0.98-1.00x). Batch 8 of 96ch 56x56 7x7 (2-row
+/// tiles, packed under the rule) reads 0.93-0.97x with either layout: not the layout's loss.
 fn choose_tensor_launch(
     s: Shape,
     out: [usize; 2],
