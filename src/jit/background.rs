@@ -18,14 +18,14 @@ use std::collections::{HashSet, VecDeque};
 use std::sync::{Condvar, Mutex, OnceLock};
 
 use super::compiler::Jit;
+use super::spec::KernelSpec;
+use super::target::Target;
 
 /// Stack of a thread that runs NVRTC. NVRTC compiles on the calling thread, and a thread's
 /// default 2 MiB was not always enough: a background compile thread overflowed it under
 /// compute-sanitizer (H100, f32 3x3 backward-data); the main thread has 8 MiB. Only the pages
 /// a compile touches are committed.
 pub(crate) const COMPILE_STACK: usize = 16 << 20;
-use super::spec::KernelSpec;
-use super::target::Target;
 
 /// The queue of one JIT's background compiles.
 #[derive(Default)]
