@@ -191,14 +191,17 @@ __device__ __forceinline__ void kiln_issue(const T* __restrict__ src, const kiln
     const T* image = src + (long long)t.n * p.src_h * p.src_w * p.src_c + c;
     const int row_elems = p.src_w * p.src_c;
     int h = t.oh * SH + p.off_h + at.row;
-    int offset = h * row_elems + w * p.src_c;
+    // Pointers stepped a pass at a time (a pass is at.step rows); where the row is outside the
+    // image the copy reads nothing from `src` (its pointer may then be outside the image).
+    const T* from = image + h * row_elems + w * p.src_c;
+    const int from_step = at.step * row_elems;
     // Rows are whole groups of 8 pixels: the unit's swap is the item's in every row.
     uint4* d = raw + kiln_raw_unit(at.row * st.cols + at.item, half);
-    for (int r = at.row; r < st.rows; r += at.step, d += 2 * at.step * st.cols) {
-      const bool ok = column && h >= 0 && h < p.src_h;
-      kiln_cp_async<16, false>(d, ok ? image + offset : src, ok);
+    const int d_step = 2 * at.step * st.cols;
+    for (int r = at.row; r < st.rows; r += at.step, d += d_step, from += from_step) {
+      const bool ok = column && (unsigned)h < (unsigned)p.src_h;
+      kiln_cp_async<16, false>(d, ok ? from : src, ok);
       h += at.step;
-      offset += at.step * row_elems;
     }
   }
   kiln_cp_async_commit();
@@ -226,14 +229,23 @@ __device__ __forceinline__ void kiln_to_planes(const uint4* raw, unsigned* plane
     }
     return;
   }
-  for (int item = warp; item < items; item += WARPS) {
-    // Pixel 8 item is the group's first (cols = 8 groups): row item / groups, its unit the rest.
+  // Pixel 8 item is the group's first (cols = 8 groups): row rho = item / groups, unit u the
+  // rest, stepped by WARPS items at a time.
+  int rho = kiln_div(warp, by_groups), u = warp - rho * st.groups;
+  const int rho_step = kiln_div(WARPS, by_groups), u_step = WARPS - rho_step * st.groups;
+  const uint4* at = from + 16 * warp;
+  for (int item = warp; item < items; item += WARPS, at += 16 * WARPS) {
     unsigned w[2];
-    kiln_ldmatrix_x2<true>(w, from + 16 * item);
-    const int rho = kiln_div(item, by_groups);
-    const int unit = kiln_plane_unit(st, rho, item - rho * st.groups);
-    to[4 * unit] = w[0];
-    to[4 * unit + high] = w[1];
+    kiln_ldmatrix_x2<true>(w, at);
+    unsigned* unit = to + 4 * kiln_plane_unit(st, rho, u);
+    unit[0] = w[0];
+    unit[high] = w[1];
+    u += u_step;
+    rho += rho_step;
+    if (u >= st.groups) {
+      u -= st.groups;
+      ++rho;
+    }
   }
 }
 
