@@ -212,7 +212,7 @@ __device__ __forceinline__ void kiln_issue(const T* __restrict__ src, const kiln
 // over their two halves gives lane 4 g + t channels g and 8 + g of columns 2t and 2t + 1.
 __device__ __forceinline__ void kiln_to_planes(const uint4* raw, unsigned* planes,
                                                const kiln_staged& st,
-                                               unsigned long long by_groups) {
+                                               const kiln_walk_start& unit_at) {
   const int lane = threadIdx.x, warp = threadIdx.y;
   const int g = lane / 4, t = lane % 4;
   // Lanes 0-15 name the rows: pixel lane % 8 of the 8, half lane / 8.
@@ -230,9 +230,8 @@ __device__ __forceinline__ void kiln_to_planes(const uint4* raw, unsigned* plane
     return;
   }
   // Pixel 8 item is the group's first (cols = 8 groups): row rho = item / groups, unit u the
-  // rest, stepped by WARPS items at a time.
-  int rho = kiln_div(warp, by_groups), u = warp - rho * st.groups;
-  const int rho_step = kiln_div(WARPS, by_groups), u_step = WARPS - rho_step * st.groups;
+  // rest, stepped by WARPS items at a time from `unit_at` (item `warp`).
+  int rho = unit_at.r, u = unit_at.q;
   const uint4* at = from + 16 * warp;
   for (int item = warp; item < items; item += WARPS, at += 16 * WARPS) {
     unsigned w[2];
@@ -240,8 +239,8 @@ __device__ __forceinline__ void kiln_to_planes(const uint4* raw, unsigned* plane
     unsigned* unit = to + 4 * kiln_plane_unit(st, rho, u);
     unit[0] = w[0];
     unit[high] = w[1];
-    u += u_step;
-    rho += rho_step;
+    u += unit_at.step_q;
+    rho += unit_at.step_r;
     if (u >= st.groups) {
       u -= st.groups;
       ++rho;
@@ -352,7 +351,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{kernel}}(
   // The tile's segments (8 outputs along a row) in row order: segment s is row s / per_row,
   // outputs 8 (s % per_row)..+7, and words 4 s..4 s + 3 of an output plane.
   const int per_row = p.tile_w / SEG, segments = p.tile_h * per_row;
-  const unsigned long long by_row = kiln_magic(per_row), by_groups = kiln_magic(st.groups);
+  const unsigned long long by_row = kiln_magic(per_row);
+  // This warp's first staged unit for the split planes' transpose, and its step (kiln_to_planes).
+  const kiln_walk_start unit_at = kiln_walk_start_of(warp, WARPS, st.groups);
   const int mtiles = (segments + 15) / 16;
   // This warp's two channels' source planes; their output planes, at this lane's word of C.
   const unsigned short* mine = reinterpret_cast<const unsigned short*>(planes) + warp * st.plane;
@@ -368,7 +369,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) {{kernel}}(
     // This tile's copy has landed: into planes; then the next tile's copy may start.
     kiln_cp_async_wait<0>();
     __syncthreads();
-    kiln_to_planes(raw, planes, st, by_groups);
+    kiln_to_planes(raw, planes, st, unit_at);
     __syncthreads();
     if (tile + gridDim.x < p.tiles)
       kiln_issue(src, p, st, pixel_at, raw, kiln_tile_at(p, tile + gridDim.x, by_w, by_h), c0);
