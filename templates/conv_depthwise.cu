@@ -50,8 +50,9 @@ constexpr int WIN = ((OTW - 1) * STEP_W + KW - 1) / DW + 1;
 constexpr int PER = PASS == 1 ? LANES * MG : LANES / MG;
 constexpr int PLANES = PASS == 1 ? MG : 1;  // weights a lane: PLANES x KSIZE
 // Blocks an SM must hold (the launch bound): the smaller kernels' taps, sums and window fit
-// fewer registers, and more blocks hide more of the copies' and loads' latency.
-constexpr int MIN_BLOCKS = KSIZE <= 9 ? 4 : KSIZE <= 25 ? 3 : 2;
+// fewer registers, and more blocks hide more of the copies' and loads' latency (a 5x5 kernel's
+// 4 x 7 sub-tile spilled at three).
+constexpr int MIN_BLOCKS = KSIZE <= 9 ? 4 : KSIZE <= 25 && OTH * OTW <= 16 ? 3 : 2;
 // Elements of a 16-byte copy.
 constexpr int V = 16 / (int)sizeof(T);
 static_assert(PER % V == 0 && LANES % V == 0, "staged pixels are whole 16-byte copies");

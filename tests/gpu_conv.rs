@@ -408,6 +408,7 @@ fn matrix(graphs: bool) {
     let (mut checked, mut on_hopper, mut on_direct, mut on_stem) = (0, 0, 0, 0);
     let (mut on_depthwise, mut on_depthwise_tc, mut on_grouped) = (0, 0, 0);
     let (mut on_depthwise_rows, mut on_depthwise_columns, mut widened) = (0, 0, 0);
+    let mut on_depthwise_wide = 0;
     let path = Config::from_env().unwrap().conv_path;
     for (ci, c) in cases().iter().enumerate() {
         for dtype in DType::ALL {
@@ -451,7 +452,7 @@ fn matrix(graphs: bool) {
                 on_grouped += grouped as usize;
                 on_direct += direct as usize;
                 on_stem += stem as usize;
-                let variant = depthwise
+                let shape = depthwise
                     .then(|| {
                         depthwise::launch_for(
                             &key,
@@ -460,7 +461,9 @@ fn matrix(graphs: bool) {
                         )
                     })
                     .flatten()
-                    .map(|l| l.shape.variant);
+                    .map(|l| l.shape);
+                on_depthwise_wide += (shape.map(|s| s.out_tile) == Some([4, 7])) as usize;
+                let variant = shape.map(|s| s.variant);
                 on_depthwise_tc += (variant == Some(depthwise::Variant::Tensor)) as usize;
                 on_depthwise_rows += (variant == Some(depthwise::Variant::Rows)) as usize;
                 let columns = matches!(variant, Some(depthwise::Variant::Columns { .. }));
@@ -502,13 +505,18 @@ fn matrix(graphs: bool) {
     eprintln!(
         "conv matrix ({}): {checked} checks ({on_hopper} on the Hopper path, {on_depthwise} on \
          the depthwise family ({on_depthwise_tc} on its tensor cores, {on_depthwise_rows} on its \
-         streamed rows, {on_depthwise_columns} on its column walks), {on_grouped} on the grouped family, \
+         streamed rows, {on_depthwise_columns} on its column walks, {on_depthwise_wide} on its \
+         stencil's 4 x 7 sub-tiles), {on_grouped} on the grouped family, \
          {on_direct} on the direct family, {on_stem} on the stem family, {widened} widened), {} \
          failed",
         if graphs { "graph" } else { "direct" },
         failures.len()
     );
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+    assert!(
+        on_depthwise_wide > 0,
+        "no case ran the stencil's 4 x 7 sub-tiles"
+    );
 }
 
 /// Device 0 with a JIT of its own that has `KILN_ALLOW_TF32` on.

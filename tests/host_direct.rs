@@ -827,7 +827,22 @@ fn check_depthwise(pass: Pass) {
         depthwise::unsupported(kiln::env::ConvPath::Auto, &key).is_none()
     };
     let fixed = fixed_depthwise(taken);
-    let cases: Vec<_> = fixed.into_iter().chain(random_depthwise(pass, 6)).collect();
+    let mut cases: Vec<_> = fixed.into_iter().chain(random_depthwise(pass, 6)).collect();
+    if pass == Pass::BackwardWeight {
+        // 16-bit backward-weight on 4 x 7 sub-tiles: 5x5 on a 27-wide image (the last tile
+        // ragged, the last channel chunk partial) and 7x7.
+        let d = ConvParams::default;
+        for (x, w, p) in [
+            ([1, 8, 27, 40], [40, 5, 5, 1], d().groups(40).padding(&[2])),
+            ([1, 16, 14, 24], [24, 7, 7, 1], d().groups(24).padding(&[3])),
+        ] {
+            let g = Geometry::new(&x, &w, &p).unwrap();
+            let launch = depthwise::launch_for(&host_key(DType::F16, pass, &g), SMS, 227 * 1024);
+            assert_eq!(launch.unwrap().shape.out_tile, [4, 7], "{x:?} {w:?}");
+            let name = format!("depthwise {x:?} {w:?} on 4 x 7 sub-tiles");
+            cases.push((name, x.to_vec(), w.to_vec(), p));
+        }
+    }
     check_cases("host_depthwise", pass, &cases, run_host_depthwise);
 }
 
