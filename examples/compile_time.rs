@@ -3,7 +3,9 @@
 //! OFFSET-th, default 0) of TARGET's warm set (`kiln warm --arch TARGET`) whose description
 //! contains TEXT, compiled for TARGET with the OPTIONs added; prints each spec's time, registers
 //! and cubin size (and NVRTC's errors for a spec that does not compile), then the median, the
-//! total and the failures (exit status 1 if any).
+//! total and the failures (exit status 1 if any). An OPTION `--cubin=DIR` is not NVRTC's: it
+//! writes each spec's cubin into DIR (to compare the machine code two sets of options give,
+//! with `cuobjdump -sass`).
 use kiln::jit::{Jit, Target};
 use kiln::Error;
 use std::time::Instant;
@@ -33,7 +35,14 @@ fn main() -> kiln::Result<()> {
             })
         }
     };
-    let extra = &args[3..];
+    let cubins = args[3..]
+        .iter()
+        .find_map(|a| a.strip_prefix("--cubin="))
+        .map(str::to_owned);
+    let extra: Vec<&String> = args[3..]
+        .iter()
+        .filter(|a| !a.starts_with("--cubin="))
+        .collect();
     let jit = Jit::new(kiln::env::Config::from_env()?);
     let nvrtc = jit.nvrtc()?;
     // What `kiln warm --arch TARGET` compiles: the specs kiln's ops choose on that architecture.
@@ -51,12 +60,22 @@ fn main() -> kiln::Result<()> {
         let mut options = parts.options.clone();
         options.push(target.nvrtc_option());
         options.push("--ptxas-options=-v".into());
-        options.extend(extra.iter().cloned());
+        options.extend(extra.iter().map(|o| o.to_string()));
         let start = Instant::now();
         let out = nvrtc.compile("r", &parts.source, &parts.name_expressions, &options, false)?;
         let ms = start.elapsed().as_secs_f64() * 1e3;
         let (log, size) = match out {
-            Ok(o) => (o.log, o.image.len()),
+            Ok(o) => {
+                if let Some(dir) = &cubins {
+                    let file = format!("{dir}/{}.cubin", spec.to_string().replace(' ', "_"));
+                    std::fs::write(&file, &o.image).map_err(|e| Error::Io {
+                        context: "writing a cubin",
+                        path: file.into(),
+                        source: std::sync::Arc::new(e),
+                    })?;
+                }
+                (o.log, o.image.len())
+            }
             Err(f) => {
                 // A spec that does not compile is what matters most here: say so, with why.
                 println!("FAILED {spec}:");
