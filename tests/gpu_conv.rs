@@ -462,7 +462,8 @@ fn matrix(graphs: bool) {
                     })
                     .flatten()
                     .map(|l| l.shape);
-                on_depthwise_wide += (shape.map(|s| s.out_tile) == Some([4, 7])) as usize;
+                on_depthwise_wide +=
+                    (shape.map(|s| s.out_tile) == Some(depthwise::WIDE_TILE)) as usize;
                 let variant = shape.map(|s| s.variant);
                 on_depthwise_tc += (variant == Some(depthwise::Variant::Tensor)) as usize;
                 on_depthwise_rows += (variant == Some(depthwise::Variant::Rows)) as usize;
@@ -525,7 +526,7 @@ fn matrix(graphs: bool) {
     let key = aligned_key(&dev, DType::F16, Pass::BackwardWeight, layer);
     let sms = dev.info().multiprocessors as usize;
     let wide = depthwise::launch_for(&key, sms, dev.shared_limit())
-        .is_some_and(|l| l.shape.out_tile == [4, 7]);
+        .is_some_and(|l| l.shape.out_tile == depthwise::WIDE_TILE);
     assert!(
         !wide || on_depthwise_wide > 0,
         "no case ran the stencil's 4 x 7 sub-tiles"

@@ -838,7 +838,11 @@ fn check_depthwise(pass: Pass) {
         ] {
             let g = Geometry::new(&x, &w, &p).unwrap();
             let launch = depthwise::launch_for(&host_key(DType::F16, pass, &g), SMS, 227 * 1024);
-            assert_eq!(launch.unwrap().shape.out_tile, [4, 7], "{x:?} {w:?}");
+            assert_eq!(
+                launch.unwrap().shape.out_tile,
+                depthwise::WIDE_TILE,
+                "{x:?} {w:?}"
+            );
             let name = format!("depthwise {x:?} {w:?} on 4 x 7 sub-tiles");
             cases.push((name, x.to_vec(), w.to_vec(), p));
         }

@@ -274,11 +274,13 @@ fn stencil_tile(pass: Pass, one_row: bool, stride: [usize; 2]) -> [usize; 2] {
 /// 4 x 4 tiles were already full (32 x 160ch 64x64 5x5, 16 x 320ch 36x36 5x5, 20 x 512ch
 /// 12x12 7x7), which the model leaves on 4 x 4, as it does 64 x 112ch 20x20 5x5, which 4 x 7
 /// ran 1.25x as fast.
-const WIDE_TILE: [usize; 2] = [4, 7];
+pub const WIDE_TILE: [usize; 2] = [4, 7];
 
-/// Whether backward-weight of `s` in `dtype` may take [`WIDE_TILE`].
-fn takes_wide_tile(dtype: DType, s: &Shape) -> bool {
-    dtype != DType::F32
+/// Whether `pass` of the stencil shape `s` in `dtype` may take [`WIDE_TILE`].
+fn takes_wide_tile(dtype: DType, pass: Pass, s: &Shape) -> bool {
+    pass == Pass::BackwardWeight
+        && s.variant == Variant::Stencil
+        && dtype != DType::F32
         && s.mg == 1
         && s.stride == [1, 1]
         && s.kernel[0] >= 5
@@ -412,10 +414,7 @@ pub fn specs(arch: u32) -> Vec<KernelSpec> {
                         variant,
                     };
                     out.push(spec(dtype, pass, shape));
-                    if pass == Pass::BackwardWeight
-                        && variant == Variant::Stencil
-                        && takes_wide_tile(dtype, &shape)
-                    {
+                    if takes_wide_tile(dtype, pass, &shape) {
                         let wide = Shape {
                             out_tile: WIDE_TILE,
                             ..shape
@@ -1213,7 +1212,7 @@ fn choose_stencil_tile(
     let choose =
         |s: Shape| choose_tile(dtype, pass, s, out, images_x_chunks, sms, limit).map(|c| (s, c));
     let square = choose(s);
-    if pass != Pass::BackwardWeight || !takes_wide_tile(dtype, &s) {
+    if !takes_wide_tile(dtype, pass, &s) {
         return square;
     }
     let wide = choose(Shape {
