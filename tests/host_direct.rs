@@ -829,20 +829,22 @@ fn check_depthwise(pass: Pass) {
     let fixed = fixed_depthwise(taken);
     let mut cases: Vec<_> = fixed.into_iter().chain(random_depthwise(pass, 6)).collect();
     if pass == Pass::BackwardWeight {
-        // 16-bit backward-weight on 4 x 7 sub-tiles: 5x5 on a 27-wide image (the last tile
-        // ragged, the last channel chunk partial) and 7x7.
+        // Backward-weight on 4 x 7 sub-tiles, every dtype: 5x5 on a 27-wide image (the last
+        // tile ragged, the last channel chunk partial) and 7x7.
         let d = ConvParams::default;
         for (x, w, p) in [
             ([1, 8, 27, 40], [40, 5, 5, 1], d().groups(40).padding(&[2])),
             ([1, 16, 14, 24], [24, 7, 7, 1], d().groups(24).padding(&[3])),
         ] {
             let g = Geometry::new(&x, &w, &p).unwrap();
-            let launch = depthwise::launch_for(&host_key(DType::F16, pass, &g), SMS, 227 * 1024);
-            assert_eq!(
-                launch.unwrap().shape.out_tile,
-                depthwise::WIDE_TILE,
-                "{x:?} {w:?}"
-            );
+            for dtype in DType::ALL {
+                let launch = depthwise::launch_for(&host_key(dtype, pass, &g), SMS, 227 * 1024);
+                assert_eq!(
+                    launch.unwrap().shape.out_tile,
+                    depthwise::WIDE_TILE,
+                    "{dtype:?} {x:?} {w:?}"
+                );
+            }
             let name = format!("depthwise {x:?} {w:?} on 4 x 7 sub-tiles");
             cases.push((name, x.to_vec(), w.to_vec(), p));
         }

@@ -265,22 +265,18 @@ fn stencil_tile(pass: Pass, one_row: bool, stride: [usize; 2]) -> [usize; 2] {
     }
 }
 
-/// A second sub-tile for 16-bit backward-weight of 5x5 to 7x7 kernels at stride 1 (2-D, one
-/// output channel a group): 4 x 7 outputs a warp. Tiles 28 or 56 outputs wide then give each of
-/// a block's eight warps a sub-tile, where 4 x 4 left two of 16 slots idle (8 x 28 tiles: 14
+/// A second sub-tile for backward-weight of 5x5 to 7x7 kernels at stride 1 (2-D, one output
+/// channel a group): 4 x 7 outputs a warp. Tiles 28 or 56 outputs wide then give each of a
+/// block's eight warps a sub-tile, where 4 x 4 left two of 16 slots idle (8 x 28 tiles: 14
 /// sub-tiles), and each staged value serves 7 outputs of a row instead of 4. The plan takes it
-/// where its model of the work says (`choose_stencil_tile`): on the H100, 1.05-1.20x on eleven
-/// of eighteen 5x5 and 7x7 layers, the rest unchanged. Taken everywhere it ran 0.74-0.97x where
-/// 4 x 4 tiles were already full (32 x 160ch 64x64 5x5, 16 x 320ch 36x36 5x5, 20 x 512ch
-/// 12x12 7x7), which the model leaves on 4 x 4, as it does 64 x 112ch 20x20 5x5, which 4 x 7
-/// ran 1.25x as fast.
+/// where its best tile beats the best square one by a rule measured on the H100
+/// (`wide_tile_wins`).
 pub const WIDE_TILE: [usize; 2] = [4, 7];
 
-/// Whether `pass` of the stencil shape `s` in `dtype` may take [`WIDE_TILE`].
-fn takes_wide_tile(dtype: DType, pass: Pass, s: &Shape) -> bool {
+/// Whether `pass` of the stencil shape `s` may take [`WIDE_TILE`].
+fn takes_wide_tile(pass: Pass, s: &Shape) -> bool {
     pass == Pass::BackwardWeight
         && s.variant == Variant::Stencil
-        && dtype != DType::F32
         && s.mg == 1
         && s.stride == [1, 1]
         && s.kernel[0] >= 5
@@ -414,7 +410,7 @@ pub fn specs(arch: u32) -> Vec<KernelSpec> {
                         variant,
                     };
                     out.push(spec(dtype, pass, shape));
-                    if takes_wide_tile(dtype, pass, &shape) {
+                    if takes_wide_tile(pass, &shape) {
                         let wide = Shape {
                             out_tile: WIDE_TILE,
                             ..shape
@@ -1160,6 +1156,8 @@ fn choose_tile(
                 full,
                 enough,
                 cost,
+                staged: tiles * rows * cols,
+                slots: tiles * slots,
             };
             if best.map_or(true, |b| choice.rank() > b.rank()) {
                 best = Some(choice);
@@ -1184,6 +1182,11 @@ struct TileChoice {
     enough: bool,
     /// The model's work (see `choose_tile`).
     cost: usize,
+    /// Source values a lane stages over every tile.
+    staged: usize,
+    /// Outputs the warps compute over every tile, idle sub-tile slots of a block's last round
+    /// included.
+    slots: usize,
 }
 
 impl TileChoice {
@@ -1199,7 +1202,7 @@ impl TileChoice {
 }
 
 /// The stencil's shape and tile for `pass` of `s` (see [`choose_tile`]): backward-weight that
-/// may take [`WIDE_TILE`] takes whichever sub-tile's best tile needs the least work.
+/// may take [`WIDE_TILE`] compares the best tile of each sub-tile (see [`wide_tile_wins`]).
 fn choose_stencil_tile(
     dtype: DType,
     pass: Pass,
@@ -1212,7 +1215,7 @@ fn choose_stencil_tile(
     let choose =
         |s: Shape| choose_tile(dtype, pass, s, out, images_x_chunks, sms, limit).map(|c| (s, c));
     let square = choose(s);
-    if !takes_wide_tile(dtype, pass, &s) {
+    if !takes_wide_tile(pass, &s) {
         return square;
     }
     let wide = choose(Shape {
@@ -1220,15 +1223,35 @@ fn choose_stencil_tile(
         ..s
     });
     match (square, wide) {
-        // Across sub-tiles, by work alone (past two blocks an SM and full warps): 64 x 384ch
-        // 14x14 7x7 ran 1.18-1.21x faster on 4 x 7 although its tiles fell just short of
-        // `enough`.
-        (Some(a), Some(b)) => {
-            let key = |c: &TileChoice| (c.per_sm >= 2, c.full, std::cmp::Reverse(c.cost));
-            Some(if key(&b.1) > key(&a.1) { b } else { a })
-        }
+        (Some(a), Some(b)) => Some(if wide_tile_wins(&a.1, &b.1) { b } else { a }),
         (a, b) => a.or(b),
     }
+}
+
+/// Whether the best [`WIDE_TILE`] tile beats the best 4 x 4 one. Measured on the H100 over 45
+/// layers with 5x5 and 7x7 kernels, every dtype, each both ways (`choose_tile`'s FMA count had
+/// ranked 4 x 4 first on layers that ran up to 1.19x faster on 4 x 7):
+/// - Where wide tiles give every warp a sub-tile (16-bit), they ran 1.03-1.20x as fast where
+///   their output slots (idle ones in a block's last round included) are at most 5% more than
+///   the square tiles', and 0.92-1.02x at 9-75% more; but they beat the square 5x5 spec bound
+///   to three blocks an SM (80 registers) at up to 17% more slots (1.02-1.18x). None that
+///   staged 20% or more source values won (0.92-0.95x at 20% more, 0.82x at 41%).
+/// - Where they leave warps idle (f32: its full wide tiles do not fit two blocks' shared
+///   memory) but the square ones do not, the copy bounds the block: 1.01-1.20x where they stage
+///   8-31% fewer source values, 0.77-0.92x where they stage 5-30% more.
+/// - Where the square tiles leave warps idle too (images of 7 rows), the wide sub-tile's longer
+///   walk is the block's critical path: 0.78-0.81x.
+fn wide_tile_wins(square: &TileChoice, wide: &TileChoice) -> bool {
+    let at_most = |a: usize, b: usize, percent: usize| a * 100 <= b * percent;
+    let wins = match (wide.full, square.full) {
+        (true, _) => {
+            at_most(wide.staged, square.staged, 119)
+                && (at_most(wide.slots, square.slots, 105) || square.per_sm >= 3)
+        }
+        (false, true) => at_most(wide.staged, square.staged, 92),
+        (false, false) => false,
+    };
+    wins && wide.per_sm >= 2
 }
 
 /// Elements between two channel planes of `cells` cells, as the tensor-core template spaces
@@ -1544,7 +1567,7 @@ mod tests {
     }
 
     #[test]
-    fn backward_weight_takes_wide_sub_tiles_where_square_ones_leave_warps_idle() {
+    fn backward_weight_takes_wide_sub_tiles_where_they_stage_no_more() {
         let tile = |dtype, pass, (n, c, size, k): (usize, usize, usize, usize)| {
             let p = ConvParams::default().groups(c).padding(&[k / 2]);
             let kk = key(dtype, pass, &[n, size, size, c], &[c, k, k, 1], &p);
@@ -1560,19 +1583,50 @@ mod tests {
         let wide = (Variant::Stencil, WIDE_TILE, [8, 28]);
         assert_eq!(tile(DType::F16, weight, (64, 240, 56, 5)), wide);
         assert_eq!(tile(DType::BF16, weight, (32, 96, 56, 7)), wide);
-        // Square tiles that fill every warp already (16 x 16 on 64 columns), and small images.
-        let square = |(v, t, _): (Variant, [usize; 2], [i32; 2])| (v, t);
-        for layer in [(32, 160, 64, 5), (20, 512, 12, 7), (64, 112, 20, 5)] {
-            assert_eq!(
-                square(tile(DType::F16, weight, layer)),
-                (Variant::Stencil, [4, 4])
-            );
+        let sub_tile = |dtype, layer| {
+            let (v, t, _) = tile(dtype, weight, layer);
+            (v, t)
+        };
+        let (square, wide) = ((Variant::Stencil, [4, 4]), (Variant::Stencil, WIDE_TILE));
+        // Square tiles of 3 blocks an SM; wide ones of as many output slots (112- and 96-wide
+        // images), or fewer (a 50-wide image: 4 x 56 tiles against 4 x 52, 13 square sub-tiles).
+        for layer in [
+            (24, 176, 40, 5),
+            (64, 112, 20, 5),
+            (16, 64, 112, 7),
+            (4, 192, 96, 7),
+            (16, 144, 50, 5),
+        ] {
+            assert_eq!(sub_tile(DType::F16, layer), wide, "{layer:?}");
         }
-        // f32 and the other passes keep their sub-tiles.
-        assert_ne!(tile(DType::F32, weight, (64, 112, 20, 5)).1, WIDE_TILE);
-        assert_ne!(tile(DType::F32, weight, (32, 96, 56, 7)).1, WIDE_TILE);
+        // Wide tiles of 9-75% more slots (12-, 19-, 30- and 36-wide images) or 23% more staged
+        // values (38 wide), and 7x7 images, whose square tiles leave warps idle too.
+        for layer in [
+            (20, 512, 12, 7),
+            (32, 576, 19, 7),
+            (32, 136, 30, 7),
+            (16, 320, 36, 5),
+            (32, 288, 38, 5),
+            (64, 1152, 7, 5),
+        ] {
+            assert_eq!(sub_tile(DType::F16, layer), square, "{layer:?}");
+        }
+        // f32: its wide tiles leave warps idle, so they must stage fewer values.
+        for layer in [(64, 112, 20, 5), (32, 128, 56, 7), (16, 320, 36, 5)] {
+            assert_eq!(sub_tile(DType::F32, layer), wide, "{layer:?}");
+        }
+        for layer in [
+            (32, 144, 30, 5),
+            (20, 512, 12, 7),
+            (8, 96, 56, 7),
+            (64, 1152, 7, 5),
+        ] {
+            assert_eq!(sub_tile(DType::F32, layer), square, "{layer:?}");
+        }
+        // The other passes keep their sub-tiles.
         for pass in [Pass::Forward, Pass::BackwardData] {
             assert_ne!(tile(DType::F16, pass, (64, 240, 56, 5)).1, WIDE_TILE);
+            assert_ne!(tile(DType::F32, pass, (64, 112, 20, 5)).1, WIDE_TILE);
         }
     }
 
