@@ -1567,7 +1567,7 @@ mod tests {
     }
 
     #[test]
-    fn backward_weight_takes_wide_sub_tiles_where_they_stage_no_more() {
+    fn backward_weight_takes_wide_sub_tiles_where_they_ran_faster() {
         let tile = |dtype, pass, (n, c, size, k): (usize, usize, usize, usize)| {
             let p = ConvParams::default().groups(c).padding(&[k / 2]);
             let kk = key(dtype, pass, &[n, size, size, c], &[c, k, k, 1], &p);
