@@ -66,22 +66,24 @@ int main(int argc, char** argv) {
 #endif
   gridDim = {grid, 1, 1};
   blockDim = {block, 1, 1};
-  for (unsigned bx = 0; bx < grid; ++bx) {
-    std::barrier<> barrier(block);
-    std::vector<kiln_host_warp> warps(block / 32);
-    // One named barrier per group of GROUP threads (kiln_group_barrier).
-    std::vector<std::unique_ptr<std::barrier<>>> groups;
-    for (int i = 0; i < BLOCK_DIM / GROUP; ++i) groups.push_back(std::make_unique<std::barrier<>>(GROUP));
-    std::vector<std::thread> pool;
-    for (unsigned t = 0; t < block; ++t)
-      pool.emplace_back([&, t] {
-        threadIdx = {t, 0, 0};
+  // One OS thread a block thread, made once: each walks the blocks in order, and a block ends at
+  // a barrier of all its threads (see run_direct.cpp).
+  std::barrier<> barrier(block);
+  std::vector<kiln_host_warp> warps(block / 32);
+  // One named barrier per group of GROUP threads (kiln_group_barrier).
+  std::vector<std::unique_ptr<std::barrier<>>> groups;
+  for (int i = 0; i < BLOCK_DIM / GROUP; ++i) groups.push_back(std::make_unique<std::barrier<>>(GROUP));
+  std::vector<std::thread> pool;
+  for (unsigned t = 0; t < block; ++t)
+    pool.emplace_back([&, t] {
+      threadIdx = {t, 0, 0};
+      kiln_host_barrier = &barrier;
+      kiln_host_this_warp = &warps[t / 32];
+      kiln_host_lane = t % 32;
+      kiln_host_group = groups[t / GROUP].get();
+      kiln_host_group_size = GROUP;
+      for (unsigned bx = 0; bx < grid; ++bx) {
         blockIdx = {bx, 0, 0};
-        kiln_host_barrier = &barrier;
-        kiln_host_this_warp = &warps[t / 32];
-        kiln_host_lane = t % 32;
-        kiln_host_group = groups[t / GROUP].get();
-        kiln_host_group_size = GROUP;
 #ifdef KILN_VJP
         KILN_ENTRY(or_null<const T>(x), or_null<const T>(w), or_null<const T>(g), or_null<T>(out),
                    pw.empty() ? nullptr : pw.data(), pb.empty() ? nullptr : pb.data(), rows, d,
@@ -90,9 +92,10 @@ int main(int argc, char** argv) {
         KILN_ENTRY(or_null<const T>(x), or_null<const T>(w), or_null<const T>(b), or_null<T>(out),
                    rows, d, x_stride, w_stride, b_stride, w_vec, b_vec, eps);
 #endif
-      });
-    for (auto& t : pool) t.join();
-  }
+        barrier.arrive_and_wait();  // the block is done before the next one starts
+      }
+    });
+  for (auto& t : pool) t.join();
   std::ofstream o(argv[2], std::ios::binary);
   o.write(reinterpret_cast<const char*>(out.data()), out.size());
   o.write(reinterpret_cast<const char*>(pw.data()), pw.size() * sizeof(float));
