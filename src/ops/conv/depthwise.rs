@@ -1148,16 +1148,16 @@ fn choose_tile(
             let tiles = out[0].div_ceil(th) * out[1].div_ceil(tw) * images_x_chunks;
             let enough = tiles >= TILES_PER_BLOCK * per_sm * sms;
             let [rows, cols] = s.source_extent(pass, [th, tw]);
-            let slots = subs.div_ceil(WARPS) * WARPS * oth * otw;
-            let cost = tiles * (rows * cols * per * 2 + slots * LANES * taps);
+            let staged = tiles * rows * cols;
+            let slots = tiles * subs.div_ceil(WARPS) * WARPS * oth * otw;
             let choice = TileChoice {
                 tile: [th, tw],
                 per_sm,
                 full,
                 enough,
-                cost,
-                staged: tiles * rows * cols,
-                slots: tiles * slots,
+                cost: staged * per * 2 + slots * LANES * taps,
+                staged,
+                slots,
             };
             if best.map_or(true, |b| choice.rank() > b.rank()) {
                 best = Some(choice);
