@@ -87,6 +87,16 @@ __device__ __forceinline__ void kiln_rows_backward_weight(const kiln_depthwise& 
   for (int t = 0; t < KSIZE; ++t)
 #pragma unroll
     for (int v = 0; v < V; ++v) sum[t][v] = 0.0f;
+  // The cotangent rows source row s meets, widened once: row s - kh in slot (s - kh) % KH (the
+  // walk is unrolled by KH, so every slot index is known at compile time); rows before the
+  // segment are zeros.
+  float g[KH][TW][V];
+#pragma unroll
+  for (int kh = 0; kh < KH; ++kh)
+#pragma unroll
+    for (int j = 0; j < TW; ++j)
+#pragma unroll
+      for (int v = 0; v < V; ++v) g[kh][j][v] = 0.0f;
   for (int s0 = 0; s0 < steps; s0 += KH) {
 #pragma unroll
     for (int u = 0; u < KH; ++u) {
@@ -95,19 +105,16 @@ __device__ __forceinline__ void kiln_rows_backward_weight(const kiln_depthwise& 
       kiln_cp_async_wait<AHEAD - 1>();
       __syncthreads();
       issue(s + AHEAD);
-      // The cotangent rows source row s meets (zeros outside the segment).
-      float g[KH][TW][V];
-#pragma unroll
-      for (int kh = 0; kh < KH; ++kh) {
-        const int r = s - kh;
-        const bool live = r >= 0 && r < rows;
-        const T* dy = dy_ring + ((r + DEPTH) % DEPTH) * p.tile_w * chans + tx * V + ty * TW * chans;
+      {
+        // Cotangent row s (zeros past the segment) into slot u.
+        const bool live = s < rows;
+        const T* dy = dy_ring + (s % DEPTH) * p.tile_w * chans + tx * V + ty * TW * chans;
 #pragma unroll
         for (int j = 0; j < TW; ++j) {
           kiln_vec<T, V> raw{};
           if (live) raw = *reinterpret_cast<const kiln_vec<T, V>*>(dy + j * chans);
 #pragma unroll
-          for (int v = 0; v < V; ++v) g[kh][j][v] = live ? kiln_to_float(raw.v[v]) : 0.0f;
+          for (int v = 0; v < V; ++v) g[u][j][v] = live ? kiln_to_float(raw.v[v]) : 0.0f;
         }
       }
       const T* row = ring + (s % DEPTH) * cols * chans + tx * V + ty * TW * chans;
@@ -123,8 +130,9 @@ __device__ __forceinline__ void kiln_rows_backward_weight(const kiln_depthwise& 
           for (int j = 0; j < TW; ++j) {
             const int kw = q - j;
             if (kw < 0 || kw >= KW) continue;
+            const int slot = (u - kh + KH) % KH;
 #pragma unroll
-            for (int v = 0; v < V; ++v) sum[kh * KW + kw][v] += x[v] * g[kh][j][v];
+            for (int v = 0; v < V; ++v) sum[kh * KW + kw][v] += x[v] * g[slot][j][v];
           }
       }
     }
