@@ -559,19 +559,22 @@ pub(super) fn vjp_split_layouts(dtype: DType) -> &'static [(usize, usize, bool)]
 /// How the split-row VJP overlaps each row's exchange with the next row's (PIPELINE in
 /// norm_vjp_split.cu): 0 not at all; 1 with the next row's sums read from its stage (a second
 /// read of each staged chunk); 2 with both rows held in registers as loaded.
-/// - 2: 16-bit rows of whole vectors in clusters of up to 8. H200, direct mode, same call as
-///   the tree before it, two rounds: LayerNorm 1.05-1.08x, RMSNorm 1.03-1.18x at 18,432, 30,000
-///   and 65,536 elements (clusters of 3, 4 and 8; bf16 RMSNorm at 65,536 67% -> 79% of copy).
+/// - 2: 16-bit rows of whole vectors. H200, direct mode, same call as the tree before it, two
+///   rounds: LayerNorm 1.05-1.08x, RMSNorm 1.03-1.18x at 18,432, 30,000 and 65,536 elements
+///   (clusters of 3, 4 and 8; bf16 RMSNorm at 65,536 67% -> 79% of copy). In Hopper's
+///   non-portable clusters of 16 (rows past 65,536), H100, bf16 256 x 131,072: LayerNorm 1,823
+///   GB/s against 1,644 with 0 (55% -> 61% of copy), RMSNorm 2,409 against 2,364 with 1.
 ///   It lost on rows of one element a vector (16-bit rows of 16,385: 0.76-0.96x, whose held
 ///   rows take a register per element) and on f32 rows (0.86-0.99x: 128 registers).
-/// - 1: 16-bit RMSNorm rows in Hopper's non-portable clusters of 16, whose exchanges are the
-///   slowest (pipelined 1.07-1.08x at 131,072 on an H200; 2 not measured there). LayerNorm,
-///   whose exchange from a stage takes two passes over it (the warp's mean, then the sums about
-///   it), ran 2-8% slower with 1 at every width. f32 rows with 1: 0.93-1.09x with no rule by
-///   width or by how full the chunks are that separates the gains from the losses (H200).
+/// - 1: 16-bit RMSNorm rows of one element a vector in clusters of 16, whose exchanges are the
+///   slowest (pipelined whole vectors ran 1.07-1.08x at 131,072 on an H200 before 2 was tried
+///   there). LayerNorm, whose exchange from a stage takes two passes over it (the warp's mean,
+///   then the sums about it), ran 2-8% slower with 1 at every width. f32 rows with 1:
+///   0.93-1.09x with no rule by width or by how full the chunks are that separates the gains
+///   from the losses (H200).
 pub(super) fn vjp_split_pipeline(kind: Kind, dtype: DType, cluster: usize, n_reads: usize) -> i32 {
     match (dtype.size(), kind, cluster) {
-        (2, _, 2..=8) if n_reads > 1 => 2,
+        (2, _, _) if n_reads > 1 => 2,
         (2, Kind::RmsNorm, 16) => 1,
         _ => 0,
     }

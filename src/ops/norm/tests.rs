@@ -256,18 +256,13 @@ fn split_rows_pipeline_and_fill_blocks_as_measured() {
         assert!(is_split(&spec), "{spec}");
         spec
     };
-    // The VJP holds two 16-bit rows in registers in clusters of up to 8 (PIPELINE 2), and
-    // pipelines 16-bit RMSNorm rows from their stages in clusters of 16 (1); f32 rows neither.
+    // The VJP holds two 16-bit rows in registers at every cluster width (PIPELINE 2); f32
+    // rows are not pipelined.
     for kind in [Kind::LayerNorm, Kind::RmsNorm] {
         for dtype in DType::ALL {
             for d in [18432, 30000, 65536, 65544, 131072] {
                 let spec = chosen(Pass::Vjp, kind, dtype, d);
-                let sixteen = dtype.size() == 2;
-                let pipeline = match (sixteen, d > 65536) {
-                    (true, false) => 2,
-                    (true, true) => (kind == Kind::RmsNorm) as i32,
-                    (false, _) => 0,
-                };
+                let pipeline = if dtype.size() == 2 { 2 } else { 0 };
                 assert_eq!(spec.constant("CLUSTER") == Some(16), d > 65536, "{spec}");
                 assert_eq!(spec.constant("PIPELINE"), Some(pipeline), "{spec}");
             }
@@ -284,6 +279,18 @@ fn split_rows_pipeline_and_fill_blocks_as_measured() {
         gpu,
     );
     assert_eq!(odd.constant("PIPELINE"), Some(0), "{odd}");
+    // Except RMSNorm's in clusters of 16, pipelined from their stages.
+    let odd = choose_spec(
+        Pass::Vjp,
+        Kind::RmsNorm,
+        DType::BF16,
+        131071,
+        Rows::Alike,
+        Count::Few,
+        gpu,
+    );
+    assert_eq!(odd.constant("CLUSTER"), Some(16), "{odd}");
+    assert_eq!(odd.constant("PIPELINE"), Some(1), "{odd}");
     // 16-bit LayerNorm: up to 32 elements a thread in the fewest blocks; RMSNorm 16 while 8
     // blocks of 16 hold the row. Each thread holds the fewest vectors that cover its block's
     // chunk (18,432 elements on two blocks: 9,216 each, 3 vectors of 512 threads, not 4).
