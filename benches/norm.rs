@@ -213,7 +213,17 @@ fn upload_all<V: AsRef<[f64]> + Sync>(
         .collect()
 }
 
-/// The spec the ops choose for `rows` aligned rows of `d` elements on `enc`'s GPU.
+/// How `d`-element rows laid out one after another start: each on a granule where the rows
+/// hold whole vectors, else alike (every operand's row as far into its granule).
+fn contiguous_rows(dtype: DType, d: usize) -> norm::Rows {
+    if d % dtype.vec_width() == 0 {
+        norm::Rows::Aligned
+    } else {
+        norm::Rows::Alike
+    }
+}
+
+/// The spec the ops choose for `rows` contiguous rows of `d` elements on `enc`'s GPU.
 fn chosen_spec(
     enc: &CommandEncoder,
     pass: norm::Pass,
@@ -226,7 +236,8 @@ fn chosen_spec(
         norm::Gpu::of(enc.device()),
         norm::Count::of(rows, enc.device()),
     );
-    norm::choose_spec(pass, kind, dtype, d, norm::Rows::Aligned, count, gpu)
+    let layout = contiguous_rows(dtype, d);
+    norm::choose_spec(pass, kind, dtype, d, layout, count, gpu)
 }
 
 /// One case of a sweep: rows x d, the norm and pass, and the specs to time on it.
@@ -283,7 +294,7 @@ fn block_cases(enc: &CommandEncoder, dtype: DType) -> Vec<SweepCase> {
                 // or a cluster a row): time both choices beside the candidates.
                 let gpu = norm::Gpu::of(enc.device());
                 for count in [norm::Count::Few, norm::Count::Many] {
-                    let rows = norm::Rows::Aligned;
+                    let rows = contiguous_rows(dtype, d);
                     let spec = norm::choose_spec(pass, kind, dtype, d, rows, count, gpu);
                     if !specs.contains(&spec) {
                         specs.push(spec);
@@ -299,8 +310,8 @@ fn block_cases(enc: &CommandEncoder, dtype: DType) -> Vec<SweepCase> {
 
 /// `--sweep --split`'s cases: every split-row spec (`tuning::split_candidates`: vectors a
 /// thread, cluster widths, the VJP's partial sums and pipelining) for the `--long` rows past one
-/// block, both norms, forward and VJP.
-fn split_cases(dtype: DType) -> Vec<SweepCase> {
+/// block, both norms, forward and VJP, with the specs the ops choose for few and many rows.
+fn split_cases(enc: &CommandEncoder, dtype: DType) -> Vec<SweepCase> {
     use kiln::ops::norm::{tuning, Kind, Pass};
     let mut cases = Vec::new();
     for (rows, d) in long_shapes()
@@ -309,7 +320,15 @@ fn split_cases(dtype: DType) -> Vec<SweepCase> {
     {
         for kind in [Kind::LayerNorm, Kind::RmsNorm] {
             for pass in [Pass::Forward, Pass::Vjp] {
-                let candidates = tuning::split_candidates(pass, kind, dtype, d);
+                let mut candidates = tuning::split_candidates(pass, kind, dtype, d);
+                let gpu = norm::Gpu::of(enc.device());
+                for count in [norm::Count::Few, norm::Count::Many] {
+                    let rows = contiguous_rows(dtype, d);
+                    let spec = norm::choose_spec(pass, kind, dtype, d, rows, count, gpu);
+                    if !candidates.contains(&spec) {
+                        candidates.push(spec);
+                    }
+                }
                 cases.push((rows, d, kind, pass, candidates));
             }
         }
@@ -333,7 +352,7 @@ fn sweep(enc: &mut CommandEncoder, only: &str) {
         None => DType::BF16,
     };
     let cases: Vec<SweepCase> = if args.iter().any(|a| a == "--split") {
-        split_cases(dtype)
+        split_cases(enc, dtype)
     } else {
         block_cases(enc, dtype)
     }

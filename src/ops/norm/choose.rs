@@ -440,7 +440,7 @@ fn split_widths(dtype: DType, rows: Rows) -> impl Iterator<Item = usize> {
 }
 
 /// Whether `family` takes vectors of `n_reads` on `rows`.
-fn split_takes(family: &TemplateDef, dtype: DType, rows: Rows, n_reads: usize) -> bool {
+pub(super) fn split_takes(family: &TemplateDef, dtype: DType, rows: Rows, n_reads: usize) -> bool {
     n_reads == 1
         || (n_reads == dtype.vec_width()
             && (rows == Rows::Aligned || (rows == Rows::Alike && shifts_columns(family))))

@@ -614,21 +614,37 @@ fn a_shifted_spec_is_refused_where_a_block_would_hold_none_of_the_row() {
 fn the_split_sweep_measures_the_chosen_spec_among_others() {
     let gpu = Gpu::for_arch(90);
     for dtype in [DType::F32, DType::F16, DType::BF16] {
-        for d in [16392, 18432, 30000, 65536, 131072] {
+        for d in [16385, 16392, 18432, 30000, 50257, 65536, 70000, 131072] {
+            // The sweep's rows are contiguous: odd lengths start alike.
+            let rows = if d % dtype.vec_width() == 0 {
+                Rows::Aligned
+            } else {
+                Rows::Alike
+            };
             for kind in [Kind::LayerNorm, Kind::RmsNorm] {
                 for pass in [Pass::Forward, Pass::Vjp] {
                     let candidates = super::tuning::split_candidates(pass, kind, dtype, d);
-                    let chosen = choose_spec(pass, kind, dtype, d, Rows::Aligned, Count::Many, gpu);
-                    if is_split(&chosen) {
-                        assert!(
-                            candidates.contains(&chosen),
-                            "{chosen} missing from the sweep of {kind:?} {pass:?} {dtype} {d}"
-                        );
+                    for count in [Count::Few, Count::Many] {
+                        let chosen = choose_spec(pass, kind, dtype, d, rows, count, gpu);
+                        if is_split(&chosen) {
+                            assert!(
+                                candidates.contains(&chosen),
+                                "{chosen} missing from the sweep of {kind:?} {pass:?} {dtype} {d}"
+                            );
+                        }
                     }
                     assert!(!candidates.is_empty(), "{kind:?} {pass:?} {dtype} {d}");
                     for spec in &candidates {
-                        assert!(check_chosen(*spec, pass, kind, dtype, d, Rows::Aligned).is_ok());
+                        assert!(check_chosen(*spec, pass, kind, dtype, d, rows).is_ok());
                     }
+                    // Unaligned 16-bit forward rows are swept on shifted vectors too.
+                    let shifted = candidates.iter().any(|s| s.constant("SHIFTED") == Some(1));
+                    let staged = dtype.size() == 2 && pass == Pass::Forward;
+                    assert_eq!(
+                        shifted,
+                        staged && rows == Rows::Alike,
+                        "{kind:?} {pass:?} {d}"
+                    );
                 }
             }
         }

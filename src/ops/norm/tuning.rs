@@ -89,63 +89,74 @@ pub fn vjp_with(
     vjp(enc, kind, x, w, want_db, g, eps, Some(spec))
 }
 
-/// Every split-row spec (a cluster of blocks a row) that could serve aligned rows of `d`: a
-/// power of two of vectors a thread or the fewest of `split_items` that cover a block's chunk,
-/// each cluster width that covers the row up to twice the fewest, and for the VJP the partial
-/// sums in registers or shared memory, and each way of overlapping rows (PIPELINE 0, 1 or 2).
-/// Each passes the same check as a caller's spec. For `--sweep --split` to measure the choices
-/// of `split_layouts`, `vjp_split_layouts` and `vjp_split_pipeline`.
+/// Every split-row spec (a cluster of blocks a row) that could serve contiguous rows of `d`
+/// (aligned where `d` holds whole vectors, else alike: `Rows`): each vector width the family
+/// takes there, a power of two of vectors a thread or the fewest of `split_items` that cover a
+/// block's chunk, each cluster width that covers the row up to twice the fewest, and for the VJP
+/// the partial sums in registers or shared memory, and each way of overlapping rows (PIPELINE 0,
+/// 1 or 2). Each passes the same check as a caller's spec. For `--sweep --split` to measure the
+/// choices of `split_layouts`, `vjp_split_layouts` and `vjp_split_pipeline`.
 pub fn split_candidates(pass: Pass, kind: Kind, dtype: DType, d: usize) -> Vec<KernelSpec> {
-    let n_reads = dtype.vec_width();
-    let rms = (kind == Kind::RmsNorm) as i32;
-    let mut specs = Vec::new();
-    let block = match pass {
-        Pass::Forward => SPLIT_BLOCK,
-        Pass::Vjp => VJP_SPLIT_BLOCK,
+    let rows = if d % dtype.vec_width() == 0 {
+        Rows::Aligned
+    } else {
+        Rows::Alike
     };
-    let layouts = VJP_SPLIT_CLUSTERS.iter().flat_map(|&cluster| {
-        let fewest = split_items(split_chunk(d, cluster).div_ceil(block * n_reads));
-        let powers = [1, 2, 4, 8].into_iter().filter(move |&i| i != fewest);
-        std::iter::once(fewest)
-            .chain(powers)
-            .map(move |items| (items, cluster))
-    });
-    for (items, cluster) in layouts {
-        let (items, cluster) = (items as i32, cluster as i32);
-        match pass {
-            Pass::Vjp => {
-                for smem_sums in [0, 1] {
-                    for pipeline in [0, 1, 2] {
-                        specs.push(KernelSpec::new(
-                            &VJP_SPLIT,
-                            dtype,
-                            VJP_SPLIT_BLOCK as u16,
-                            n_reads as u8,
-                            &[rms, items, cluster, smem_sums, pipeline],
-                        ));
+    let rms = (kind == Kind::RmsNorm) as i32;
+    let (family, block) = match pass {
+        // Every layout of a dtype is of the same kernel.
+        Pass::Forward => (split_layouts(kind, dtype)[0].0, SPLIT_BLOCK),
+        Pass::Vjp => (&VJP_SPLIT, VJP_SPLIT_BLOCK),
+    };
+    let mut specs = Vec::new();
+    for n_reads in [dtype.vec_width(), 1] {
+        if (n_reads == 1 && rows == Rows::Aligned) || !split_takes(family, dtype, rows, n_reads) {
+            continue;
+        }
+        let pad = split_pad(n_reads, rows);
+        let layouts = VJP_SPLIT_CLUSTERS.iter().flat_map(|&cluster| {
+            let fewest = split_items((split_chunk(d, cluster) + pad).div_ceil(block * n_reads));
+            let powers = [1, 2, 4, 8].into_iter().filter(move |&i| i != fewest);
+            std::iter::once(fewest)
+                .chain(powers)
+                .map(move |items| (items, cluster))
+        });
+        for (items, cluster) in layouts {
+            let (items, cluster) = (items as i32, cluster as i32);
+            let mut consts = vec![rms, items, cluster];
+            match pass {
+                Pass::Vjp => {
+                    for smem_sums in [0, 1] {
+                        for pipeline in [0, 1, 2] {
+                            let consts = [rms, items, cluster, smem_sums, pipeline];
+                            specs.push(KernelSpec::new(
+                                family,
+                                dtype,
+                                block as u16,
+                                n_reads as u8,
+                                &consts,
+                            ));
+                        }
                     }
                 }
-            }
-            Pass::Forward => {
-                // Every layout of a dtype is of the same kernel.
-                let family = split_layouts(kind, dtype)[0].0;
-                let mut consts = vec![rms, items, cluster];
-                if *family == FORWARD_STAGED {
-                    consts.push(0);
+                Pass::Forward => {
+                    if *family == FORWARD_STAGED {
+                        consts.push((pad > 0) as i32);
+                    }
+                    specs.push(KernelSpec::new(
+                        family,
+                        dtype,
+                        block as u16,
+                        n_reads as u8,
+                        &consts,
+                    ));
                 }
-                specs.push(KernelSpec::new(
-                    family,
-                    dtype,
-                    SPLIT_BLOCK as u16,
-                    n_reads as u8,
-                    &consts,
-                ));
             }
         }
     }
     let legal: Vec<KernelSpec> = specs
         .into_iter()
-        .filter(|&spec| check_chosen(spec, pass, kind, dtype, d, Rows::Aligned).is_ok())
+        .filter(|&spec| check_chosen(spec, pass, kind, dtype, d, rows).is_ok())
         .collect();
     let fewest = legal
         .iter()
