@@ -122,35 +122,20 @@ pub fn split_candidates(pass: Pass, kind: Kind, dtype: DType, d: usize) -> Vec<K
                 .map(move |items| (items, cluster))
         });
         for (items, cluster) in layouts {
-            let (items, cluster) = (items as i32, cluster as i32);
-            let mut consts = vec![rms, items, cluster];
-            match pass {
-                Pass::Vjp => {
-                    for smem_sums in [0, 1] {
-                        for pipeline in [0, 1, 2] {
-                            let consts = [rms, items, cluster, smem_sums, pipeline];
-                            specs.push(KernelSpec::new(
-                                family,
-                                dtype,
-                                block as u16,
-                                n_reads as u8,
-                                &consts,
-                            ));
-                        }
-                    }
-                }
-                Pass::Forward => {
-                    if *family == FORWARD_STAGED {
-                        consts.push((pad > 0) as i32);
-                    }
-                    specs.push(KernelSpec::new(
-                        family,
-                        dtype,
-                        block as u16,
-                        n_reads as u8,
-                        &consts,
-                    ));
-                }
+            let base = [rms, items as i32, cluster as i32];
+            // The constants after ITEMS and CLUSTER: the VJP's SMEM_SUMS and PIPELINE, the
+            // staged forward's SHIFTED.
+            let tails: Vec<Vec<i32>> = match pass {
+                Pass::Vjp => (0..2)
+                    .flat_map(|smem_sums| (0..3).map(move |pipeline| vec![smem_sums, pipeline]))
+                    .collect(),
+                Pass::Forward if *family == FORWARD_STAGED => vec![vec![(pad > 0) as i32]],
+                Pass::Forward => vec![vec![]],
+            };
+            for tail in tails {
+                let consts: Vec<i32> = base.iter().chain(&tail).copied().collect();
+                let (block, n_reads) = (block as u16, n_reads as u8);
+                specs.push(KernelSpec::new(family, dtype, block, n_reads, &consts));
             }
         }
     }
