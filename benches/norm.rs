@@ -240,6 +240,28 @@ fn chosen_spec(
     norm::choose_spec(pass, kind, dtype, d, layout, count, gpu)
 }
 
+/// `specs` with the specs the ops choose for few and many contiguous rows of `d` added where
+/// missing: past one block's registers they choose by the count of rows (a block a row or a
+/// cluster a row), and a sweep times both choices beside its candidates.
+fn with_chosen(
+    enc: &CommandEncoder,
+    mut specs: Vec<kiln::jit::KernelSpec>,
+    pass: norm::Pass,
+    kind: norm::Kind,
+    dtype: DType,
+    d: usize,
+) -> Vec<kiln::jit::KernelSpec> {
+    let gpu = norm::Gpu::of(enc.device());
+    for count in [norm::Count::Few, norm::Count::Many] {
+        let rows = contiguous_rows(dtype, d);
+        let spec = norm::choose_spec(pass, kind, dtype, d, rows, count, gpu);
+        if !specs.contains(&spec) {
+            specs.push(spec);
+        }
+    }
+    specs
+}
+
 /// One case of a sweep: rows x d, the norm and pass, and the specs to time on it.
 type SweepCase = (
     usize,
@@ -289,18 +311,14 @@ fn block_cases(enc: &CommandEncoder, dtype: DType) -> Vec<SweepCase> {
                 };
                 vec![chosen, quick, looped]
             } else {
-                let mut specs = tuning::candidates(pass, kind, dtype, d);
-                // Past one block's registers the ops choose by the count of rows (a block a row
-                // or a cluster a row): time both choices beside the candidates.
-                let gpu = norm::Gpu::of(enc.device());
-                for count in [norm::Count::Few, norm::Count::Many] {
-                    let rows = contiguous_rows(dtype, d);
-                    let spec = norm::choose_spec(pass, kind, dtype, d, rows, count, gpu);
-                    if !specs.contains(&spec) {
-                        specs.push(spec);
-                    }
-                }
-                specs
+                with_chosen(
+                    enc,
+                    tuning::candidates(pass, kind, dtype, d),
+                    pass,
+                    kind,
+                    dtype,
+                    d,
+                )
             };
             cases.push((rows, d, kind, pass, candidates));
         }
@@ -320,15 +338,8 @@ fn split_cases(enc: &CommandEncoder, dtype: DType) -> Vec<SweepCase> {
     {
         for kind in [Kind::LayerNorm, Kind::RmsNorm] {
             for pass in [Pass::Forward, Pass::Vjp] {
-                let mut candidates = tuning::split_candidates(pass, kind, dtype, d);
-                let gpu = norm::Gpu::of(enc.device());
-                for count in [norm::Count::Few, norm::Count::Many] {
-                    let rows = contiguous_rows(dtype, d);
-                    let spec = norm::choose_spec(pass, kind, dtype, d, rows, count, gpu);
-                    if !candidates.contains(&spec) {
-                        candidates.push(spec);
-                    }
-                }
+                let split = tuning::split_candidates(pass, kind, dtype, d);
+                let candidates = with_chosen(enc, split, pass, kind, dtype, d);
                 cases.push((rows, d, kind, pass, candidates));
             }
         }
