@@ -213,16 +213,6 @@ fn upload_all<V: AsRef<[f64]> + Sync>(
         .collect()
 }
 
-/// How `d`-element rows laid out one after another start: each on a granule where the rows
-/// hold whole vectors, else alike (every operand's row as far into its granule).
-fn contiguous_rows(dtype: DType, d: usize) -> norm::Rows {
-    if d % dtype.vec_width() == 0 {
-        norm::Rows::Aligned
-    } else {
-        norm::Rows::Alike
-    }
-}
-
 /// The spec the ops choose for `rows` contiguous rows of `d` elements on `enc`'s GPU.
 fn chosen_spec(
     enc: &CommandEncoder,
@@ -236,7 +226,7 @@ fn chosen_spec(
         norm::Gpu::of(enc.device()),
         norm::Count::of(rows, enc.device()),
     );
-    let layout = contiguous_rows(dtype, d);
+    let layout = norm::tuning::contiguous_rows(dtype, d);
     norm::choose_spec(pass, kind, dtype, d, layout, count, gpu)
 }
 
@@ -251,9 +241,11 @@ fn with_chosen(
     dtype: DType,
     d: usize,
 ) -> Vec<kiln::jit::KernelSpec> {
-    let gpu = norm::Gpu::of(enc.device());
+    let (gpu, rows) = (
+        norm::Gpu::of(enc.device()),
+        norm::tuning::contiguous_rows(dtype, d),
+    );
     for count in [norm::Count::Few, norm::Count::Many] {
-        let rows = contiguous_rows(dtype, d);
         let spec = norm::choose_spec(pass, kind, dtype, d, rows, count, gpu);
         if !specs.contains(&spec) {
             specs.push(spec);

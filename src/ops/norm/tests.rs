@@ -616,11 +616,8 @@ fn the_split_sweep_measures_the_chosen_spec_among_others() {
     for dtype in [DType::F32, DType::F16, DType::BF16] {
         for d in [16385, 16392, 18432, 30000, 50257, 65536, 70000, 131072] {
             // The sweep's rows are contiguous: odd lengths start alike.
-            let rows = if d % dtype.vec_width() == 0 {
-                Rows::Aligned
-            } else {
-                Rows::Alike
-            };
+            let rows = super::tuning::contiguous_rows(dtype, d);
+            assert_eq!(rows == Rows::Alike, d % dtype.vec_width() != 0);
             for kind in [Kind::LayerNorm, Kind::RmsNorm] {
                 for pass in [Pass::Forward, Pass::Vjp] {
                     let candidates = super::tuning::split_candidates(pass, kind, dtype, d);

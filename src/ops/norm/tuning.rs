@@ -89,19 +89,25 @@ pub fn vjp_with(
     vjp(enc, kind, x, w, want_db, g, eps, Some(spec))
 }
 
+/// How `d`-element rows of `dtype` laid out one after another start: each on a granule where
+/// the rows hold whole vectors, else alike (every operand's row as far into its granule).
+pub fn contiguous_rows(dtype: DType, d: usize) -> Rows {
+    if d % dtype.vec_width() == 0 {
+        Rows::Aligned
+    } else {
+        Rows::Alike
+    }
+}
+
 /// Every split-row spec (a cluster of blocks a row) that could serve contiguous rows of `d`
-/// (aligned where `d` holds whole vectors, else alike: `Rows`): each vector width the family
+/// (`contiguous_rows`): each vector width the family
 /// takes there, a power of two of vectors a thread or the fewest of `split_items` that cover a
 /// block's chunk, each cluster width that covers the row up to twice the fewest, and for the VJP
 /// the partial sums in registers or shared memory, and each way of overlapping rows (PIPELINE 0,
 /// 1 or 2). Each passes the same check as a caller's spec. For `--sweep --split` to measure the
 /// choices of `split_layouts`, `vjp_split_layouts` and `vjp_split_pipeline`.
 pub fn split_candidates(pass: Pass, kind: Kind, dtype: DType, d: usize) -> Vec<KernelSpec> {
-    let rows = if d % dtype.vec_width() == 0 {
-        Rows::Aligned
-    } else {
-        Rows::Alike
-    };
+    let rows = contiguous_rows(dtype, d);
     let rms = (kind == Kind::RmsNorm) as i32;
     let (family, block) = match pass {
         // Every layout of a dtype is of the same kernel.
