@@ -426,7 +426,8 @@ fn long_rows_match_the_reference() {
         let mut enc = encoder(&dev, graphs);
         for dtype in DType::ALL {
             for d in [
-                3000, 5120, 12288, 16385, 18432, 30000, 32767, 65535, 65536, 131071, 131072,
+                3000, 5120, 12288, 16385, 18432, 30000, 32767, 65535, 65536, 70000, 98304, 131071,
+                131072,
             ] {
                 // 700 rows: every cluster takes many turns, so the split kernels' rings of
                 // stages wrap around several times.
@@ -463,6 +464,41 @@ fn long_rows_match_the_reference() {
 /// multiprocessor, and a cluster each on Hopper when it has fewer: both sides of that count (and
 /// many turns a block), both norms, every dtype, an outlier, a broadcast weight without bias,
 /// graph and direct mode.
+/// The split-row VJP's layouts by length and count of rows: 16-bit rows of whole vectors past
+/// 65,536 on 8 blocks of 24 elements a thread, and rows of one element a vector on 24 elements
+/// where there is a row for each SM (140 rows) and on 16 where there are fewer (3).
+#[test]
+fn split_vjp_layouts_match_the_reference() {
+    let Some(dev) = device("norm_split_vjp_layouts") else {
+        return;
+    };
+    let mut failures = Vec::new();
+    let mut seed = 9500;
+    for graphs in [false, true] {
+        let mut enc = encoder(&dev, graphs);
+        for dtype in [DType::F16, DType::BF16] {
+            for d in [16385, 50257, 70000, 98304] {
+                for rows in [3, 140] {
+                    if graphs && rows > 3 {
+                        continue; // the same kernels as in direct mode
+                    }
+                    for kind in [Kind::LayerNorm, Kind::RmsNorm] {
+                        seed += 1;
+                        let case = Case::plain(kind, dtype, rows, d, EPS);
+                        let err = run_case(&mut enc, &case, seed);
+                        if err > tolerance(dtype) {
+                            failures.push(format!(
+                                "graphs={graphs} {kind:?} {dtype} {rows}x{d}: {err:.3e}"
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
 #[test]
 fn long_rows_a_block_each_match_the_reference() {
     let Some(dev) = device("norm_long_ring") else {

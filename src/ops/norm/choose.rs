@@ -471,13 +471,14 @@ pub(super) fn split_items(needed: usize) -> usize {
 
 /// A split-row layout for rows of `d` elements, blocks of `block` threads of `n_reads`-element
 /// vectors: (blocks per cluster, vectors per thread), the fewest blocks of `VJP_SPLIT_CLUSTERS`
-/// up to `most` whose threads, each holding `elements` elements at most, cover a block's chunk
-/// and `pad` elements more, and the fewest vectors a thread of `split_items` that do (16-bit
-/// LayerNorm rows of 18,432 forward on two blocks of 9,216 elements: 512 x 3 vectors, not 4;
-/// unaligned 16,385 VJP rows on three blocks of 5,464: 12 elements a thread, not 16).
+/// from `least` up to `most` whose threads, each holding `elements` elements at most, cover a
+/// block's chunk and `pad` elements more, and the fewest vectors a thread of `split_items` that
+/// do (16-bit LayerNorm rows of 18,432 forward on two blocks of 9,216 elements: 512 x 3
+/// vectors, not 4; unaligned 16,385 VJP rows on two blocks of 8,200: 24 elements a thread, not
+/// 32).
 fn fit_cluster(
     block: usize,
-    most: usize,
+    (least, most): (usize, usize),
     elements: usize,
     n_reads: usize,
     d: usize,
@@ -486,7 +487,7 @@ fn fit_cluster(
     let per_block = block * (elements / n_reads).max(1) * n_reads;
     let cluster = *VJP_SPLIT_CLUSTERS
         .iter()
-        .find(|&&c| c <= most && split_chunk(d, c) + pad <= per_block)?;
+        .find(|&&c| (least..=most).contains(&c) && split_chunk(d, c) + pad <= per_block)?;
     let items = split_items((split_chunk(d, cluster) + pad).div_ceil(block * n_reads));
     (items * n_reads <= elements).then_some((cluster, items))
 }
@@ -504,7 +505,7 @@ pub(super) fn split_spec(kind: Kind, dtype: DType, d: usize, rows: Rows) -> Opti
         })
         .find_map(|(family, most, elements, n_reads)| {
             let pad = split_pad(n_reads, rows);
-            let (cluster, items) = fit_cluster(SPLIT_BLOCK, most, elements, n_reads, d, pad)?;
+            let (cluster, items) = fit_cluster(SPLIT_BLOCK, (2, most), elements, n_reads, d, pad)?;
             let mut consts = vec![(kind == Kind::RmsNorm) as i32, items as i32, cluster as i32];
             if *family == FORWARD_STAGED {
                 consts.push((pad > 0) as i32);
@@ -525,9 +526,6 @@ pub(super) const VJP_SPLIT_BLOCK: usize = 512;
 /// (2 to the portable 8, then Hopper's non-portable 16). Blocks beyond the row's length would
 /// only wait on its exchanges, and every block spared lets another row be in flight.
 pub(super) const VJP_SPLIT_CLUSTERS: [usize; 8] = [2, 3, 4, 5, 6, 7, 8, 16];
-/// The most elements a split-row VJP thread holds per row: 16 each of x, the cotangent, and the
-/// partial sums of dweight and dbias.
-pub(super) const VJP_SPLIT_ELEMENTS: usize = 16;
 
 /// Stages of the split VJP's ring for chunks of `capacity` elements (`STAGES` in
 /// norm_vjp_split.cu): three up to 16 KiB a chunk, else two (three would not fit beside the
@@ -540,67 +538,148 @@ pub(super) fn vjp_split_stages(dtype: DType, capacity: usize) -> usize {
     }
 }
 
-/// The split-row VJP's layouts in order of preference: (most blocks per cluster, most elements
-/// per thread, partial sums in shared memory). Rows arrive through the ring of shared-memory
-/// stages, so registers hold only the current row, and a row's time is bound by the latency of
-/// its exchange more than by its bytes: 16-bit rows take 16 elements a thread (16 KiB chunks;
-/// 8 KiB ones ran at 44-45% of copy for LayerNorm at 16,385-30,000 elements against 50-68%, when
-/// it took two exchanges a row), f32 rows 8 or 16. None keeps its partial sums in shared memory
-/// now (SMEM_SUMS, which let two register-prefetching blocks share an SM, is still built and
-/// accepted).
-pub(super) fn vjp_split_layouts(dtype: DType) -> &'static [(usize, usize, bool)] {
-    if dtype.size() == 2 {
-        &[(16, 16, false)]
-    } else {
-        &[(8, 16, false), (16, 16, false)]
+/// A split-row VJP layout: the fewest and most blocks per cluster, the most elements a thread
+/// holds, and whether its partial sums are kept in shared memory.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct VjpSplitLayout {
+    pub least: usize,
+    pub most: usize,
+    pub elements: usize,
+    pub smem_sums: bool,
+}
+
+const fn vjp_layout(least: usize, most: usize, elements: usize) -> VjpSplitLayout {
+    VjpSplitLayout {
+        least,
+        most,
+        elements,
+        smem_sums: false,
     }
+}
+
+/// The split-row VJP's layouts for rows of `n_reads`-element vectors, in order of preference.
+/// Rows arrive through the ring of shared-memory stages, so registers hold only the current row,
+/// and a row's time is bound by the latency of its exchange more than by its bytes:
+/// - 16-bit rows of whole vectors: 16 elements a thread in 2 to 8 blocks (16 KiB chunks; 8 KiB
+///   ones ran at 44-45% of copy for LayerNorm at 16,385-30,000 elements against 50-68%, when it
+///   took two exchanges a row), then 24 in clusters of 8 (to 98,304 elements), then Hopper's
+///   non-portable clusters of 16. H100, bf16, about 2^25 elements: 8 blocks of 24 against 16 of
+///   16 read 1.36-1.80x for LayerNorm and 1.18-1.36x for RMSNorm from 70,000 to 98,304, and 8
+///   blocks beat the fewest (6 or 7) at 80,000 (1.05-1.06x) and for RMSNorm at 70,000 (1.10x).
+/// - 16-bit rows of one element a vector, at least a row for each SM (`Count::Many`): 24
+///   elements a thread in 2 to 8 blocks, then clusters of 16: H100, bf16 and f16, 1.18-1.20x
+///   the 16-element layout for LayerNorm and 1.02-1.07x for RMSNorm at 16,385 (2 blocks against
+///   3) and 50,257 (5 against 7). Fewer rows keep 16 elements in more blocks: 16 rows of the
+///   same lengths ran 0.64-0.93x on the fewer blocks.
+/// - f32 rows: 16 elements a thread in 2 to 8 blocks, then 16.
+///
+/// None keeps its partial sums in shared memory now (SMEM_SUMS, which let two
+/// register-prefetching blocks share an SM, is still built and accepted).
+pub(super) fn vjp_split_layouts(
+    dtype: DType,
+    n_reads: usize,
+    count: Count,
+) -> &'static [VjpSplitLayout] {
+    static WHOLE_VECTORS: [VjpSplitLayout; 3] = [
+        vjp_layout(2, 8, 16),
+        vjp_layout(8, 8, 24),
+        vjp_layout(16, 16, 16),
+    ];
+    static ONE_ELEMENT: [VjpSplitLayout; 2] = [vjp_layout(2, 8, 24), vjp_layout(16, 16, 16)];
+    static SIXTEEN: [VjpSplitLayout; 2] = [vjp_layout(2, 8, 16), vjp_layout(16, 16, 16)];
+    match (dtype.size(), n_reads, count) {
+        (2, 1, Count::Many) => &ONE_ELEMENT,
+        (2, 1, Count::Few) => &SIXTEEN,
+        (2, _, _) => &WHOLE_VECTORS,
+        _ => &SIXTEEN,
+    }
+}
+
+/// Every layout `vjp_split_layouts` gives `dtype` on rows of `n_reads`-element vectors, for any
+/// count of rows.
+fn all_vjp_split_layouts(dtype: DType, n_reads: usize) -> impl Iterator<Item = VjpSplitLayout> {
+    [Count::Few, Count::Many]
+        .into_iter()
+        .flat_map(move |count| vjp_split_layouts(dtype, n_reads, count).iter().copied())
+}
+
+/// The most elements a split-row VJP thread of `dtype` holds per row (of each of x, the
+/// cotangent, and the partial sums of dweight and dbias) on rows of `n_reads`-element vectors.
+pub(super) fn vjp_split_elements(dtype: DType, n_reads: usize) -> usize {
+    let layouts = all_vjp_split_layouts(dtype, n_reads);
+    layouts.map(|l| l.elements).max().unwrap_or(0)
+}
+
+/// The longest rows of `dtype` in `n_reads`-element vectors a split-row VJP cluster's registers
+/// hold.
+pub(super) fn vjp_split_row(dtype: DType, n_reads: usize) -> usize {
+    let layouts = all_vjp_split_layouts(dtype, n_reads);
+    VJP_SPLIT_BLOCK * layouts.map(|l| l.most * l.elements).max().unwrap_or(0)
 }
 
 /// How the split-row VJP overlaps each row's exchange with the next row's (PIPELINE in
 /// norm_vjp_split.cu): 0 not at all; 1 with the next row's sums read from its stage (a second
-/// read of each staged chunk); 2 with both rows held in registers as loaded.
-/// - 2: 16-bit rows of whole vectors. H200, direct mode, same call as the tree before it, two
+/// read of each staged chunk); 2 with both rows held in registers as loaded. `elements`: a
+/// thread's elements of a row.
+/// - 2: 16-bit rows of whole vectors, 16 elements a thread. H200, direct mode, same call as the tree before it, two
 ///   rounds: LayerNorm 1.05-1.08x, RMSNorm 1.03-1.18x at 18,432, 30,000 and 65,536 elements
 ///   (clusters of 3, 4 and 8; bf16 RMSNorm at 65,536 67% -> 79% of copy). In Hopper's
 ///   non-portable clusters of 16 (rows past 65,536), H100, bf16 256 x 131,072: LayerNorm 1,823
 ///   GB/s against 1,644 with 0 (55% -> 61% of copy), RMSNorm 2,409 against 2,364 with 1.
 ///   It lost on rows of one element a vector (16-bit rows of 16,385: 0.76-0.96x, whose held
-///   rows take a register per element) and on f32 rows (0.86-0.99x: 128 registers).
+///   rows take a register per element) and on f32 rows (0.86-0.99x: 128 registers). Threads
+///   of 24 elements (two rows of 24 held: LayerNorm spills) ran best with 0 on 10 of 12
+///   cluster widths and lengths swept (H100, bf16, 70,000 to 98,304 elements; LayerNorm
+///   0.89-0.96x with 2; RMSNorm best with 1 on two, by 3-6%).
 /// - 1: 16-bit RMSNorm rows of one element a vector in clusters of 16, whose exchanges are the
 ///   slowest (pipelined whole vectors ran 1.07-1.08x at 131,072 on an H200 before 2 was tried
 ///   there). LayerNorm, whose exchange from a stage takes two passes over it (the warp's mean,
 ///   then the sums about it), ran 2-8% slower with 1 at every width. f32 rows with 1:
 ///   0.93-1.09x with no rule by width or by how full the chunks are that separates the gains
 ///   from the losses (H200).
-pub(super) fn vjp_split_pipeline(kind: Kind, dtype: DType, cluster: usize, n_reads: usize) -> i32 {
+pub(super) fn vjp_split_pipeline(
+    kind: Kind,
+    dtype: DType,
+    cluster: usize,
+    n_reads: usize,
+    elements: usize,
+) -> i32 {
     match (dtype.size(), kind, cluster) {
-        (2, _, _) if n_reads > 1 => 2,
+        (2, _, _) if n_reads > 1 && elements <= 16 => 2,
         (2, Kind::RmsNorm, 16) => 1,
         _ => 0,
     }
 }
 
-/// The split-row VJP for rows of `d` elements, if a cluster's registers hold them: the first
-/// layout of `vjp_split_layouts` that does, with the fewest blocks per cluster (up to the
+/// The split-row VJP for `count` rows of `d` elements, if a cluster's registers hold them: the
+/// first layout of `vjp_split_layouts` that does, with the fewest blocks per cluster (within the
 /// layout's) whose threads, each holding the fewest vectors of `split_items` within the layout's
 /// elements, cover the row.
-pub(super) fn vjp_split_spec(kind: Kind, dtype: DType, d: usize, rows: Rows) -> Option<KernelSpec> {
+pub(super) fn vjp_split_spec(
+    kind: Kind,
+    dtype: DType,
+    d: usize,
+    rows: Rows,
+    count: Count,
+) -> Option<KernelSpec> {
     split_widths(dtype, rows)
         .filter(|&n_reads| split_takes(&VJP_SPLIT, dtype, rows, n_reads))
         .flat_map(|n_reads| {
-            vjp_split_layouts(dtype)
-                .iter()
-                .map(move |&(most, elements, smem_sums)| (most, elements, smem_sums, n_reads))
+            let layouts = vjp_split_layouts(dtype, n_reads, count).iter();
+            layouts.map(move |&layout| (layout, n_reads))
         })
-        .find_map(|(most, elements, smem_sums, n_reads)| {
+        .find_map(|(layout, n_reads)| {
             let pad = split_pad(n_reads, rows);
-            let (cluster, items) = fit_cluster(VJP_SPLIT_BLOCK, most, elements, n_reads, d, pad)?;
+            let clusters = (layout.least, layout.most);
+            let (cluster, items) =
+                fit_cluster(VJP_SPLIT_BLOCK, clusters, layout.elements, n_reads, d, pad)?;
+            let pipeline = vjp_split_pipeline(kind, dtype, cluster, n_reads, items * n_reads);
             let consts = [
                 (kind == Kind::RmsNorm) as i32,
                 items as i32,
                 cluster as i32,
-                smem_sums as i32,
-                vjp_split_pipeline(kind, dtype, cluster, n_reads),
+                layout.smem_sums as i32,
+                pipeline,
             ];
             Some(KernelSpec::new(
                 &VJP_SPLIT,
@@ -757,7 +836,7 @@ pub fn choose_spec(
             }
         }
         if pass == Pass::Vjp && gpu.clusters {
-            if let Some(spec) = vjp_split_spec(kind, dtype, d, rows) {
+            if let Some(spec) = vjp_split_spec(kind, dtype, d, rows, count) {
                 if fits(&spec, shared_limit) {
                     return spec;
                 }
@@ -842,15 +921,11 @@ fn choices(pass: Pass, kind: Kind, dtype: DType, gpu: Gpu) -> Vec<KernelSpec> {
             longest = longest.max(SPLIT_ROW / n_reads);
         }
         if pass == Pass::Vjp && gpu.clusters {
-            let widest = VJP_SPLIT_CLUSTERS[VJP_SPLIT_CLUSTERS.len() - 1];
-            longest = longest.max(VJP_SPLIT_BLOCK * widest * VJP_SPLIT_ELEMENTS / n_reads);
+            longest = longest.max(vjp_split_row(dtype, n_reads) / n_reads);
         }
-        // Only the forward's choice depends on the count of rows.
-        let counts: &[Count] = match pass {
-            Pass::Forward => &[Count::Many, Count::Few],
-            Pass::Vjp => &[Count::Many],
-        };
-        for &count in counts {
+        // The forward's choice, and the split VJP's on rows of one element a vector, depend on
+        // the count of rows.
+        for count in [Count::Many, Count::Few] {
             let mut last = None;
             for vectors in 1..=longest + 1 {
                 let spec = choose_spec(pass, kind, dtype, vectors * n_reads, rows, count, gpu);
@@ -899,7 +974,7 @@ pub(super) fn check_chosen(
             && spec.dtype == dtype
             && legal_width
             && split_items(items) == items
-            && items * n_reads <= VJP_SPLIT_ELEMENTS
+            && items * n_reads <= vjp_split_elements(dtype, n_reads)
             && VJP_SPLIT_CLUSTERS.contains(&cluster)
             && spec.block_dim as usize == VJP_SPLIT_BLOCK
             && split_chunk(d, cluster) + pad <= split_capacity(&spec)

@@ -149,8 +149,7 @@ fn every_chosen_spec_is_registered_for(gpu: Gpu) {
                         let vectors = d.div_ceil(n_reads);
                         if pass == Pass::Vjp && gpu.clusters {
                             let beyond_a_block = vectors > 1024 * max_items(pass, n_reads);
-                            let fits_cluster =
-                                vectors <= VJP_SPLIT_BLOCK * 16 * VJP_SPLIT_ELEMENTS / n_reads;
+                            let fits_cluster = vectors <= vjp_split_row(dtype, n_reads) / n_reads;
                             if beyond_a_block && fits_cluster {
                                 assert!(is_vjp_split(&s), "{s} chosen for d={d}");
                             }
@@ -256,15 +255,47 @@ fn split_rows_pipeline_and_fill_blocks_as_measured() {
         assert!(is_split(&spec), "{spec}");
         spec
     };
-    // The VJP holds two 16-bit rows in registers at every cluster width (PIPELINE 2); f32
-    // rows are not pipelined.
+    // The VJP holds two 16-bit rows of 16 elements a thread in registers at every cluster
+    // width (PIPELINE 2); f32 rows are not pipelined. 16-bit rows past 65,536 take 24 elements a
+    // thread in clusters of 8, not pipelined, then clusters of 16; f32 rows clusters of 16.
     for kind in [Kind::LayerNorm, Kind::RmsNorm] {
         for dtype in DType::ALL {
-            for d in [18432, 30000, 65536, 65544, 131072] {
+            for d in [18432, 30000, 65536, 65544, 70000, 98304, 98312, 131072] {
                 let spec = chosen(Pass::Vjp, kind, dtype, d);
-                let pipeline = if dtype.size() == 2 { 2 } else { 0 };
-                assert_eq!(spec.constant("CLUSTER") == Some(16), d > 65536, "{spec}");
+                let (items, cluster) = (constant(&spec, "ITEMS"), constant(&spec, "CLUSTER"));
+                let elements = items * spec.n_reads as usize;
+                let widest = if dtype.size() == 2 { 98304 } else { 65536 };
+                let wide_items = dtype.size() == 2 && d > 65536 && d <= widest;
+                assert_eq!(cluster == 16, d > widest, "{spec}");
+                assert_eq!(elements == 24, wide_items, "{spec}");
+                if wide_items {
+                    assert_eq!(cluster, 8, "{spec}");
+                }
+                let pipeline = if dtype.size() == 2 && !wide_items {
+                    2
+                } else {
+                    0
+                };
                 assert_eq!(spec.constant("PIPELINE"), Some(pipeline), "{spec}");
+            }
+        }
+    }
+    // 16-bit rows of one element a vector take 24 elements a thread in the fewest blocks of up
+    // to 8 where there is a row for each SM (16,385 on two blocks, 50,257 on five), 16 in more
+    // blocks where there are fewer rows, then clusters of 16 of 16 elements.
+    for (d, many, few) in [
+        (16385, (2, 24), (3, 12)),
+        (50257, (5, 24), (7, 16)),
+        (65535, (6, 24), (8, 16)),
+        (98303, (8, 24), (16, 12)),
+        (98305, (16, 16), (16, 16)),
+    ] {
+        for kind in [Kind::LayerNorm, Kind::RmsNorm] {
+            for (count, (cluster, elements)) in [(Count::Many, many), (Count::Few, few)] {
+                let spec = choose_spec(Pass::Vjp, kind, DType::F16, d, Rows::Alike, count, gpu);
+                assert_eq!(spec.n_reads, 1, "{spec}");
+                assert_eq!(constant(&spec, "CLUSTER"), cluster, "{d} {count:?}: {spec}");
+                assert_eq!(constant(&spec, "ITEMS"), elements, "{d} {count:?}: {spec}");
             }
         }
     }
@@ -496,13 +527,14 @@ fn unaligned_long_rows_take_vectors_on_the_ring_kernels() {
         [1, 1, 2, 3, 4, 6, 6, 8, 8, 12, 12, 12, 12, 16, 16, 16, 16, 24]
     );
     // Each thread holds the fewest vectors that cover its block's chunk: 16,385 elements on
-    // three VJP blocks of 5,464 (12 of 512 threads' elements, not 16), on two 16-bit LayerNorm
-    // forward blocks of 8,200 (3 shifted vectors of 8, not 4).
+    // three f32 VJP blocks of 5,464 (12 of 512 threads' elements, not 16), on two 16-bit VJP
+    // blocks of 8,200 (24, not 32), on two 16-bit LayerNorm forward blocks of 8,200 (3 shifted
+    // vectors of 8, not 4).
     let items = |pass, dtype, kind| {
         let s = choose_spec(pass, kind, dtype, 16385, Rows::Alike, Count::Many, gpu);
         (constant(&s, "ITEMS"), constant(&s, "CLUSTER"))
     };
-    assert_eq!(items(Pass::Vjp, DType::BF16, Kind::LayerNorm), (12, 3));
+    assert_eq!(items(Pass::Vjp, DType::BF16, Kind::LayerNorm), (24, 2));
     assert_eq!(items(Pass::Vjp, DType::F32, Kind::RmsNorm), (12, 3));
     assert_eq!(items(Pass::Forward, DType::F16, Kind::LayerNorm), (3, 2));
     // The longest rows a layout holds take single elements where shifted vectors would not fit:
