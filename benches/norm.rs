@@ -339,6 +339,18 @@ fn split_cases(enc: &CommandEncoder, dtype: DType) -> Vec<SweepCase> {
     cases
 }
 
+/// How many clusters of a split spec the GPU holds at once (the grid its launches loop over);
+/// None for a spec without clusters.
+fn cluster_slots(enc: &CommandEncoder, spec: &kiln::jit::KernelSpec) -> Option<usize> {
+    spec.named_consts().find(|&(name, _)| name == "CLUSTER")?;
+    let kernel = enc.device().kernel(spec).ok()?;
+    let shared = kiln::ops::norm::tuning::ring_shared_bytes(spec);
+    kernel.allow_shared(shared).ok()?;
+    kernel
+        .max_active_clusters(spec.block_dim as u32, shared)
+        .ok()
+}
+
 /// `--sweep`: GB/s of each case's specs (`block_cases`, or with `--split` `split_cases`), in
 /// `--dtype` (bf16 unless given), the spec the ops choose marked. `--only TEXT` keeps the cases
 /// whose "ROWSxD Kind Pass" contains TEXT.
@@ -396,8 +408,9 @@ fn sweep(enc: &mut CommandEncoder, only: &str) {
                 .skip(1)
                 .map(|(name, value)| format!("{name}={value}"))
                 .collect();
+            let slots = cluster_slots(enc, &spec).map_or(String::new(), |n| format!(" slots={n}"));
             println!(
-                "sweep {rows}x{d} {dtype} {kind:?} {pass:?} {} {}: {:.0} GB/s{}",
+                "sweep {rows}x{d} {dtype} {kind:?} {pass:?} {} {}: {:.0} GB/s{slots}{}",
                 spec.template.name,
                 consts.join(" "),
                 passes * bytes / secs / 1e9,
