@@ -222,10 +222,20 @@ fn chosen_spec(
     rows: usize,
     d: usize,
 ) -> kiln::jit::KernelSpec {
-    let (gpu, count) = (
-        norm::Gpu::of(enc.device()),
-        norm::Count::of(rows, enc.device()),
-    );
+    let count = norm::Count::of(rows, enc.device());
+    chosen_for_count(enc, pass, kind, dtype, count, d)
+}
+
+/// The spec the ops choose for `count` contiguous rows of `d` elements on `enc`'s GPU.
+fn chosen_for_count(
+    enc: &CommandEncoder,
+    pass: norm::Pass,
+    kind: norm::Kind,
+    dtype: DType,
+    count: norm::Count,
+    d: usize,
+) -> kiln::jit::KernelSpec {
+    let gpu = norm::Gpu::of(enc.device());
     let layout = norm::tuning::contiguous_rows(dtype, d);
     norm::choose_spec(pass, kind, dtype, d, layout, count, gpu)
 }
@@ -241,12 +251,8 @@ fn with_chosen(
     dtype: DType,
     d: usize,
 ) -> Vec<kiln::jit::KernelSpec> {
-    let (gpu, rows) = (
-        norm::Gpu::of(enc.device()),
-        norm::tuning::contiguous_rows(dtype, d),
-    );
     for count in [norm::Count::Few, norm::Count::Many] {
-        let spec = norm::choose_spec(pass, kind, dtype, d, rows, count, gpu);
+        let spec = chosen_for_count(enc, pass, kind, dtype, count, d);
         if !specs.contains(&spec) {
             specs.push(spec);
         }
@@ -342,7 +348,7 @@ fn split_cases(enc: &CommandEncoder, dtype: DType) -> Vec<SweepCase> {
 /// How many clusters of a split spec the GPU holds at once (the grid its launches loop over);
 /// None for a spec without clusters.
 fn cluster_slots(enc: &CommandEncoder, spec: &kiln::jit::KernelSpec) -> Option<usize> {
-    spec.named_consts().find(|&(name, _)| name == "CLUSTER")?;
+    spec.constant("CLUSTER")?;
     let kernel = enc.device().kernel(spec).ok()?;
     let shared = kiln::ops::norm::tuning::ring_shared_bytes(spec);
     kernel.allow_shared(shared).ok()?;

@@ -429,7 +429,7 @@ pub(super) fn shifts_columns(family: &TemplateDef) -> bool {
 /// The vector widths split kernels try on `rows`, in order of preference. Shifted columns cover
 /// a vector more than the chunk, so the longest unaligned rows a layout holds fall back to single
 /// elements.
-fn split_widths(dtype: DType, rows: Rows) -> impl Iterator<Item = usize> {
+pub(super) fn split_widths(dtype: DType, rows: Rows) -> impl Iterator<Item = usize> {
     [dtype.vec_width(), 1]
         .into_iter()
         .filter(move |&n_reads| match rows {

@@ -115,11 +115,17 @@ pub fn split_candidates(pass: Pass, kind: Kind, dtype: DType, d: usize) -> Vec<K
         Pass::Vjp => (&VJP_SPLIT, VJP_SPLIT_BLOCK),
     };
     let mut specs = Vec::new();
-    for n_reads in [dtype.vec_width(), 1] {
-        if (n_reads == 1 && rows == Rows::Aligned) || !split_takes(family, dtype, rows, n_reads) {
-            continue;
-        }
+    for n_reads in split_widths(dtype, rows).filter(|&n| split_takes(family, dtype, rows, n)) {
         let pad = split_pad(n_reads, rows);
+        // The constants after ITEMS and CLUSTER: the VJP's SMEM_SUMS and PIPELINE, the staged
+        // forward's SHIFTED.
+        let tails: Vec<Vec<i32>> = match pass {
+            Pass::Vjp => (0..2)
+                .flat_map(|smem_sums| (0..3).map(move |pipeline| vec![smem_sums, pipeline]))
+                .collect(),
+            Pass::Forward if *family == FORWARD_STAGED => vec![vec![(pad > 0) as i32]],
+            Pass::Forward => vec![vec![]],
+        };
         let layouts = VJP_SPLIT_CLUSTERS.iter().flat_map(|&cluster| {
             let fewest = split_items((split_chunk(d, cluster) + pad).div_ceil(block * n_reads));
             let powers = [1, 2, 4, 8].into_iter().filter(move |&i| i != fewest);
@@ -129,17 +135,8 @@ pub fn split_candidates(pass: Pass, kind: Kind, dtype: DType, d: usize) -> Vec<K
         });
         for (items, cluster) in layouts {
             let base = [rms, items as i32, cluster as i32];
-            // The constants after ITEMS and CLUSTER: the VJP's SMEM_SUMS and PIPELINE, the
-            // staged forward's SHIFTED.
-            let tails: Vec<Vec<i32>> = match pass {
-                Pass::Vjp => (0..2)
-                    .flat_map(|smem_sums| (0..3).map(move |pipeline| vec![smem_sums, pipeline]))
-                    .collect(),
-                Pass::Forward if *family == FORWARD_STAGED => vec![vec![(pad > 0) as i32]],
-                Pass::Forward => vec![vec![]],
-            };
-            for tail in tails {
-                let consts: Vec<i32> = base.iter().chain(&tail).copied().collect();
+            for tail in &tails {
+                let consts: Vec<i32> = base.iter().chain(tail).copied().collect();
                 let (block, n_reads) = (block as u16, n_reads as u8);
                 specs.push(KernelSpec::new(family, dtype, block, n_reads, &consts));
             }
