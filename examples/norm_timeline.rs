@@ -1,0 +1,247 @@
+//! A timeline of the 16-bit split-row forward (norm_fwd_staged.cu): where a call's time goes.
+//!
+//! It builds the spec the ops choose for DTYPE OP ROWS D as an application family whose text is
+//! the kernel's with `%globaltimer` stamps added (thread 0 of each block: start, after the
+//! setup's cluster barrier, after the weights load, and at each row: its chunk arrived, its
+//! statistics exchanged, its stores issued; then before and after the last cluster barrier).
+//! CALLS launches run back to back on one stream, each stamping its own region, and the
+//! stamps are printed as CSV (`call,block,event,ns`, ns from the first call's earliest stamp)
+//! after a summary line per call. Events: 0 start, 1 after the setup's cluster barrier, 2 the
+//! weights in shared memory, then for turn t (the t-th row the cluster takes) 5 + 3t its chunk
+//! arrived, 6 + 3t its statistics exchanged, 7 + 3t its stores issued; 3 after the last row, 4
+//! after the last cluster barrier, 255 the end. A diagnostic: the stamps cost the kernel a
+//! store a row. Without a GPU it only compiles the stamped spec (sm_90, many rows).
+//!
+//! Usage: cargo run --release --example norm_timeline -- DTYPE OP ROWS D [CALLS]
+//! with OP layer_norm or rms_norm and a 16-bit DTYPE.
+use kiln::jit::{register_family, FamilyExtras, KernelSpec, TemplateDef};
+use kiln::ops::norm::{self, tuning, Count, Gpu, Kind, Pass};
+use kiln::runtime::{Array, CommandEncoder, Device, KernelArgs};
+use kiln::selfcheck::TestRng;
+use kiln::DType;
+
+/// Stamps a block may write a call; the last slot is the kernel's end.
+const SLOTS: usize = 256;
+
+const STAMP_MACRO: &str = r#"
+#define KILN_STAMP(i)                                                              \
+  do {                                                                             \
+    if (threadIdx.x == 0 && (i) < 255) {                                           \
+      unsigned long long t_;                                                       \
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));                       \
+      kiln_stamps[blockIdx.x * 256ull + (i)] = t_;                                 \
+    }                                                                              \
+  } while (0)
+#define KILN_STAMP_END()                                                           \
+  do {                                                                             \
+    if (threadIdx.x == 0) {                                                        \
+      unsigned long long t_;                                                       \
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));                       \
+      kiln_stamps[blockIdx.x * 256ull + 255] = t_;                                 \
+    }                                                                              \
+  } while (0)
+"#;
+
+/// The staged forward's text with stamps: each edit replaces a line that occurs once.
+fn stamped(source: &str) -> String {
+    let edits: [(&str, String); 9] = [
+        ("{{> bulk}}\n", format!("{{{{> bulk}}}}\n{STAMP_MACRO}")),
+        (
+            "float eps) {",
+            "float eps, unsigned long long* __restrict__ kiln_stamps) {".into(),
+        ),
+        (
+            "  __shared__ unsigned long long full[STAGES];\n",
+            "  __shared__ unsigned long long full[STAGES];\n  KILN_STAMP(0);\n".into(),
+        ),
+        (
+            "  int exchange = 0;\n",
+            "  int exchange = 0;\n  KILN_STAMP(1);\n".into(),
+        ),
+        ("  int turn = 0;\n", "  KILN_STAMP(2);\n  int turn = 0;\n".into()),
+        (
+            "    kiln_mbarrier_wait(&full[stage], (turn / STAGES) & 1);\n",
+            "    kiln_mbarrier_wait(&full[stage], (turn / STAGES) & 1);\n    KILN_STAMP(5 + 3 * turn);\n"
+                .into(),
+        ),
+        (
+            "    const float rstd = rsqrtf(q * inv_d + eps);\n",
+            "    const float rstd = rsqrtf(q * inv_d + eps);\n    KILN_STAMP(6 + 3 * turn);\n".into(),
+        ),
+        (
+            "  }\n  // No block may leave",
+            "    KILN_STAMP(7 + 3 * turn);\n  }\n  KILN_STAMP(3);\n  // No block may leave".into(),
+        ),
+        (
+            "  kiln_cluster_sync();\n}",
+            "  kiln_cluster_sync();\n  KILN_STAMP(4);\n  KILN_STAMP_END();\n}".into(),
+        ),
+    ];
+    let mut text = source.to_string();
+    for (from, to) in edits {
+        assert_eq!(text.matches(from).count(), 1, "edit point {from:?}");
+        text = text.replace(from, &to);
+    }
+    text
+}
+
+fn main() -> kiln::Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let [dtype, op, rows, d, rest @ ..] = args.as_slice() else {
+        panic!("usage: norm_timeline DTYPE OP ROWS D [CALLS]");
+    };
+    let dtype = DType::ALL
+        .into_iter()
+        .find(|t| t.name() == dtype)
+        .expect("dtype: f16 or bf16");
+    let kind = match op.as_str() {
+        "layer_norm" => Kind::LayerNorm,
+        "rms_norm" => Kind::RmsNorm,
+        other => panic!("OP is layer_norm or rms_norm, not {other}"),
+    };
+    let (rows, d): (usize, usize) = (rows.parse().expect("ROWS"), d.parse().expect("D"));
+    assert_eq!(
+        d * dtype.size() % 16,
+        0,
+        "rows of whole 16-byte vectors only"
+    );
+    let calls: usize = rest.first().map_or(5, |c| c.parse().expect("CALLS"));
+
+    // Without a GPU: compile the stamped spec for sm_90 (many rows) and stop.
+    let dev = Device::get(0).ok();
+    let (count, gpu) = match &dev {
+        Some(dev) => (Count::of(rows, dev), Gpu::of(dev)),
+        None => (Count::Many, Gpu::for_arch(90)),
+    };
+    let layout = tuning::contiguous_rows(dtype, d);
+    let chosen = norm::choose_spec(Pass::Forward, kind, dtype, d, layout, count, gpu);
+    assert_eq!(
+        chosen.template.name, "norm_fwd_staged",
+        "the chosen spec is not the staged split forward"
+    );
+    let source: &'static str = Box::leak(stamped(chosen.template.source).into_boxed_str());
+    let def: &'static TemplateDef = Box::leak(Box::new(TemplateDef {
+        name: "probe_norm_fwd_staged",
+        source,
+        kernel: "probe_norm_fwd_staged",
+        ..*chosen.template
+    }));
+    register_family(
+        def,
+        FamilyExtras {
+            partials: &[],
+            entry_points: &[],
+            options: &[],
+        },
+    )?;
+    let names = chosen.template.const_names.len();
+    let spec = KernelSpec::try_new(
+        def,
+        dtype,
+        chosen.block_dim,
+        chosen.n_reads,
+        &chosen.consts[..names],
+    )?;
+    let Some(dev) = dev else {
+        let compiled = kiln::jit::Jit::global()?.compile(&spec, "sm_90".parse()?)?;
+        eprintln!("no GPU: compiled for sm_90 ({:?})", compiled.origin);
+        return Ok(());
+    };
+    let mut enc = CommandEncoder::new(&dev)?;
+    let kernel = dev.kernel(&spec)?;
+    let shared = tuning::ring_shared_bytes(&chosen);
+    kernel.allow_shared(shared)?;
+    let block = chosen.block_dim as usize;
+    let width = chosen.constant("CLUSTER").unwrap() as usize;
+    let slots = kernel.max_active_clusters(block as u32, shared)?;
+    let turns = rows.div_ceil(slots);
+    let clusters = rows.div_ceil(turns);
+    let blocks = clusters * width;
+    eprintln!(
+        "spec {} ITEMS={:?} CLUSTER={width} block {block} n_reads {} shared {shared}: slots {slots}, \
+         clusters {clusters}, turns {turns}",
+        chosen.template.name,
+        chosen.constant("ITEMS"),
+        chosen.n_reads
+    );
+
+    let mut rng = TestRng::new(1);
+    let x = Array::from_f64(&mut enc, dtype, &rng.values(rows * d, 2.0, 0.0), &[rows, d])?;
+    let w = Array::from_f64(&mut enc, dtype, &rng.values(d, 1.0, 1.0), &[d])?;
+    let y = Array::zeros(&mut enc, dtype, &[rows, d])?;
+    // u64 stamps in an f32 array of twice the count.
+    let stamps = Array::zeros(&mut enc, DType::F32, &[calls * blocks * SLOTS * 2])?;
+    let launch = |enc: &mut CommandEncoder, call: usize| -> kiln::Result<()> {
+        let mut a = KernelArgs::new();
+        a.push(x.device_ptr())
+            .push(w.device_ptr())
+            .push(w.device_ptr())
+            .push(y.device_ptr())
+            .push(rows as i64)
+            .push(d as i32)
+            .push(d as i64)
+            .push(1i64)
+            .push(1i64)
+            .push(1i32)
+            .push(1i32)
+            .push(1e-5f32)
+            .push(stamps.device_ptr() + (call * blocks * SLOTS * 8) as u64);
+        // SAFETY: the staged forward's arguments in order and type with the stamps last; x read,
+        // w as weight and bias, y and the call's stamp region written, all in bounds.
+        unsafe {
+            enc.launch(
+                &kernel,
+                blocks as u32,
+                block as u32,
+                shared as u32,
+                a,
+                &[&x, &w],
+                &[&y, &stamps],
+            )
+        }
+    };
+    // Warm up (load, clocks), then the timed calls back to back.
+    for _ in 0..3 {
+        launch(&mut enc, 0)?;
+    }
+    enc.synchronize()?;
+    let t = std::time::Instant::now();
+    for call in 0..calls {
+        launch(&mut enc, call)?;
+    }
+    enc.synchronize()?;
+    let host_us = t.elapsed().as_secs_f64() * 1e6 / calls as f64;
+    let bytes = stamps.to_bytes(&mut enc)?;
+    let at = |call: usize, block: usize, slot: usize| -> u64 {
+        let i = ((call * blocks + block) * SLOTS + slot) * 8;
+        u64::from_le_bytes(bytes[i..i + 8].try_into().unwrap())
+    };
+    let origin = (0..blocks).map(|b| at(0, b, 0)).min().unwrap();
+    let moved = 2.0 * (rows * d * dtype.size()) as f64;
+    println!("# host {host_us:.1} us a call over {calls} calls");
+    for call in 0..calls {
+        let start = (0..blocks).map(|b| at(call, b, 0)).min().unwrap();
+        let last_start = (0..blocks).map(|b| at(call, b, 0)).max().unwrap();
+        let end = (0..blocks).map(|b| at(call, b, SLOTS - 1)).max().unwrap();
+        let span = (end - start) as f64 / 1e3;
+        println!(
+            "# call {call}: starts {:.2}-{:.2} us, ends {:.2} us, span {span:.2} us ({:.0} GB/s)",
+            (start - origin) as f64 / 1e3,
+            (last_start - origin) as f64 / 1e3,
+            (end - origin) as f64 / 1e3,
+            moved / span / 1e3
+        );
+    }
+    println!("call,block,event,ns");
+    for call in 0..calls {
+        for b in 0..blocks {
+            for slot in 0..SLOTS {
+                let v = at(call, b, slot);
+                if v != 0 {
+                    println!("{call},{b},{slot},{}", v as i64 - origin as i64);
+                }
+            }
+        }
+    }
+    Ok(())
+}
