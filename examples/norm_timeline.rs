@@ -9,8 +9,9 @@
 //! after a summary line per call. Events: 0 start, 1 after the setup's cluster barrier, 2 the
 //! weights in shared memory, then for turn t (the t-th row the cluster takes) 5 + 3t its chunk
 //! arrived, 6 + 3t its statistics exchanged, 7 + 3t its stores issued; 3 after the last row, 4
-//! after the last cluster barrier, 255 the end. A diagnostic: the stamps cost the kernel a
-//! store a row. Without a GPU it only compiles the stamped spec (sm_90, many rows).
+//! after the last cluster barrier, 255 the end (turns past the 83rd go unstamped: no slots
+//! left). A diagnostic: the stamps cost the kernel a store a row. Without a GPU it only
+//! compiles the stamped spec (sm_90, many rows).
 //!
 //! Usage: cargo run --release --example norm_timeline -- DTYPE OP ROWS D [CALLS]
 //! with OP layer_norm or rms_norm and a 16-bit DTYPE.
