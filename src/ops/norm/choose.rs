@@ -624,9 +624,9 @@ pub(super) fn vjp_split_row(dtype: DType, n_reads: usize) -> usize {
 /// - 2: 16-bit rows of whole vectors, 16 elements a thread. H200, direct mode, same call as the
 ///   tree before it, two rounds: LayerNorm 1.05-1.08x, RMSNorm 1.03-1.18x at 18,432, 30,000
 ///   and 65,536 elements (clusters of 3, 4 and 8; bf16 RMSNorm at 65,536 67% -> 79% of copy).
-///   In Hopper's
-///   non-portable clusters of 16 (rows past 65,536), H100, bf16 256 x 131,072: LayerNorm 1,823
-///   GB/s against 1,644 with 0 (55% -> 61% of copy), RMSNorm 2,409 against 2,364 with 1.
+///   In Hopper's non-portable clusters of 16 (rows past 65,536), H100, bf16 256 x 131,072:
+///   LayerNorm 1,823 GB/s against 1,644 with 0 (55% -> 61% of copy), RMSNorm 2,409 against
+///   2,364 with 1.
 ///   It lost on rows of one element a vector (16-bit rows of 16,385: 0.76-0.96x, whose held
 ///   rows take a register per element) and on f32 rows (0.86-0.99x: 128 registers). Threads
 ///   of 24 elements (two rows of 24 held: LayerNorm spills) ran best with 0 on 10 of 12
