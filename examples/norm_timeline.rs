@@ -6,12 +6,12 @@
 //! statistics exchanged, its stores issued; then before and after the last cluster barrier).
 //! CALLS launches run back to back on one stream, each stamping its own region, and the
 //! stamps are printed as CSV (`call,block,event,ns`, ns from the first call's earliest stamp)
-//! after a summary line per call. Events: 0 start, 1 after the setup's cluster barrier, 2 the
-//! weights in shared memory, then for turn t (the t-th row the cluster takes) 5 + 3t its chunk
-//! arrived, 6 + 3t its statistics exchanged, 7 + 3t its stores issued; 3 after the last row, 4
-//! after the last cluster barrier, 255 the end (turns past the 83rd go unstamped: no slots
-//! left). A diagnostic: the stamps cost the kernel a store a row. Without a GPU it only
-//! compiles the stamped spec (sm_90, many rows).
+//! after a summary line per call, and checks that the rows' claim counter is zero again. Events:
+//! 0 start, 1 after the setup's cluster barrier, 2 the weights in shared memory, then for turn t
+//! (the t-th row the cluster takes) 5 + 3t its chunk arrived, 6 + 3t its statistics exchanged,
+//! 7 + 3t its stores issued; 3 after the last row, 4 after the last cluster barrier, 255 the end
+//! (turns past the 83rd go unstamped: no slots left). A diagnostic: the stamps cost the kernel a
+//! store a row. Without a GPU it only compiles the stamped spec (sm_90, many rows).
 //!
 //! Usage: cargo run --release --example norm_timeline -- DTYPE OP ROWS D [CALLS]
 //! with OP layer_norm or rms_norm and a 16-bit DTYPE.
@@ -48,8 +48,8 @@ fn stamped(source: &str) -> String {
     let edits: [(&str, String); 9] = [
         ("{{> bulk}}\n", format!("{{{{> bulk}}}}\n{STAMP_MACRO}")),
         (
-            "float eps) {",
-            "float eps, unsigned long long* __restrict__ kiln_stamps) {".into(),
+            "float eps,\n",
+            "float eps, unsigned long long* __restrict__ kiln_stamps,\n".into(),
         ),
         (
             "  __shared__ unsigned long long full[STAGES];\n",
@@ -59,7 +59,10 @@ fn stamped(source: &str) -> String {
             "  int exchange = 0;\n",
             "  int exchange = 0;\n  KILN_STAMP(1);\n".into(),
         ),
-        ("  int turn = 0;\n", "  KILN_STAMP(2);\n  int turn = 0;\n".into()),
+        (
+            "  for (int turn = 0;; ++turn) {\n",
+            "  KILN_STAMP(2);\n  for (int turn = 0;; ++turn) {\n".into(),
+        ),
         (
             "    kiln_mbarrier_wait(&full[stage], (turn / STAGES) & 1);\n",
             "    kiln_mbarrier_wait(&full[stage], (turn / STAGES) & 1);\n    KILN_STAMP(5 + 3 * turn);\n"
@@ -70,8 +73,9 @@ fn stamped(source: &str) -> String {
             "    const float rstd = rsqrtf(q * inv_d + eps);\n    KILN_STAMP(6 + 3 * turn);\n".into(),
         ),
         (
-            "  }\n  // No block may leave",
-            "    KILN_STAMP(7 + 3 * turn);\n  }\n  KILN_STAMP(3);\n  // No block may leave".into(),
+            "    }\n  }\n  // A ticket never sent",
+            "    }\n    KILN_STAMP(7 + 3 * turn);\n  }\n  KILN_STAMP(3);\n  // A ticket never sent"
+                .into(),
         ),
         (
             "  kiln_cluster_sync();\n}",
@@ -155,12 +159,21 @@ fn main() -> kiln::Result<()> {
     let block = chosen.block_dim as usize;
     let width = chosen.constant("CLUSTER").unwrap() as usize;
     let slots = kernel.max_active_clusters(block as u32, shared)?;
-    let turns = rows.div_ceil(slots);
-    let clusters = rows.div_ceil(turns);
+    // As the op launches it: with rows claimed (the RMSNorm spec with more rows than four a
+    // cluster slot) every cluster slot, else the fewest clusters that take as few turns.
+    let claims = chosen.constant("RMS") == Some(1)
+        && chosen.constant("SHIFTED") == Some(0)
+        && rows > 4 * slots;
+    let clusters = if claims {
+        slots
+    } else {
+        rows.div_ceil(rows.div_ceil(slots))
+    };
+    let turns = rows.div_ceil(clusters);
     let blocks = clusters * width;
     eprintln!(
         "spec {} ITEMS={:?} CLUSTER={width} block {block} n_reads {} shared {shared}: slots {slots}, \
-         clusters {clusters}, turns {turns}",
+         clusters {clusters}, turns {turns}, rows claimed: {claims}",
         chosen.template.name,
         chosen.constant("ITEMS"),
         chosen.n_reads
@@ -170,7 +183,9 @@ fn main() -> kiln::Result<()> {
     let x = Array::from_f64(&mut enc, dtype, &rng.values(rows * d, 2.0, 0.0), &[rows, d])?;
     let w = Array::from_f64(&mut enc, dtype, &rng.values(d, 1.0, 1.0), &[d])?;
     let y = Array::zeros(&mut enc, dtype, &[rows, d])?;
-    // u64 stamps in an f32 array of twice the count.
+    // The rows' claim counter (a u64, left zero by each call), and u64 stamps, both in f32
+    // arrays of twice the count.
+    let counter = Array::zeros(&mut enc, DType::F32, &[2])?;
     let stamps = Array::zeros(&mut enc, DType::F32, &[calls * blocks * SLOTS * 2])?;
     let launch = |enc: &mut CommandEncoder, call: usize| -> kiln::Result<()> {
         let mut a = KernelArgs::new();
@@ -186,7 +201,8 @@ fn main() -> kiln::Result<()> {
             .push(1i32)
             .push(1i32)
             .push(1e-5f32)
-            .push(stamps.device_ptr() + (call * blocks * SLOTS * 8) as u64);
+            .push(stamps.device_ptr() + (call * blocks * SLOTS * 8) as u64)
+            .push(if claims { counter.device_ptr() } else { 0 });
         // SAFETY: the staged forward's arguments in order and type with the stamps last; x read,
         // w as weight and bias, y and the call's stamp region written, all in bounds.
         unsafe {
@@ -217,6 +233,11 @@ fn main() -> kiln::Result<()> {
         let i = ((call * blocks + block) * SLOTS + slot) * 8;
         u64::from_le_bytes(bytes[i..i + 8].try_into().unwrap())
     };
+    let left = counter.to_bytes(&mut enc)?;
+    assert!(
+        left.iter().all(|&b| b == 0),
+        "the claim counter was left {left:?}"
+    );
     let origin = (0..blocks).map(|b| at(0, b, 0)).min().unwrap();
     let moved = 2.0 * (rows * d * dtype.size()) as f64;
     println!("# host {host_us:.1} us a call over {calls} calls");

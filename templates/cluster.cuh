@@ -76,11 +76,13 @@ __device__ __forceinline__ void kiln_cluster_sums_init(
 
 // Pushes this warp's WIDTH values v[0..WIDTH) (the same in every lane: sums over the warp) to
 // every block of the cluster; every thread of every block must call it, `exchange` counting the
-// pushes. Returns the exchange's number, for kiln_cluster_wait.
+// pushes. Returns the exchange's number, for kiln_cluster_wait. `extra_bytes`: what else every
+// block receives on the exchange's mbarrier (kiln_cluster_send_row's 8 bytes), the same in
+// every block and every exchange of a kernel.
 template <int CLUSTER, int BLOCK_DIM, int WIDTH>
 __device__ __forceinline__ int kiln_cluster_push(const float* v,
                                                  kiln_cluster_sums<CLUSTER, BLOCK_DIM, WIDTH>& s,
-                                                 int& exchange) {
+                                                 int& exchange, int extra_bytes = 0) {
   typedef kiln_cluster_sums<CLUSTER, BLOCK_DIM, WIDTH> S;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int n = exchange++;
@@ -91,7 +93,7 @@ __device__ __forceinline__ int kiln_cluster_push(const float* v,
     // loads in flight, as the cluster barrier did.
     asm volatile("mbarrier.arrive.expect_tx.relaxed.cta.shared::cta.b64 _, [%0], %1;" ::"r"(
                      (unsigned)__cvta_generic_to_shared(&s.bar[set])),
-                 "r"(S::PAIRS * WIDTH * 4)
+                 "r"(S::PAIRS * WIDTH * 4 + extra_bytes)
                  : "memory");
   }
   if (lane < CLUSTER) {
@@ -141,9 +143,9 @@ kiln_cluster_wait(kiln_cluster_sums<CLUSTER, BLOCK_DIM, WIDTH>& s, int n) {
 template <int CLUSTER, int BLOCK_DIM>
 __device__ __forceinline__ int kiln_cluster_push2(float a, float b,
                                                   kiln_cluster_sums<CLUSTER, BLOCK_DIM, 2>& s,
-                                                  int& exchange) {
+                                                  int& exchange, int extra_bytes = 0) {
   const float v[2] = {kiln_warp_sum(a), kiln_warp_sum(b)};
-  return kiln_cluster_push(v, s, exchange);
+  return kiln_cluster_push(v, s, exchange, extra_bytes);
 }
 
 // Waits for exchange `n` and returns the sums of its first two values over every thread of the
@@ -173,8 +175,8 @@ __device__ __forceinline__ void kiln_cluster_wait2(kiln_cluster_sums<CLUSTER, BL
 template <int CLUSTER, int BLOCK_DIM>
 __device__ __forceinline__ void kiln_cluster_sum2(float& a, float& b,
                                                   kiln_cluster_sums<CLUSTER, BLOCK_DIM, 2>& s,
-                                                  int& exchange) {
-  const int n = kiln_cluster_push2(a, b, s, exchange);
+                                                  int& exchange, int extra_bytes = 0) {
+  const int n = kiln_cluster_push2(a, b, s, exchange, extra_bytes);
   kiln_cluster_wait2(s, n, a, b);
 }
 
@@ -254,9 +256,85 @@ __device__ __forceinline__ void kiln_cluster_wait_moments(
 template <int CLUSTER, int BLOCK_DIM>
 __device__ __forceinline__ void kiln_cluster_sum_moments(
     float m_w, float& q, kiln_cluster_sums<CLUSTER, BLOCK_DIM, 2>& s, int& exchange,
-    const float* elements, float inv_d, float& mean) {
+    const float* elements, float inv_d, float& mean, int extra_bytes = 0) {
   const float v[2] = {m_w, kiln_warp_sum(q)};
-  const int n = kiln_cluster_push(v, s, exchange);
+  const int n = kiln_cluster_push(v, s, exchange, extra_bytes);
   float unused;
   kiln_cluster_wait_moments(s, n, elements, inv_d, mean, q, unused, unused);
+}
+
+// Rows claimed at run time. Clusters that loop over rows in a fixed order (row = cluster + turn
+// x clusters) finish apart: on an H100 some clusters took 2.0 us a row and others 2.9 (where
+// they sit on the GPU), so the first idled for the last quarter of the call. Instead each
+// cluster takes its first LEAD rows in that order and then claims one row at a time from a
+// counter the grid shares, LEAD turns before it reduces it (its copies go out STAGES = LEAD - 1
+// turns ahead). Rank 0 claims a turn before that (a ticket: the atomic's latency is spent on a
+// turn's work) and sends the row to every block of the cluster with its exchange of the turn
+// (8 bytes more on that exchange's mbarrier: every block has waited on it before it reads the
+// row). The counter is a word, zero at launch; the claim that takes the grid's last ticket zeroes
+// it for the next launch.
+// Claimed rows a block holds: the row of turn t lands with exchange t - LEAD and is read until
+// turn t; rank 0 rewrites its slot (for turn t + 8) at exchange t + 8 - LEAD, after it has waited
+// on exchange t + 7 - LEAD, which every block pushed after its reads of turn t where LEAD < 7.
+constexpr int KILN_ROW_RING = 8;
+struct kiln_claimed_rows {
+  long long row[KILN_ROW_RING];
+};
+
+// A claim not yet made, or none left to make.
+// (An enumerator: a namespace-scope constant would draw "declared but never referenced" from
+// every template that includes this header without claiming rows.)
+enum : unsigned long long { KILN_NO_TICKET = ~0ull };
+
+// The row a cluster takes at `turn`: fixed for the first LEAD turns, then as claimed (rows or
+// more: none, and none after it).
+template <int LEAD>
+__device__ __forceinline__ long long kiln_row_at(const kiln_claimed_rows& claimed, long long cluster,
+                                                 long long clusters, int turn) {
+  return turn < LEAD ? cluster + turn * clusters : claimed.row[turn % KILN_ROW_RING];
+}
+
+// The grid's last ticket. Every cluster claims until a ticket is past the end, then no more
+// (the counter only grows), so the tickets are the claimed rows (past the fixed first `fixed`)
+// and one past the end for each cluster.
+__device__ __forceinline__ unsigned long long kiln_last_ticket(long long rows, long long fixed,
+                                                               long long clusters) {
+  return (unsigned long long)(max(0ll, rows - fixed) + clusters - 1);
+}
+
+// Rank 0, thread 0: a ticket taken. The claim that took the grid's last ticket zeroes the
+// counter (no claim comes after it), without a fence or a count of finished clusters at the end.
+__device__ __forceinline__ void kiln_ticket_taken(unsigned long long* counter,
+                                                  unsigned long long ticket,
+                                                  unsigned long long last) {
+  if (ticket == last) atomicExch(counter, 0ull);
+}
+
+// Rank 0, warp 0 (lane 0 holding `ticket`): sends the row of `ticket` (claims past the fixed
+// first LEAD x clusters rows; rows when it is past the end or none) for turn `turn` to every
+// block's slot, counted on exchange `n`'s mbarrier there, then claims the next row unless this
+// one was past the end. Call it just before the exchange's push; every block then pushes with
+// extra_bytes 8.
+template <int CLUSTER, int BLOCK_DIM, int WIDTH, int LEAD>
+__device__ __forceinline__ void kiln_cluster_send_row(
+    unsigned long long* counter, unsigned long long& ticket, long long rows, long long clusters,
+    int turn, kiln_claimed_rows& claimed, kiln_cluster_sums<CLUSTER, BLOCK_DIM, WIDTH>& s, int n) {
+  typedef kiln_cluster_sums<CLUSTER, BLOCK_DIM, WIDTH> S;
+  const int lane = threadIdx.x % 32;
+  long long row = rows;
+  if (lane == 0 && ticket != KILN_NO_TICKET) {
+    row = min(rows, LEAD * clusters + (long long)ticket);
+    kiln_ticket_taken(counter, ticket, kiln_last_ticket(rows, LEAD * clusters, clusters));
+  }
+  row = __shfl_sync(0xffffffffu, row, 0);
+  if (lane < CLUSTER) {
+    const unsigned slot = kiln_cluster_map(&claimed.row[turn % KILN_ROW_RING], lane);
+    const unsigned remote_bar = kiln_cluster_map(&s.bar[n % S::SETS], lane);
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b64 [%0], %1, [%2];" ::
+                     "r"(slot),
+                 "l"(row), "r"(remote_bar)
+                 : "memory");
+  }
+  // Past the end, every later claim would be too.
+  if (lane == 0) ticket = row < rows ? atomicAdd(counter, 1ull) : KILN_NO_TICKET;
 }

@@ -2,7 +2,10 @@
 // (sm_90; f32 rows take norm_fwd_split.cu, whose registers hold enough of their bytes in flight
 // at less cost). A thread-block cluster of CLUSTER blocks takes a row, each block a contiguous
 // chunk of it (kiln_split_chunk elements), so x is read once and y written once. The clusters
-// loop over rows (a grid no larger than the GPU holds). Each block's chunks arrive through a
+// loop over rows (a grid no larger than the GPU holds), claiming them at run time where their
+// columns are not shifted (cluster.cuh's kiln_cluster_send_row: clusters on a GPU run at
+// different speeds, so fixed rows leave the fastest idle at the end). Each block's chunks arrive
+// through a
 // ring of STAGES shared-memory stages filled by bulk copies (bulk.cuh), so STAGES - 1 rows are
 // in flight while one is reduced whatever the registers; the block keeps its columns of the
 // weight and bias in shared memory for all its rows. The statistics are exact two-pass sums over
@@ -24,6 +27,10 @@ constexpr bool RMS = {{RMS}};
 constexpr int ITEMS = {{ITEMS}};
 constexpr int CLUSTER = {{CLUSTER}};
 constexpr bool SHIFTED = {{SHIFTED}};
+// Rows claimed at run time where the host passes a counter (row_claims), never with shifted
+// columns: the host makes every row a cluster takes there start in its granules as the first
+// does, which fixed rows keep.
+constexpr bool CLAIMS = !SHIFTED;
 static_assert(!SHIFTED || N_READS > 1, "columns shift by parts of a vector");
 static_assert(CLUSTER >= 2 && CLUSTER <= 16, "a cluster of at least two blocks");
 // Elements of a row one block holds: ITEMS vectors of N_READS per thread.
@@ -31,6 +38,9 @@ constexpr int CAPACITY = BLOCK_DIM * ITEMS * N_READS;
 // Three stages: two rows' copies in flight while the third is reduced (the host's ring_bytes
 // counts the same).
 constexpr int STAGES = 3;
+// Claimed rows: the row of turn t + LEAD is claimed at turn t, a turn before its copy goes out.
+constexpr int LEAD = STAGES + 1;
+static_assert(LEAD <= 4, "kiln_claimed_rows' ring holds rows four turns ahead");
 constexpr int CHUNK_BYTES = kiln_chunk_bytes<T, CAPACITY>();
 // Chunks of 16 KiB leave room for two blocks an SM; 32 KiB ones (a 164 KiB ring and weights)
 // for one, which may then take all of its registers.
@@ -39,15 +49,23 @@ constexpr int BLOCKS_PER_SM = ITEMS * N_READS > 16 ? 1 : 2;
 extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1)
     __launch_bounds__(BLOCK_DIM, BLOCKS_PER_SM) {{kernel}}(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b,
                T* __restrict__ y, long long rows, int d, long long x_row_stride,
-               long long w_stride, long long b_stride, int w_vec, int b_vec, float eps) {
+               long long w_stride, long long b_stride, int w_vec, int b_vec, float eps,
+               unsigned long long* __restrict__ row_claims) {
   __shared__ kiln_cluster_sums<CLUSTER, BLOCK_DIM> sums;
   __shared__ float pair_elements[CLUSTER * BLOCK_DIM / 32];  // LayerNorm's warps' n_w
   __shared__ unsigned long long full[STAGES];
+  __shared__ kiln_claimed_rows claimed;
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) kiln_mbarrier_init(&full[s], 1);
   }
   const long long cluster = blockIdx.x / CLUSTER, clusters = gridDim.x / CLUSTER;
+  const bool claims = CLAIMS && row_claims != nullptr;
+  auto row_at = [&](int turn) {
+    return claims ? kiln_row_at<LEAD>(claimed, cluster, clusters, turn) : cluster + turn * clusters;
+  };
+  // Rank 0, thread 0: the claim for the next row to send (kiln_cluster_send_row).
+  unsigned long long ticket = KILN_NO_TICKET;
   const int chunk = kiln_split_chunk(d, CLUSTER);
   const int base = (int)kiln_cluster_rank() * chunk;
   const int len = min(chunk, d - base);  // this block's elements of a row (none when <= 0)
@@ -58,6 +76,7 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1)
   if constexpr (!RMS)
     kiln_split_pair_elements<CLUSTER, BLOCK_DIM, N_READS>(pair_elements, d, chunk, shift);
   kiln_cluster_sums_init(sums);
+  if (claims && kiln_cluster_rank() == 0 && threadIdx.x == 0) ticket = atomicAdd(row_claims, 1ull);
   int exchange = 0;
   const float inv_d = 1.0f / d;
   // 1 / the elements this warp holds of a row, for LayerNorm's warp means.
@@ -84,7 +103,7 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1)
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int s = 0; s < STAGES; ++s)
-      if (cluster + s * clusters < rows) fetch(cluster + s * clusters, s);
+      if (row_at(s) < rows) fetch(row_at(s), s);
   }
   {
     float wk[ITEMS][N_READS], bk[ITEMS][N_READS];
@@ -106,8 +125,9 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1)
     }
   }
 
-  int turn = 0;
-  for (long long row = cluster; row < rows; row += clusters, ++turn) {
+  for (int turn = 0;; ++turn) {
+    const long long row = row_at(turn);
+    if (row >= rows) break;
     const int stage = turn % STAGES;
     kiln_mbarrier_wait(&full[stage], (turn / STAGES) & 1);
     // Vectorised rows are 16-byte aligned (the op checks), so their chunks start on a granule;
@@ -134,9 +154,9 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1)
     }
     // Every thread has its values: the stage takes the row STAGES turns ahead.
     __syncthreads();
-    if (threadIdx.x == 0 && row + STAGES * clusters < rows) {
+    if (threadIdx.x == 0 && row_at(turn + STAGES) < rows) {
       kiln_bulk_fence();
-      fetch(row + STAGES * clusters, stage);
+      fetch(row_at(turn + STAGES), stage);
     }
 
     // The row's statistics in one exchange. RMSNorm: the sum of x * x. LayerNorm: each warp's
@@ -163,10 +183,15 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1)
         q += c * c;
       }
     }
+    if (claims && kiln_cluster_rank() == 0 && threadIdx.x < 32) {
+      kiln_cluster_send_row<CLUSTER, BLOCK_DIM, 2, LEAD>(row_claims, ticket, rows, clusters,
+                                                         turn + LEAD, claimed, sums, exchange);
+    }
+    const int sent = claims ? 8 : 0;  // the claimed row's bytes on the exchange
     if constexpr (RMS) {
-      kiln_cluster_sum2(q, unused, sums, exchange);
+      kiln_cluster_sum2(q, unused, sums, exchange, sent);
     } else {
-      kiln_cluster_sum_moments(m_w, q, sums, exchange, pair_elements, inv_d, mean);
+      kiln_cluster_sum_moments(m_w, q, sums, exchange, pair_elements, inv_d, mean, sent);
     }
     const float rstd = rsqrtf(q * inv_d + eps);
 
@@ -193,6 +218,9 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1)
       }
     }
   }
+  // A ticket never sent (a cluster with no rows) may still be the grid's last.
+  if (claims && kiln_cluster_rank() == 0 && threadIdx.x == 0 && ticket != KILN_NO_TICKET)
+    kiln_ticket_taken(row_claims, ticket, kiln_last_ticket(rows, LEAD * clusters, clusters));
   // No block may leave while another's pushes into it may still be in flight.
   kiln_cluster_sync();
 }

@@ -495,6 +495,63 @@ fn split_vjp_layouts_match_the_reference() {
     assert!(failures.is_empty(), "{failures:#?}");
 }
 
+/// The 16-bit split RMSNorm forward claims its rows at run time from a counter each launch
+/// leaves zero, where a call has more rows than four a cluster slot: calls with many rows a
+/// cluster (most of them claimed), three calls encoded back to back on different inputs before
+/// any result is read (in graph mode independent nodes of one graph, which may run at once and
+/// so need counters of their own), both dtypes, graph and direct mode; LayerNorm's fixed rows
+/// on the same kernel beside them.
+#[test]
+fn claimed_rows_match_the_reference() {
+    let Some(dev) = device("norm_claimed_rows") else {
+        return;
+    };
+    let mut failures = Vec::new();
+    let mut seed = 9700;
+    for graphs in [false, true] {
+        let mut enc = encoder(&dev, graphs);
+        for dtype in [DType::F16, DType::BF16] {
+            for (kind, rows, d) in [
+                (Kind::LayerNorm, 600, 32768),
+                (Kind::LayerNorm, 300, 65536),
+                (Kind::RmsNorm, 300, 65536),
+                (Kind::RmsNorm, 500, 40960),
+                (Kind::RmsNorm, 100, 131072),
+            ] {
+                let w = q(dtype, TestRng::new(seed).values(d, 1.0, 1.0));
+                let b = q(dtype, TestRng::new(seed + 1).values(d, 0.5, 0.0));
+                let wa = Array::from_f64(&mut enc, dtype, &w, &[d]).unwrap();
+                let ba = Array::from_f64(&mut enc, dtype, &b, &[d]).unwrap();
+                let mut calls = Vec::new();
+                for _ in 0..3 {
+                    seed += 1;
+                    let x = q(dtype, TestRng::new(seed).values(rows * d, 2.0, 0.5));
+                    let xa = Array::from_f64(&mut enc, dtype, &x, &[rows, d]).unwrap();
+                    let y = match kind {
+                        Kind::LayerNorm => {
+                            norm::layer_norm(&mut enc, &xa, Some(&wa), Some(&ba), EPS as f32)
+                        }
+                        Kind::RmsNorm => norm::rms_norm(&mut enc, &xa, Some(&wa), EPS as f32),
+                    }
+                    .unwrap();
+                    calls.push((x, y));
+                }
+                for (i, (x, y)) in calls.iter().enumerate() {
+                    let bias = (kind == Kind::LayerNorm).then_some(b.as_slice());
+                    let want = reference_forward(kind, x, Some(&w), bias, d, EPS);
+                    let err = max_error(&y.to_f64(&mut enc).unwrap(), &want);
+                    if err > tolerance(dtype) {
+                        failures.push(format!(
+                            "graphs={graphs} {kind:?} {dtype} {rows}x{d} call {i}: {err:.3e}"
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
 /// 16-bit forward rows of 16,385 to 32,768 elements take a block each (the ring of 3 or 4
 /// vectors a thread, where it and the weights fit) when a call has a row for every
 /// multiprocessor, and a cluster each on Hopper when it has fewer: both sides of that count (and

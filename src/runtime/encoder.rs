@@ -293,6 +293,10 @@ pub struct CommandEncoder {
     /// Captures of watched work (collectives) by signature (see `add_watched`).
     kept: LruCache<CaptureSignature, Rc<Captured>>,
     stats: EncoderStats,
+    /// Work counters of kernels that claim work at run time (`claim_counter`), made on first
+    /// use, and the next one to hand out.
+    claim_counters: Option<Array>,
+    next_claim_counter: usize,
 }
 
 impl CommandEncoder {
@@ -343,6 +347,8 @@ impl CommandEncoder {
                 NonZeroUsize::new(config.graph_cache_size).unwrap_or(NonZeroUsize::MIN),
             ),
             stats: EncoderStats::default(),
+            claim_counters: None,
+            next_claim_counter: 0,
         })
     }
 
@@ -364,6 +370,30 @@ impl CommandEncoder {
     /// The commit limits in effect: (ops, bytes).
     pub fn limits(&self) -> (usize, usize) {
         (self.max_ops, self.max_bytes)
+    }
+
+    /// The device address of a counter (a u64, zero) for a kernel that claims its work at run
+    /// time and leaves the counter zero when it completes (the split-row forward's rows).
+    /// Launches that may run at once get different counters: in direct mode this stream runs
+    /// one kernel at a time, and a graph holds at most `limits().0` launches, so a ring of one
+    /// more than that is never handed out twice to kernels in flight together. The ring is
+    /// made (zeroed, by an upload on this stream, ahead of any kernel that uses it) on first
+    /// use and lives as long as the encoder, whose drop waits for its work.
+    ///
+    /// A launch that takes a counter must not list it among its reads or writes: it is no
+    /// dependency between launches, only scratch each leaves as it found it.
+    pub(crate) fn claim_counter(&mut self) -> Result<sys::CUdeviceptr> {
+        let slots = self.max_ops.max(1) + 1;
+        if self.claim_counters.is_none() {
+            // u64 counters as pairs of f32 zeros.
+            let ring =
+                Array::from_bytes(self, crate::DType::F32, &[slots * 2], &vec![0u8; slots * 8])?;
+            self.claim_counters = Some(ring);
+        }
+        let ring = self.claim_counters.as_ref().expect("made above");
+        let slot = self.next_claim_counter;
+        self.next_claim_counter = (slot + 1) % slots;
+        Ok(ring.device_ptr() + (slot * 8) as sys::CUdeviceptr)
     }
 
     /// The bounds on work in flight: (commits, bytes those commits touched).

@@ -5,10 +5,11 @@ use super::*;
 use crate::ops::col_sums::{self, ColumnSum};
 
 /// The grid of a split-row spec whose clusters loop over `rows`: as many clusters as the GPU
-/// holds at once (of `block` threads and `shared` dynamic bytes), balanced over the rows, and a
+/// holds at once (of `block` threads and `shared` dynamic bytes). Where the call claims its rows
+/// at run time (`claims_rows`) every one of them; otherwise balanced over the rows, and a
 /// multiple of `period` (`granule_period`) where clusters take several rows each, so that every
 /// row a cluster takes lies in its granules as the first does (the kernels' shifted columns then
-/// move whole vectors). Returns (blocks, clusters).
+/// move whole vectors). Returns (blocks, clusters, whether the rows are claimed).
 fn cluster_grid(
     kernel: &LoadedKernel,
     spec: &KernelSpec,
@@ -16,9 +17,12 @@ fn cluster_grid(
     shared: usize,
     rows: usize,
     period: usize,
-) -> Result<(usize, usize)> {
+) -> Result<(usize, usize, bool)> {
     let slots = kernel.max_active_clusters(block as u32, shared)?;
-    let clusters = if rows <= slots || period == 1 {
+    let claims = claims_rows(spec, rows, slots);
+    let clusters = if claims {
+        slots
+    } else if rows <= slots || period == 1 {
         balanced_grid(rows, slots)
     } else {
         // Fewer slots than the period: a second wave of clusters, still right (kiln's own
@@ -27,7 +31,7 @@ fn cluster_grid(
         let turns = rows.div_ceil(slots);
         rows.div_ceil(turns).next_multiple_of(period)
     };
-    Ok((clusters * constant(spec, "CLUSTER"), clusters))
+    Ok((clusters * constant(spec, "CLUSTER"), clusters, claims))
 }
 
 /// The rows after which a split spec's rows start as the first did again, where its columns are
@@ -300,7 +304,13 @@ pub(super) fn forward(
     let grid = if is_split(&spec) {
         // Clusters of consecutive blocks loop over rows: as many as the GPU holds at once.
         kernel.allow_shared(shared)?;
-        cluster_grid(&kernel, &spec, block, shared, rows, period)?.0
+        let (blocks, _, claims) = cluster_grid(&kernel, &spec, block, shared, rows, period)?;
+        if *spec.template == FORWARD_STAGED {
+            // The rows' counter: scratch the kernel leaves zero, no dependency
+            // (CommandEncoder::claim_counter); none where the rows are fixed.
+            args.push(if claims { enc.claim_counter()? } else { 0 });
+        }
+        blocks
     } else if shared > 0 {
         // Each block loops over rows, with the next rows' loads in flight.
         kernel.allow_shared(shared)?;
@@ -311,9 +321,10 @@ pub(super) fn forward(
     let mut reads = vec![&xr];
     reads.extend(w);
     reads.extend(b);
-    // SAFETY: the arguments are norm_fwd's (or norm_fwd_split's) in order and type; x's rows, the
-    // weight and bias (when given) are read and y written, within the rows x d elements and
-    // strides checked above.
+    // SAFETY: the arguments are norm_fwd's (or norm_fwd_split's, or norm_fwd_staged's) in order
+    // and type; x's rows, the weight and bias (when given) are read and y written, within the
+    // rows x d elements and strides checked above; the staged kernel's row counter is the
+    // encoder's scratch, left zero.
     unsafe {
         enc.launch(
             &kernel,
@@ -423,7 +434,8 @@ pub(super) fn vjp(
     // and dbias, so fewer blocks means fewer partial rows to reduce.
     let (grid, partial_rows) = if is_vjp_split(&spec) {
         let period = shift_period(&spec, layout, &[xs, gs, d as i64]);
-        cluster_grid(&kernel, &spec, block, shared, rows, period)?
+        let (blocks, clusters, _) = cluster_grid(&kernel, &spec, block, shared, rows, period)?;
+        (blocks, clusters)
     } else {
         let grid = resident_grid(enc, &kernel, block, shared, rows.div_ceil(groups))?;
         (grid, grid)
