@@ -115,6 +115,10 @@ pub struct Config {
     /// the time and serves every shape (see `jit::stand_in`). Needs background compiles
     /// (`KILN_COMPILE_THREADS` > 0); false: the call waits for its own kernel.
     pub stand_ins: bool,
+    /// `KILN_DEPENDENT_LAUNCH` (default true): in direct mode on sm_90 and later, the kernels
+    /// that wait for their predecessor in their own code (the norms') launch with programmatic
+    /// dependent launch, so that their start overlaps the previous kernel's end.
+    pub dependent_launch: bool,
 }
 
 /// Every variable kiln reads, for `kiln info`.
@@ -141,6 +145,7 @@ pub const VARIABLES: &[&str] = &[
     "KILN_NCCL_CHECK",
     "KILN_COMPILE_THREADS",
     "KILN_STAND_INS",
+    "KILN_DEPENDENT_LAUNCH",
     "KILN_RANK",
     "KILN_WORLD_SIZE",
     "KILN_NCCL_ID",
@@ -250,6 +255,10 @@ impl Config {
             stand_ins: match set("KILN_STAND_INS") {
                 None => true,
                 Some(v) => parse_bool("KILN_STAND_INS", &v)?,
+            },
+            dependent_launch: match set("KILN_DEPENDENT_LAUNCH") {
+                None => true,
+                Some(v) => parse_bool("KILN_DEPENDENT_LAUNCH", &v)?,
             },
         })
     }
@@ -463,6 +472,7 @@ mod tests {
         assert_eq!(c.max_commits_in_flight, DEFAULT_MAX_COMMITS_IN_FLIGHT);
         assert_eq!(c.max_mb_in_flight, None);
         assert_eq!(c.conv_path, ConvPath::Auto);
+        assert!(c.dependent_launch);
     }
 
     #[test]
@@ -481,8 +491,10 @@ mod tests {
             ("KILN_CONV_PATH", "IGEMM"),
             ("KILN_CONV_AUTOTUNE", "1"),
             ("KILN_EMULATE_ARCH", "sm_75"),
+            ("KILN_DEPENDENT_LAUNCH", "off"),
         ])
         .unwrap();
+        assert!(!c.dependent_launch);
         assert_eq!(c.cache_dir, Some(PathBuf::from("/tmp/k")));
         assert_eq!(c.cache_mode, CacheMode::ReadOnly);
         assert_eq!(c.cache_max_bytes, 512 << 20);

@@ -27,6 +27,8 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
     const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b, T* __restrict__ y,
     long long rows, int d, long long x_row_stride, long long w_stride, long long b_stride,
     int w_vec, int b_vec, float eps) {
+  // The previous kernel's writes visible (launch_dependent); no global access before this.
+  kiln_wait_for_previous_grid();
   __shared__ float scratch[KILN_SCRATCH(BLOCK_DIM)];
   __shared__ float2 moments[KILN_MOMENTS(BLOCK_DIM)];
   int round = 0;

@@ -76,6 +76,8 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1)
   if constexpr (!RMS)
     kiln_split_pair_elements<CLUSTER, BLOCK_DIM, N_READS>(pair_elements, d, chunk, shift);
   kiln_cluster_sums_init(sums);
+  // The previous kernel's writes visible (launch_dependent); no global access before this.
+  kiln_wait_for_previous_grid();
   if (claims && kiln_cluster_rank() == 0 && threadIdx.x == 0) ticket = atomicAdd(row_claims, 1ull);
   int exchange = 0;
   const float inv_d = 1.0f / d;

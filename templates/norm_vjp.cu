@@ -97,6 +97,8 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
     float* __restrict__ partial_w, float* __restrict__ partial_b, long long rows, int d,
     long long x_row_stride, long long g_row_stride, long long w_stride, int w_vec, float eps,
     int smem_partials) {
+  // The previous kernel's writes visible (launch_dependent); no global access before this.
+  kiln_wait_for_previous_grid();
   __shared__ float scratch[KILN_SCRATCH(BLOCK_DIM)];
   __shared__ float4 vjp_sums[MOMENTS ? KILN_MOMENTS(BLOCK_DIM) : 1];
   int round = 0;

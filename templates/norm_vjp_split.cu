@@ -57,6 +57,8 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(BLO
     kiln_split_pair_elements<CLUSTER, BLOCK_DIM, N_READS>(pair_elements, d,
                                                            kiln_split_chunk(d, CLUSTER), 0);
   kiln_cluster_sums_init(sums);
+  // The previous kernel's writes visible (launch_dependent); no global access before this.
+  kiln_wait_for_previous_grid();
   int exchange = 0;
   const long long cluster = blockIdx.x / CLUSTER, clusters = gridDim.x / CLUSTER;
   const int chunk = kiln_split_chunk(d, CLUSTER);

@@ -8,6 +8,20 @@
 #define KILN_ARCH __CUDA_ARCH__
 #endif
 
+// Programmatic dependent launch (CommandEncoder::launch_dependent, sm_90 and later): a kernel
+// launched so may start while the previous kernel on its stream still runs. Every thread waits
+// here before its first access to global memory, until that kernel has completed and its writes
+// are visible; then it lets the next such kernel launch (its blocks take SMs as this one's
+// leave, and wait in turn). Both are no-ops for a kernel launched without it, and below sm_90
+// (the real target's architecture, not KILN_ARCH: an emulated older one still runs on sm_90,
+// launched the same way).
+__device__ __forceinline__ void kiln_wait_for_previous_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(KILN_HOST)
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // 16-bit floats as bit patterns; conversions go through inline PTX, or integer arithmetic where
 // the target has no instruction for them (bf16 before sm_80).
 struct kiln_f16 { unsigned short bits; };

@@ -20,6 +20,8 @@ constexpr int UNROLL = 4;
 extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
     const float* __restrict__ partial, T* __restrict__ out0, T* __restrict__ out1, long long rows,
     int d, int col_threads) {
+  // The previous kernel's writes visible (launch_dependent); no global access before this.
+  kiln_wait_for_previous_grid();
   __shared__ float tile[BLOCK_DIM * N_READS];
   const int ct = threadIdx.x & (col_threads - 1);
   const int lane = threadIdx.x / col_threads, lanes = BLOCK_DIM / col_threads;

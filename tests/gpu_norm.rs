@@ -552,6 +552,87 @@ fn claimed_rows_match_the_reference() {
     assert!(failures.is_empty(), "{failures:#?}");
 }
 
+/// Calls that each read what the previous call wrote, encoded back to back before any result
+/// is read: forward, VJP and the column sums of its parameter gradients, the next forward taking
+/// that gradient as its weight. In direct mode on sm_90 these kernels start while the previous
+/// one finishes (`launch_dependent`), so a read before the kernel's wait would see half-written
+/// inputs. Each step is checked against the reference on the inputs the GPU gave it. Every
+/// dtype, graph and direct mode, rows a block each, split rows, and rows claimed at run time.
+#[test]
+fn chained_calls_match_the_reference() {
+    let Some(dev) = device("norm_chained_calls") else {
+        return;
+    };
+    let mut failures = Vec::new();
+    for graphs in [false, true] {
+        let mut enc = encoder(&dev, graphs);
+        for dtype in DType::ALL {
+            for (rows, d) in [
+                (2048usize, 768usize),
+                (200, 32768),
+                (300, 65536),
+                (3, 131072),
+            ] {
+                let mut rng = TestRng::new(rows as u64 + d as u64);
+                let x = q(dtype, rng.values(rows * d, 2.0, 0.5));
+                let w = q(dtype, rng.values(d, 1.0, 1.0));
+                let b = q(dtype, rng.values(d, 0.5, 0.0));
+                let xa = Array::from_f64(&mut enc, dtype, &x, &[rows, d]).unwrap();
+                let wa = Array::from_f64(&mut enc, dtype, &w, &[d]).unwrap();
+                let ba = Array::from_f64(&mut enc, dtype, &b, &[d]).unwrap();
+                // y1 = rms(x; w), y2 = ln(y1; w, b), (dx, dw, db) = ln_vjp(y2; w, b; g = y1),
+                // y3 = rms(dx; dw), (dx3, dw3) = rms_vjp(y3; w; g = y2).
+                let y1 = norm::rms_norm(&mut enc, &xa, Some(&wa), EPS as f32).unwrap();
+                let y2 = norm::layer_norm(&mut enc, &y1, Some(&wa), Some(&ba), EPS as f32).unwrap();
+                let (dx, dw, db) =
+                    norm::layer_norm_vjp(&mut enc, &y2, Some(&wa), Some(&ba), &y1, EPS as f32)
+                        .unwrap();
+                let dw = dw.unwrap();
+                let y3 = norm::rms_norm(&mut enc, &dx, Some(&dw), EPS as f32).unwrap();
+                let (dx3, dw3) =
+                    norm::rms_norm_vjp(&mut enc, &y3, Some(&wa), &y2, EPS as f32).unwrap();
+                let [y1, y2, dx, dw, db, y3, dx3, dw3] =
+                    [&y1, &y2, &dx, &dw, &db.unwrap(), &y3, &dx3, &dw3.unwrap()]
+                        .map(|a| a.to_f64(&mut enc).unwrap());
+                let (rms, ln) = (Kind::RmsNorm, Kind::LayerNorm);
+                let (rdx, rdw, rdb) = reference_vjp(ln, &y2, Some(&w), &y1, d, EPS);
+                let (rdx3, rdw3, _) = reference_vjp(rms, &y3, Some(&w), &y2, d, EPS);
+                let steps = [
+                    (
+                        "y1",
+                        &y1,
+                        reference_forward(rms, &x, Some(&w), None, d, EPS),
+                    ),
+                    (
+                        "y2",
+                        &y2,
+                        reference_forward(ln, &y1, Some(&w), Some(&b), d, EPS),
+                    ),
+                    ("dx", &dx, rdx),
+                    ("dw", &dw, rdw),
+                    ("db", &db, rdb),
+                    (
+                        "y3",
+                        &y3,
+                        reference_forward(rms, &dx, Some(&dw), None, d, EPS),
+                    ),
+                    ("dx3", &dx3, rdx3),
+                    ("dw3", &dw3, rdw3),
+                ];
+                for (name, got, want) in steps {
+                    let err = max_error(got, &want);
+                    if err > tolerance(dtype) {
+                        failures.push(format!(
+                            "graphs={graphs} {dtype} {rows}x{d} {name}: {err:.3e}"
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
 /// 16-bit forward rows of 16,385 to 32,768 elements take a block each (the ring of 3 or 4
 /// vectors a thread, where it and the weights fit) when a call has a row for every
 /// multiprocessor, and a cluster each on Hopper when it has fewer: both sides of that count (and

@@ -175,9 +175,10 @@ impl ColumnSum {
         let blocks = d.div_ceil(col_threads * columns_per_thread).max(1);
         // SAFETY: the arguments are reduce_cols' in order and type, for the kernel of the
         // outputs' dtype (checked above); partial holds rows x d f32 a set, and set blockIdx.y
-        // is summed into the first output (0) or the last (1), each of d elements.
+        // is summed into the first output (0) or the last (1), each of d elements; the kernel
+        // waits for the previous grid before its first global access.
         unsafe {
-            enc.launch(
+            enc.launch_dependent(
                 &self.kernel,
                 (blocks as u32, outs.len() as u32, 1),
                 BLOCK as u32,

@@ -276,6 +276,10 @@ pub struct CommandEncoder {
     stream: sys::CUstream,
     capture_stream: sys::CUstream,
     use_graphs: bool,
+    /// Direct-mode launches of kernels that wait for their predecessor in their own code
+    /// (`launch_dependent`) use programmatic dependent launch: `KILN_DEPENDENT_LAUNCH` on a
+    /// GPU of sm_90 or later.
+    dependent_launch: bool,
     max_ops: usize,
     max_bytes: usize,
     max_commits_in_flight: usize,
@@ -329,6 +333,8 @@ impl CommandEncoder {
             stream: streams[0],
             capture_stream: streams[1],
             use_graphs: config.use_cuda_graphs,
+            // The kernels are compiled for the GPU's own target, so their waits are there.
+            dependent_launch: config.dependent_launch && device.target().arch >= 90,
             max_ops: config.max_ops_per_buffer.unwrap_or(ops),
             max_bytes,
             max_commits_in_flight: config.max_commits_in_flight,
@@ -473,6 +479,55 @@ impl CommandEncoder {
         reads: &[&Array],
         writes: &[&Array],
     ) -> Result<()> {
+        // SAFETY: the caller's promises are `launch_with`'s.
+        unsafe { self.launch_with(kernel, grid, block, shared_mem, args, reads, writes, false) }
+    }
+
+    /// Encodes one kernel launch, as [`launch`](Self::launch), of a kernel that waits for the
+    /// work before it in its own code. In direct mode on sm_90 and later (unless
+    /// `KILN_DEPENDENT_LAUNCH=0`) it is launched with programmatic dependent launch: its blocks
+    /// may start while the previous kernel on the stream still runs, and run up to that wait,
+    /// so that its set-up and the launch itself overlap the previous kernel's end. In graph mode
+    /// it is an ordinary kernel node (the wait returns at once).
+    ///
+    /// # Safety
+    ///
+    /// As [`launch`](Self::launch)'s, and: every thread of the kernel calls
+    /// `kiln_wait_for_previous_grid()` (kiln's prelude) before its first access to global
+    /// memory, a read or a write. A kernel that reads before the wait may see the previous
+    /// kernel's writes half done; one that writes before it may change what that kernel reads.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn launch_dependent(
+        &mut self,
+        kernel: &Arc<LoadedKernel>,
+        grid: impl Into<Dim3>,
+        block: impl Into<Dim3>,
+        shared_mem: u32,
+        args: KernelArgs,
+        reads: &[&Array],
+        writes: &[&Array],
+    ) -> Result<()> {
+        // SAFETY: the caller's promises are `launch_with`'s with `dependent`.
+        unsafe { self.launch_with(kernel, grid, block, shared_mem, args, reads, writes, true) }
+    }
+
+    /// `launch` and `launch_dependent`.
+    ///
+    /// # Safety
+    ///
+    /// `launch`'s contract; with `dependent`, also `launch_dependent`'s.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn launch_with(
+        &mut self,
+        kernel: &Arc<LoadedKernel>,
+        grid: impl Into<Dim3>,
+        block: impl Into<Dim3>,
+        shared_mem: u32,
+        args: KernelArgs,
+        reads: &[&Array],
+        writes: &[&Array],
+        dependent: bool,
+    ) -> Result<()> {
         self.check_device("reads", reads)?;
         self.check_device("writes", writes)?;
         if let Some(why) = args.refused() {
@@ -498,6 +553,37 @@ impl CommandEncoder {
                 deps,
                 work: NodeWork::Kernel(node),
             });
+        } else if dependent && self.dependent_launch {
+            let mut pointers = node.args.pointers();
+            let mut attribute = sys::CUlaunchAttribute {
+                id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+                pad: [0; 4],
+                value: sys::CUlaunchAttributeValue {
+                    programmaticStreamSerializationAllowed: 1,
+                },
+            };
+            let config = sys::CUlaunchConfig {
+                gridDimX: node.grid.0,
+                gridDimY: node.grid.1,
+                gridDimZ: node.grid.2,
+                blockDimX: node.block.0,
+                blockDimY: node.block.1,
+                blockDimZ: node.block.2,
+                sharedMemBytes: node.shared_mem,
+                hStream: self.stream,
+                attrs: &mut attribute,
+                numAttrs: 1,
+            };
+            // SAFETY: as cuLaunchKernel's below; `config` and its attribute outlive the call, and
+            // the kernel waits for its predecessor before touching memory (the caller's promise).
+            check(unsafe {
+                sys::cuLaunchKernelEx(
+                    &config,
+                    node.function,
+                    pointers.as_mut_ptr(),
+                    ptr::null_mut(),
+                )
+            })?;
         } else {
             let mut pointers = node.args.pointers();
             // SAFETY: the function belongs to this device's context; the argument pointers are

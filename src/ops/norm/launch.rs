@@ -324,9 +324,10 @@ pub(super) fn forward(
     // SAFETY: the arguments are norm_fwd's (or norm_fwd_split's, or norm_fwd_staged's) in order
     // and type; x's rows, the weight and bias (when given) are read and y written, within the
     // rows x d elements and strides checked above; the staged kernel's row counter is the
-    // encoder's scratch, left zero.
+    // encoder's scratch, left zero. Every norm template waits for the previous grid before its
+    // first global access (kiln_wait_for_previous_grid).
     unsafe {
-        enc.launch(
+        enc.launch_dependent(
             &kernel,
             grid as u32,
             block as u32,
@@ -478,9 +479,10 @@ pub(super) fn vjp(
     writes.extend(partial.as_ref());
     // SAFETY: the arguments are the VJP templates' in order and type; x, the cotangent and the
     // weight are read, dx and the f32 partial rows written, within the shapes checked above and
-    // the partial rows sized for this grid.
+    // the partial rows sized for this grid; both templates wait for the previous grid before
+    // their first global access.
     unsafe {
-        enc.launch(
+        enc.launch_dependent(
             &kernel,
             grid as u32,
             block as u32,
