@@ -131,14 +131,7 @@ fn main() -> kiln::Result<()> {
         kernel: "probe_norm_fwd_staged",
         ..*chosen.template
     }));
-    register_family(
-        def,
-        FamilyExtras {
-            partials: &[],
-            entry_points: &[],
-            options: &[],
-        },
-    )?;
+    register_family(def, FamilyExtras::NONE)?;
     let names = chosen.template.const_names.len();
     let spec = KernelSpec::try_new(
         def,
