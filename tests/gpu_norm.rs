@@ -552,6 +552,45 @@ fn claimed_rows_match_the_reference() {
     assert!(failures.is_empty(), "{failures:#?}");
 }
 
+/// A concurrent section is never split at the bound on a commit's launches, so it can hold more
+/// claiming calls than the encoder has row counters: those past the counters take their rows in
+/// turn, and every call, all of them nodes of one graph that may run at once, stays right.
+#[test]
+fn claimed_rows_past_the_counters_of_a_commit() {
+    let Some(dev) = device("norm_claimed_rows_concurrent") else {
+        return;
+    };
+    let mut config = Config::from_env().unwrap();
+    config.use_cuda_graphs = true;
+    config.max_ops_per_buffer = Some(2); // three counters
+    let mut enc = CommandEncoder::with_config(&dev, &config).unwrap();
+    let (dtype, rows, d) = (DType::BF16, 300, 65536);
+    let w = q(dtype, TestRng::new(9800).values(d, 1.0, 1.0));
+    let wa = Array::from_f64(&mut enc, dtype, &w, &[d]).unwrap();
+    let inputs: Vec<_> = (0..6)
+        .map(|i| {
+            let x = q(dtype, TestRng::new(9801 + i).values(rows * d, 2.0, 0.5));
+            let xa = Array::from_f64(&mut enc, dtype, &x, &[rows, d]).unwrap();
+            (x, xa)
+        })
+        .collect();
+    enc.begin_concurrent();
+    let outputs: Vec<_> = inputs
+        .iter()
+        .map(|(_, xa)| norm::rms_norm(&mut enc, xa, Some(&wa), EPS as f32).unwrap())
+        .collect();
+    enc.end_concurrent().unwrap();
+    let mut failures = Vec::new();
+    for (i, ((x, _), y)) in inputs.iter().zip(&outputs).enumerate() {
+        let want = reference_forward(Kind::RmsNorm, x, Some(&w), None, d, EPS);
+        let err = max_error(&y.to_f64(&mut enc).unwrap(), &want);
+        if err > tolerance(dtype) {
+            failures.push(format!("call {i}: {err:.3e}"));
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
 /// Calls that each read what the previous call wrote, encoded back to back before any result
 /// is read: forward, VJP and the column sums of its parameter gradients, the next forward taking
 /// that gradient as its weight. In direct mode on sm_90 these kernels start while the previous

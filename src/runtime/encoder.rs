@@ -62,6 +62,31 @@ pub struct EncoderStats {
     pub refused_patches: u64,
 }
 
+/// Which slot of the claim counters' ring (`CommandEncoder::claim_counter`) comes next, and how
+/// many the commit being encoded has taken: no two launches of one commit share a slot.
+#[derive(Debug, Default)]
+struct ClaimSlots {
+    next: usize,
+    in_commit: usize,
+}
+
+impl ClaimSlots {
+    /// The next slot of a ring of `slots`, or `None` once this commit has taken them all.
+    fn take(&mut self, slots: usize) -> Option<usize> {
+        if self.in_commit >= slots {
+            return None;
+        }
+        let slot = self.next % slots;
+        self.next = (slot + 1) % slots;
+        self.in_commit += 1;
+        Some(slot)
+    }
+
+    fn new_commit(&mut self) {
+        self.in_commit = 0;
+    }
+}
+
 /// Grid and block dimensions.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Dim3(pub u32, pub u32, pub u32);
@@ -300,7 +325,7 @@ pub struct CommandEncoder {
     /// Work counters of kernels that claim work at run time (`claim_counter`), made on first
     /// use, and the next one to hand out.
     claim_counters: Option<Array>,
-    next_claim_counter: usize,
+    claim_slots: ClaimSlots,
 }
 
 impl CommandEncoder {
@@ -354,7 +379,7 @@ impl CommandEncoder {
             ),
             stats: EncoderStats::default(),
             claim_counters: None,
-            next_claim_counter: 0,
+            claim_slots: ClaimSlots::default(),
         })
     }
 
@@ -379,17 +404,25 @@ impl CommandEncoder {
     }
 
     /// The device address of a counter (a u64, zero) for a kernel that claims its work at run
-    /// time and leaves the counter zero when it completes (the split-row forward's rows).
-    /// Launches that may run at once get different counters: in direct mode this stream runs
-    /// one kernel at a time, and a graph holds at most `limits().0` launches, so a ring of one
-    /// more than that is never handed out twice to kernels in flight together. The ring is
-    /// made (zeroed, by an upload on this stream, ahead of any kernel that uses it) on first
-    /// use and lives as long as the encoder, whose drop waits for its work.
+    /// time and leaves the counter zero when it completes (the split-row forward's rows), or
+    /// `None`, where the kernel must take its work in a fixed order instead.
+    ///
+    /// Launches that may run at once get different counters. Only the launches of one commit
+    /// can: commits run in stream order, and in direct mode a kernel touches memory only once
+    /// the one before it has ended (a dependent launch waits first). The counters are a ring of
+    /// one more than a commit's bound on launches (`limits().0`), handed out in turn, and a
+    /// commit that has taken every one of them (a concurrent section, which is never split,
+    /// can pass the bound) gets `None`. The ring is made (zeroed, by an upload on this stream,
+    /// ahead of any kernel that uses it) on first use and lives as long as the encoder, whose
+    /// drop waits for its work.
     ///
     /// A launch that takes a counter must not list it among its reads or writes: it is no
     /// dependency between launches, only scratch each leaves as it found it.
-    pub(crate) fn claim_counter(&mut self) -> Result<sys::CUdeviceptr> {
+    pub(crate) fn claim_counter(&mut self) -> Result<Option<sys::CUdeviceptr>> {
         let slots = self.max_ops.max(1) + 1;
+        let Some(slot) = self.claim_slots.take(slots) else {
+            return Ok(None);
+        };
         if self.claim_counters.is_none() {
             // u64 counters as pairs of f32 zeros.
             let ring =
@@ -397,9 +430,7 @@ impl CommandEncoder {
             self.claim_counters = Some(ring);
         }
         let ring = self.claim_counters.as_ref().expect("made above");
-        let slot = self.next_claim_counter;
-        self.next_claim_counter = (slot + 1) % slots;
-        Ok(ring.device_ptr() + (slot * 8) as sys::CUdeviceptr)
+        Ok(Some(ring.device_ptr() + (slot * 8) as sys::CUdeviceptr))
     }
 
     /// The bounds on work in flight: (commits, bytes those commits touched).
@@ -885,6 +916,7 @@ impl CommandEncoder {
         self.nodes.clear();
         self.tracker.clear();
         self.ops_in_batch = 0;
+        self.claim_slots.new_commit();
         let bytes = std::mem::take(&mut self.bytes_in_batch);
         let kernels = std::mem::take(&mut self.kernels);
         let watches = std::mem::take(&mut self.watches);
@@ -1259,6 +1291,21 @@ mod tests {
             shared_mem: 0,
             args,
         }
+    }
+
+    #[test]
+    fn no_two_launches_of_a_commit_share_a_claim_counter() {
+        let mut ring = ClaimSlots::default();
+        // A commit of more claiming launches than slots (a concurrent section).
+        let taken: Vec<_> = (0..5).map(|_| ring.take(3)).collect();
+        assert_eq!(taken, [Some(0), Some(1), Some(2), None, None]);
+        // The next commit goes on round the ring.
+        ring.new_commit();
+        assert_eq!(ring.take(3), Some(0));
+        assert_eq!(ring.take(3), Some(1));
+        ring.new_commit();
+        assert_eq!(ring.take(3), Some(2));
+        assert_eq!(ring.take(3), Some(0));
     }
 
     #[test]

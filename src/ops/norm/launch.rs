@@ -307,8 +307,11 @@ pub(super) fn forward(
         let (blocks, _, claims) = cluster_grid(&kernel, &spec, block, shared, rows, period)?;
         if *spec.template == FORWARD_STAGED {
             // The rows' counter: scratch the kernel leaves zero, no dependency
-            // (CommandEncoder::claim_counter); none where the rows are fixed.
-            args.push(if claims { enc.claim_counter()? } else { 0 });
+            // (CommandEncoder::claim_counter). None (null) where the rows are fixed, or where
+            // the commit has no counter left: the kernel then takes its rows in turn, right for
+            // any grid.
+            let counter = if claims { enc.claim_counter()? } else { None };
+            args.push(counter.unwrap_or(0));
         }
         blocks
     } else if shared > 0 {
