@@ -2,13 +2,12 @@
 // (sm_90; f32 rows take norm_fwd_split.cu, whose registers hold enough of their bytes in flight
 // at less cost). A thread-block cluster of CLUSTER blocks takes a row, each block a contiguous
 // chunk of it (kiln_split_chunk elements), so x is read once and y written once. The clusters
-// loop over rows (a grid no larger than the GPU holds), claiming them at run time where their
-// columns are not shifted (cluster.cuh's kiln_cluster_send_row: clusters on a GPU run at
-// different speeds, so fixed rows leave the fastest idle at the end). Each block's chunks arrive
-// through a
-// ring of STAGES shared-memory stages filled by bulk copies (bulk.cuh), so STAGES - 1 rows are
-// in flight while one is reduced whatever the registers; the block keeps its columns of the
-// weight and bias in shared memory for all its rows. The statistics are exact two-pass sums over
+// loop over rows (a grid no larger than the GPU holds), claiming them at run time where the
+// host passes a counter and their columns are not shifted (cluster.cuh's kiln_cluster_send_row:
+// clusters on a GPU run at different speeds, so fixed rows leave the fastest idle at the end).
+// Each block's chunks arrive through a ring of STAGES shared-memory stages filled by bulk copies
+// (bulk.cuh), so STAGES - 1 rows are in flight while one is reduced whatever the registers; the
+// block keeps its columns of the weight and bias in shared memory for all its rows. The statistics are exact two-pass sums over
 // the whole row in one exchange a row through distributed shared memory, without cluster barriers
 // (kiln_cluster_sum2; LayerNorm's combined from each warp's, kiln_cluster_wait_moments).
 // SHIFTED: rows that do not start on a 16-byte granule (odd lengths) still move whole vectors:
