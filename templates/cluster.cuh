@@ -44,28 +44,45 @@ __device__ __forceinline__ unsigned kiln_cluster_map(const void* local, unsigned
 // n + 2, which needed every warp of the cluster to push n + 2, which each did only after it had
 // read exchange n's values: set n % 4 and its mbarrier phase are free again. (The same holds for
 // the mbarrier's arrival, made when the block's thread 0 pushes.)
-template <int CLUSTER, int BLOCK_DIM, int WIDTH = 2>
-struct kiln_cluster_sums {
+// A pushed value set: WIDTH floats, moved by one st.async.
+template <int WIDTH>
+struct alignas(4 * WIDTH) kiln_cluster_slot {
+  float v[WIDTH];
+};
+
+// BY_BLOCK's own slots: this block's warps' values of the last two exchanges, [n % 2][warp]
+// (none, and no bytes, without BY_BLOCK).
+template <int WIDTH, int WARPS, bool BY_BLOCK>
+struct kiln_cluster_own {
+  kiln_cluster_slot<WIDTH> own[2][WARPS];
+};
+template <int WIDTH, int WARPS>
+struct kiln_cluster_own<WIDTH, WARPS, false> {};
+
+template <int CLUSTER, int BLOCK_DIM, int WIDTH = 2, bool BY_BLOCK = false>
+struct kiln_cluster_sums : kiln_cluster_own<WIDTH, BLOCK_DIM / 32, BY_BLOCK> {
   static_assert(WIDTH == 2 || WIDTH == 4, "st.async moves 8 or 16 bytes");
+  static constexpr int BLOCKS = CLUSTER, THREADS = BLOCK_DIM, VALUES = WIDTH;
+  static constexpr bool BLOCK_PUSHES = BY_BLOCK;
   static constexpr int WARPS = BLOCK_DIM / 32;
-  static constexpr int PAIRS = CLUSTER * WARPS;  // pushes an exchange receives
+  // Pushes each block makes an exchange: one a warp, or with BY_BLOCK one (its warps' values
+  // combined first, kiln_cluster_push_block).
+  static constexpr int PUSHERS = BY_BLOCK ? 1 : WARPS;
+  static constexpr int PAIRS = CLUSTER * PUSHERS;  // pushes an exchange receives
   static constexpr int SETS = 4;
-  struct alignas(4 * WIDTH) Slot {
-    float v[WIDTH];
-  };
-  // [set][rank * WARPS + warp].
+  typedef kiln_cluster_slot<WIDTH> Slot;
+  // [set][rank * PUSHERS + pusher].
   Slot recv[SETS][PAIRS];
   unsigned long long bar[SETS];
 };
 
 // Sets up `s` (in shared memory); every thread of every block calls it once before the first
 // exchange, and the cluster barrier at its end keeps pushes off barriers not yet initialised.
-template <int CLUSTER, int BLOCK_DIM, int WIDTH>
-__device__ __forceinline__ void kiln_cluster_sums_init(
-    kiln_cluster_sums<CLUSTER, BLOCK_DIM, WIDTH>& s) {
+template <class S>
+__device__ __forceinline__ void kiln_cluster_sums_init(S& s) {
   if (threadIdx.x == 0) {
 #pragma unroll
-    for (int set = 0; set < kiln_cluster_sums<CLUSTER, BLOCK_DIM, WIDTH>::SETS; ++set)
+    for (int set = 0; set < S::SETS; ++set)
       asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(
                        (unsigned)__cvta_generic_to_shared(&s.bar[set]))
                    : "memory");
@@ -74,34 +91,29 @@ __device__ __forceinline__ void kiln_cluster_sums_init(
   kiln_cluster_sync();
 }
 
-// Pushes this warp's WIDTH values v[0..WIDTH) (the same in every lane: sums over the warp) to
-// every block of the cluster; every thread of every block must call it, `exchange` counting the
-// pushes. Returns the exchange's number, for kiln_cluster_wait. `extra_bytes`: what else every
-// block receives on the exchange's mbarrier (kiln_cluster_send_row's 8 bytes), the same in
-// every block and every exchange of a kernel.
-template <int CLUSTER, int BLOCK_DIM, int WIDTH>
-__device__ __forceinline__ int kiln_cluster_push(const float* v,
-                                                 kiln_cluster_sums<CLUSTER, BLOCK_DIM, WIDTH>& s,
-                                                 int& exchange, int extra_bytes = 0) {
-  typedef kiln_cluster_sums<CLUSTER, BLOCK_DIM, WIDTH> S;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int n = exchange++;
+// Exchange n's arrival of this block (thread 0) and its push from the calling warp: lane r sends
+// v[0..WIDTH) (the same in every lane) to block r, into this block's slot `pusher` there.
+// `extra_bytes`: what else every block receives on the exchange's mbarrier
+// (kiln_cluster_send_row's 8 bytes), the same in every block and every exchange of a kernel.
+template <class S>
+__device__ __forceinline__ void kiln_cluster_send(const float* v, S& s, int n, int pusher,
+                                                  int extra_bytes) {
+  const int lane = threadIdx.x % 32;
   const int set = n % S::SETS;
   if (threadIdx.x == 0) {
-    // This block's one arrival of the phase, expecting every warp's bytes (pushes that came
+    // This block's one arrival of the phase, expecting every pusher's bytes (pushes that came
     // first have already counted theirs down). Relaxed: a release would wait for this thread's
     // loads in flight, as the cluster barrier did.
     asm volatile("mbarrier.arrive.expect_tx.relaxed.cta.shared::cta.b64 _, [%0], %1;" ::"r"(
                      (unsigned)__cvta_generic_to_shared(&s.bar[set])),
-                 "r"(S::PAIRS * WIDTH * 4 + extra_bytes)
+                 "r"(S::PAIRS * S::VALUES * 4 + extra_bytes)
                  : "memory");
   }
-  if (lane < CLUSTER) {
-    // Lane r pushes this warp's values to block r.
-    const unsigned me = kiln_cluster_rank();
-    const unsigned slot = kiln_cluster_map(&s.recv[set][me * S::WARPS + warp], lane);
+  if (lane < S::BLOCKS) {
+    const int pair = (int)kiln_cluster_rank() * S::PUSHERS + pusher;
+    const unsigned slot = kiln_cluster_map(&s.recv[set][pair], lane);
     const unsigned remote_bar = kiln_cluster_map(&s.bar[set], lane);
-    if constexpr (WIDTH == 2) {
+    if constexpr (S::VALUES == 2) {
       asm volatile(
           "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];" ::
               "r"(slot),
@@ -115,15 +127,90 @@ __device__ __forceinline__ int kiln_cluster_push(const float* v,
           : "memory");
     }
   }
+}
+
+// kiln_cluster_push's exchange n for BY_BLOCK sums: the block's warps' values are combined in
+// the block, and its warp 0 pushes the result, one slot a block. Pushed by each warp, all
+// CLUSTER x WARPS of them are read back by every warp of every block: in clusters of 16 blocks of
+// 16 warps every warp read 256 slots a row, more shared memory traffic than LayerNorm's VJP
+// spent on its rows. The block's combine costs a barrier and a warp's sums on each exchange's
+// path instead, which pays only where the pushes are that many (the caller's choice). Values
+// are sums (warp_elements null) or, for kiln_cluster_wait_moments, moments: v[0] the warp's mean
+// over its warp_elements[warp] elements (this block's warps' n_w) and the sums about it, which
+// combine as that function combines blocks. Warp 0 waits on the others (a named barrier,
+// 1 + n % 2: a warp pushes exchange n + 2 only after it has waited on n, whose pushes came after
+// that barrier's), the others go on.
+template <class S>
+__device__ __forceinline__ void kiln_cluster_push_block(const float* v, S& s, int n,
+                                                        const float* warp_elements,
+                                                        int extra_bytes) {
+  constexpr int WIDTH = S::VALUES;
+  static_assert(S::BLOCK_PUSHES && S::WARPS <= 32, "warp 0 combines a lane a warp");
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int half = n % 2;
+  if (lane == 0) {
+    typename S::Slot own;
+#pragma unroll
+    for (int i = 0; i < WIDTH; ++i) own.v[i] = v[i];
+    s.own[half][warp] = own;
+  }
+  // Barrier ids as immediates: a register id would make ptxas reserve all 16 of them.
+  if (warp != 0) {
+    if (half)
+      asm volatile("bar.arrive 2, %0;" ::"n"(S::THREADS) : "memory");
+    else
+      asm volatile("bar.arrive 1, %0;" ::"n"(S::THREADS) : "memory");
+    return;
+  }
+  if (half)
+    asm volatile("bar.sync 2, %0;" ::"n"(S::THREADS) : "memory");
+  else
+    asm volatile("bar.sync 1, %0;" ::"n"(S::THREADS) : "memory");
+  float e[WIDTH], u[WIDTH];
+#pragma unroll
+  for (int i = 0; i < WIDTH; ++i) e[i] = lane < S::WARPS ? s.own[half][lane].v[i] : 0.0f;
+  if (warp_elements) {
+    // About the block's mean, as kiln_cluster_wait_moments combines (empty warps and lanes past
+    // the warps add nothing: n_w, and their sums, are zero).
+    const float n_w = lane < S::WARPS ? warp_elements[lane] : 0.0f;
+    const float n_b = kiln_warp_sum(n_w);
+    const float mean = n_b > 0.0f ? kiln_warp_sum(n_w * e[0]) / n_b : 0.0f;
+    const float dev = e[0] - mean;
+    u[0] = mean;
+    u[1] = kiln_warp_sum(e[1] + n_w * dev * dev);
+    if constexpr (WIDTH == 4) {
+      u[2] = kiln_warp_sum(e[2]);
+      u[3] = kiln_warp_sum(e[3] + dev * e[2]);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < WIDTH; ++i) u[i] = kiln_warp_sum(e[i]);
+  }
+  kiln_cluster_send(u, s, n, 0, extra_bytes);
+}
+
+// Pushes this warp's WIDTH values v[0..WIDTH) (the same in every lane: sums over the warp) to
+// every block of the cluster, or with BY_BLOCK its block's combined (kiln_cluster_push_block,
+// whose `warp_elements` says whether they are sums or moments); every thread of every block
+// must call it, `exchange` counting the pushes. Returns the exchange's number, for
+// kiln_cluster_wait. `extra_bytes`: as kiln_cluster_send's.
+template <class S>
+__device__ __forceinline__ int kiln_cluster_push(const float* v, S& s, int& exchange,
+                                                 int extra_bytes = 0,
+                                                 const float* warp_elements = nullptr) {
+  const int n = exchange++;
+  if constexpr (S::BLOCK_PUSHES) {
+    kiln_cluster_push_block(v, s, n, warp_elements, extra_bytes);
+  } else {
+    kiln_cluster_send(v, s, n, (int)threadIdx.x / 32, extra_bytes);
+  }
   return n;
 }
 
-// Waits for exchange `n` (kiln_cluster_push's number) and returns its values: every warp's push,
-// [rank * WARPS + warp].
-template <int CLUSTER, int BLOCK_DIM, int WIDTH>
-__device__ __forceinline__ const typename kiln_cluster_sums<CLUSTER, BLOCK_DIM, WIDTH>::Slot*
-kiln_cluster_wait(kiln_cluster_sums<CLUSTER, BLOCK_DIM, WIDTH>& s, int n) {
-  typedef kiln_cluster_sums<CLUSTER, BLOCK_DIM, WIDTH> S;
+// Waits for exchange `n` (kiln_cluster_push's number) and returns its values: every push,
+// [rank * PUSHERS + pusher].
+template <class S>
+__device__ __forceinline__ const typename S::Slot* kiln_cluster_wait(S& s, int n) {
   const int set = n % S::SETS;
   const unsigned parity = (n / S::SETS) & 1;
   const unsigned bar = (unsigned)__cvta_generic_to_shared(&s.bar[set]);
@@ -151,10 +238,8 @@ __device__ __forceinline__ int kiln_cluster_push2(float a, float b,
 // Waits for exchange `n` and returns the sums of its first two values over every thread of the
 // cluster (kiln_cluster_push2's a and b) in a and b, the same bits in every thread: every block
 // adds all the pushes in the same fixed order.
-template <int CLUSTER, int BLOCK_DIM, int WIDTH>
-__device__ __forceinline__ void kiln_cluster_wait2(kiln_cluster_sums<CLUSTER, BLOCK_DIM, WIDTH>& s,
-                                                   int n, float& a, float& b) {
-  typedef kiln_cluster_sums<CLUSTER, BLOCK_DIM, WIDTH> S;
+template <class S>
+__device__ __forceinline__ void kiln_cluster_wait2(S& s, int n, float& a, float& b) {
   const typename S::Slot* pushed = kiln_cluster_wait(s, n);
   // Lane l adds pushes l, l + 32, ...; then an xor butterfly, whose additions commute, gives
   // every lane the same total.
@@ -201,6 +286,15 @@ __device__ __forceinline__ void kiln_split_pair_elements(float* elements, int d,
   }
 }
 
+// The elements each block of the cluster holds of a split row of d, `chunk` elements a block:
+// [rank], as kiln_cluster_sums orders BY_BLOCK pushes, for kiln_cluster_wait_moments. Computed
+// once per kernel, visible after the next barrier.
+template <int CLUSTER>
+__device__ __forceinline__ void kiln_split_block_elements(float* elements, int d, int chunk) {
+  const int rank = threadIdx.x;
+  if (rank < CLUSTER) elements[rank] = (float)max(0, min(chunk, d - rank * chunk));
+}
+
 // 1 / n_w for this thread's warp (0 when it holds none of the row), from the table of
 // kiln_split_pair_elements.
 template <int BLOCK_DIM>
@@ -210,21 +304,22 @@ __device__ __forceinline__ float kiln_split_own_inv_elements(const float* elemen
 }
 
 // LayerNorm's statistics in one exchange (two would wait twice a row on the cluster), combined
-// as exact two-pass sums. Each warp pushes its own mean m_w over its n_w elements (0 when it has
-// none) and sums about it: v[1] = sum (x - m_w)^2, and with WIDTH 4 v[2] = sum wg and
-// v[3] = sum wg (x - m_w) for the VJP's w * g. About the row's mean, over every warp w:
+// as exact two-pass sums. Each warp (with BY_BLOCK each block, kiln_cluster_push_block) pushes
+// its own mean m_w over its n_w elements (0 when it has none) and sums about it:
+// v[1] = sum (x - m_w)^2, and with WIDTH 4 v[2] = sum wg and v[3] = sum wg (x - m_w) for the
+// VJP's w * g. About the row's mean, over every pusher w:
 //   sum (x - mean)^2   = sum_w v[1] + n_w (m_w - mean)^2
 //   sum wg (x - mean)  = sum_w v[3] + (m_w - mean) v[2]
 // (the cross term 2 (m_w - mean) sum (x - m_w) is zero up to the rounding of m_w). So no value
 // is a large sum of squares minus a square, as a one-pass E[x^2] - E[x]^2 would be. Waits for
 // exchange n and returns the mean, the centred sum of squares, and with WIDTH 4 sum wg and
 // sum wg (x - mean); the same bits in every thread (every block combines in one fixed order).
-// `elements`: each pushing warp's n_w (kiln_split_pair_elements).
-template <int CLUSTER, int BLOCK_DIM, int WIDTH>
-__device__ __forceinline__ void kiln_cluster_wait_moments(
-    kiln_cluster_sums<CLUSTER, BLOCK_DIM, WIDTH>& s, int n, const float* elements, float inv_d,
-    float& mean, float& m2, float& swg, float& t) {
-  typedef kiln_cluster_sums<CLUSTER, BLOCK_DIM, WIDTH> S;
+// `elements`: each pusher's n_w (kiln_split_pair_elements, or kiln_split_block_elements).
+template <class S>
+__device__ __forceinline__ void kiln_cluster_wait_moments(S& s, int n, const float* elements,
+                                                          float inv_d, float& mean, float& m2,
+                                                          float& swg, float& t) {
+  constexpr int WIDTH = S::VALUES;
   const typename S::Slot* pushed = kiln_cluster_wait(s, n);
   const int lane = threadIdx.x % 32;
   float sx = 0.0f, sg = 0.0f;
@@ -315,11 +410,10 @@ __device__ __forceinline__ void kiln_ticket_taken(unsigned long long* counter,
 // block's slot, counted on exchange `n`'s mbarrier there, then claims the next row unless this
 // one was past the end. Call it just before the exchange's push; every block then pushes with
 // extra_bytes 8.
-template <int CLUSTER, int BLOCK_DIM, int WIDTH, int LEAD>
+template <int LEAD, class S>
 __device__ __forceinline__ void kiln_cluster_send_row(
     unsigned long long* counter, unsigned long long& ticket, long long rows, long long clusters,
-    int turn, kiln_claimed_rows& claimed, kiln_cluster_sums<CLUSTER, BLOCK_DIM, WIDTH>& s, int n) {
-  typedef kiln_cluster_sums<CLUSTER, BLOCK_DIM, WIDTH> S;
+    int turn, kiln_claimed_rows& claimed, S& s, int n) {
   const int lane = threadIdx.x % 32;
   long long row = rows;
   if (lane == 0 && ticket != KILN_NO_TICKET) {
@@ -327,7 +421,7 @@ __device__ __forceinline__ void kiln_cluster_send_row(
     kiln_ticket_taken(counter, ticket, kiln_last_ticket(rows, LEAD * clusters, clusters));
   }
   row = __shfl_sync(0xffffffffu, row, 0);
-  if (lane < CLUSTER) {
+  if (lane < S::BLOCKS) {
     const unsigned slot = kiln_cluster_map(&claimed.row[turn % KILN_ROW_RING], lane);
     const unsigned remote_bar = kiln_cluster_map(&s.bar[n % S::SETS], lane);
     asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b64 [%0], %1, [%2];" ::

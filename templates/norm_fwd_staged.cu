@@ -185,8 +185,8 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1)
       }
     }
     if (claims && kiln_cluster_rank() == 0 && threadIdx.x < 32) {
-      kiln_cluster_send_row<CLUSTER, BLOCK_DIM, 2, LEAD>(row_claims, ticket, rows, clusters,
-                                                         turn + LEAD, claimed, sums, exchange);
+      kiln_cluster_send_row<LEAD>(row_claims, ticket, rows, clusters, turn + LEAD, claimed, sums,
+                                  exchange);
     }
     const int sent = claims ? 8 : 0;  // the claimed row's bytes on the exchange
     if constexpr (RMS) {
