@@ -7,9 +7,10 @@
 // clusters on a GPU run at different speeds, so fixed rows leave the fastest idle at the end).
 // Each block's chunks arrive through a ring of STAGES shared-memory stages filled by bulk copies
 // (bulk.cuh), so STAGES - 1 rows are in flight while one is reduced whatever the registers; the
-// block keeps its columns of the weight and bias in shared memory for all its rows. The statistics are exact two-pass sums over
-// the whole row in one exchange a row through distributed shared memory, without cluster barriers
-// (kiln_cluster_sum2; LayerNorm's combined from each warp's, kiln_cluster_wait_moments).
+// block keeps its columns of the weight and bias in shared memory for all its rows. The
+// statistics are exact two-pass sums over the whole row in one exchange a row through
+// distributed shared memory, without cluster barriers (kiln_cluster_sum2; LayerNorm's combined
+// from each warp's, kiln_cluster_wait_moments).
 // SHIFTED: rows that do not start on a 16-byte granule (odd lengths) still move whole vectors:
 // a thread's columns are shifted onto the granules of the cluster's first row (bulk.cuh), and
 // the host makes every row a cluster takes start like it. A constant, so that aligned rows keep
