@@ -31,6 +31,23 @@ __device__ __forceinline__ unsigned kiln_cluster_map(const void* local, unsigned
   return remote;
 }
 
+// The lanes that sum N values held one a lane: the fewest, a power of two, up to a warp. Lanes
+// past them hold copies of the first LANES, so every lane sums the same values in the same order
+// (the same bits) in fewer shuffle levels than a whole warp's five.
+template <int N>
+__host__ __device__ constexpr int kiln_lanes_for() {
+  return N <= 2 ? 2 : N <= 4 ? 4 : N <= 8 ? 8 : N <= 16 ? 16 : 32;
+}
+
+// Sum over each aligned group of LANES lanes, returned to each lane of the group.
+template <int LANES>
+__device__ __forceinline__ float kiln_lanes_sum(float v) {
+#pragma unroll
+  for (int offset = LANES / 2; offset > 0; offset >>= 1)
+    v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
 // Sums over a whole cluster without cluster barriers. A cluster barrier's arrive has release
 // semantics: it waits for every earlier load and store of the thread, so a row's barrier also
 // waited for the next row's loads issued before it. Instead each warp pushes WIDTH values (its
@@ -136,17 +153,21 @@ __device__ __forceinline__ void kiln_cluster_send(const float* v, S& s, int n, i
 // spent on its rows. The block's combine costs a barrier and a warp's sums on each exchange's
 // path instead, which pays only where the pushes are that many (the caller's choice). Values
 // are sums (warp_elements null) or, for kiln_cluster_wait_moments, moments: v[0] the warp's mean
-// over its warp_elements[warp] elements (this block's warps' n_w) and the sums about it, which
-// combine as that function combines blocks. Warp 0 waits on the others (a named barrier,
-// 1 + n % 2: a warp pushes exchange n + 2 only after it has waited on n, whose pushes came after
-// that barrier's), the others go on.
+// over its warp_elements[warp] elements (this block's warps' n_w, whose sum is 1 /
+// inv_block_elements, or none and 0) and the sums about it, which combine as that function
+// combines blocks. Warp 0 waits on the others (a named barrier, 1 + n % 2: a warp pushes exchange
+// n + 2 only after it has waited on n, whose pushes came after that barrier's), the others go on.
 template <class S>
 __device__ __forceinline__ void kiln_cluster_push_block(const float* v, S& s, int n,
                                                         const float* warp_elements,
+                                                        float inv_block_elements,
                                                         int extra_bytes) {
   constexpr int WIDTH = S::VALUES;
   static_assert(S::BLOCK_PUSHES && S::WARPS <= 32, "warp 0 combines a lane a warp");
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // Lanes [0, LANES) each hold a warp's values (zeros past the warps), the rest copies; LANES
+  // covers the cluster's blocks too, the lanes that send.
+  constexpr int LANES = kiln_lanes_for<(S::WARPS > S::BLOCKS ? S::WARPS : S::BLOCKS)>();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, from = lane % LANES;
   const int half = n % 2;
   if (lane == 0) {
     typename S::Slot own;
@@ -168,39 +189,51 @@ __device__ __forceinline__ void kiln_cluster_push_block(const float* v, S& s, in
     asm volatile("bar.sync 1, %0;" ::"n"(S::THREADS) : "memory");
   float e[WIDTH], u[WIDTH];
 #pragma unroll
-  for (int i = 0; i < WIDTH; ++i) e[i] = lane < S::WARPS ? s.own[half][lane].v[i] : 0.0f;
+  for (int i = 0; i < WIDTH; ++i) e[i] = from < S::WARPS ? s.own[half][from].v[i] : 0.0f;
   if (warp_elements) {
-    // About the block's mean, as kiln_cluster_wait_moments combines (empty warps and lanes past
-    // the warps add nothing: n_w, and their sums, are zero).
-    const float n_w = lane < S::WARPS ? warp_elements[lane] : 0.0f;
-    const float n_b = kiln_warp_sum(n_w);
-    const float mean = n_b > 0.0f ? kiln_warp_sum(n_w * e[0]) / n_b : 0.0f;
-    const float dev = e[0] - mean;
-    u[0] = mean;
-    u[1] = kiln_warp_sum(e[1] + n_w * dev * dev);
+    // About the block's mean, as kiln_cluster_wait_moments combines, in one round of sums: each
+    // warp's mean m_w is taken about warp 0's, m_0 (d_w = m_w - m_0), and with
+    // delta = mean - m_0 = sum n_w d_w / n_b,
+    //   sum_w v[1] + n_w (m_w - mean)^2 = sum_w (v[1] + n_w d_w^2) - delta sum_w n_w d_w
+    //   sum_w v[3] + (m_w - mean) v[2]  = sum_w (v[3] + d_w v[2]) - delta sum_w v[2].
+    // The shift is one of the means weighed, so the subtraction cannot cancel much: the centred
+    // sum holds n_0 delta^2, so n_b delta^2 is at most n_b / n_0 times the result (warp 0 holds
+    // the most elements: at most WARPS times), a loss of at most 4 bits for 16 warps, where a
+    // shift of 0 (E[x^2] - E[x]^2) could lose them all. (Empty warps and lanes past the warps add
+    // nothing: n_w, and their sums, are zero; a block with no elements pushes zeros.)
+    const float n_w = from < S::WARPS ? warp_elements[from] : 0.0f;
+    const float m_0 = s.own[half][0].v[0];
+    const float d_w = e[0] - m_0;
+    const float s_d = kiln_lanes_sum<LANES>(n_w * d_w);
+    const float s_q = kiln_lanes_sum<LANES>(e[1] + n_w * d_w * d_w);
+    const float delta = s_d * inv_block_elements;
+    u[0] = m_0 + delta;
+    u[1] = s_q - delta * s_d;
     if constexpr (WIDTH == 4) {
-      u[2] = kiln_warp_sum(e[2]);
-      u[3] = kiln_warp_sum(e[3] + dev * e[2]);
+      const float s_g = kiln_lanes_sum<LANES>(e[2]);
+      u[2] = s_g;
+      u[3] = kiln_lanes_sum<LANES>(e[3] + d_w * e[2]) - delta * s_g;
     }
   } else {
 #pragma unroll
-    for (int i = 0; i < WIDTH; ++i) u[i] = kiln_warp_sum(e[i]);
+    for (int i = 0; i < WIDTH; ++i) u[i] = kiln_lanes_sum<LANES>(e[i]);
   }
   kiln_cluster_send(u, s, n, 0, extra_bytes);
 }
 
 // Pushes this warp's WIDTH values v[0..WIDTH) (the same in every lane: sums over the warp) to
 // every block of the cluster, or with BY_BLOCK its block's combined (kiln_cluster_push_block,
-// whose `warp_elements` says whether they are sums or moments); every thread of every block
-// must call it, `exchange` counting the pushes. Returns the exchange's number, for
-// kiln_cluster_wait. `extra_bytes`: as kiln_cluster_send's.
+// whose `warp_elements` and `inv_block_elements` say whether they are sums or moments); every
+// thread of every block must call it, `exchange` counting the pushes. Returns the exchange's
+// number, for kiln_cluster_wait. `extra_bytes`: as kiln_cluster_send's.
 template <class S>
 __device__ __forceinline__ int kiln_cluster_push(const float* v, S& s, int& exchange,
                                                  int extra_bytes = 0,
-                                                 const float* warp_elements = nullptr) {
+                                                 const float* warp_elements = nullptr,
+                                                 float inv_block_elements = 0.0f) {
   const int n = exchange++;
   if constexpr (S::BLOCK_PUSHES) {
-    kiln_cluster_push_block(v, s, n, warp_elements, extra_bytes);
+    kiln_cluster_push_block(v, s, n, warp_elements, inv_block_elements, extra_bytes);
   } else {
     kiln_cluster_send(v, s, n, (int)threadIdx.x / 32, extra_bytes);
   }
@@ -241,19 +274,20 @@ __device__ __forceinline__ int kiln_cluster_push2(float a, float b,
 template <class S>
 __device__ __forceinline__ void kiln_cluster_wait2(S& s, int n, float& a, float& b) {
   const typename S::Slot* pushed = kiln_cluster_wait(s, n);
-  // Lane l adds pushes l, l + 32, ...; then an xor butterfly, whose additions commute, gives
+  // Lane l adds pushes l, l + LANES, ...; then an xor butterfly, whose additions commute, gives
   // every lane the same total.
-  const int lane = threadIdx.x % 32;
+  constexpr int LANES = kiln_lanes_for<S::PAIRS>();
+  const int lane = threadIdx.x % LANES;
   float sa = 0.0f, sb = 0.0f;
 #pragma unroll
-  for (int p = lane; p < (S::PAIRS + 31) / 32 * 32; p += 32) {
+  for (int p = lane; p < (S::PAIRS + LANES - 1) / LANES * LANES; p += LANES) {
     if (p < S::PAIRS) {
       sa += pushed[p].v[0];
       sb += pushed[p].v[1];
     }
   }
-  a = kiln_warp_sum(sa);
-  b = kiln_warp_sum(sb);
+  a = kiln_lanes_sum<LANES>(sa);
+  b = kiln_lanes_sum<LANES>(sb);
 }
 
 // An exchange pushed and awaited at once: a and b summed over every thread of the cluster.
@@ -321,28 +355,31 @@ __device__ __forceinline__ void kiln_cluster_wait_moments(S& s, int n, const flo
                                                           float& swg, float& t) {
   constexpr int WIDTH = S::VALUES;
   const typename S::Slot* pushed = kiln_cluster_wait(s, n);
-  const int lane = threadIdx.x % 32;
+  // As kiln_cluster_wait2 sums: lane l takes pushes l, l + LANES, ...
+  constexpr int LANES = kiln_lanes_for<S::PAIRS>();
+  constexpr int PADDED = (S::PAIRS + LANES - 1) / LANES * LANES;
+  const int lane = threadIdx.x % LANES;
   float sx = 0.0f, sg = 0.0f;
 #pragma unroll
-  for (int p = lane; p < (S::PAIRS + 31) / 32 * 32; p += 32) {
+  for (int p = lane; p < PADDED; p += LANES) {
     if (p < S::PAIRS) {
       sx += elements[p] * pushed[p].v[0];
       if constexpr (WIDTH == 4) sg += pushed[p].v[2];
     }
   }
-  mean = kiln_warp_sum(sx) * inv_d;
-  swg = WIDTH == 4 ? kiln_warp_sum(sg) : 0.0f;
+  mean = kiln_lanes_sum<LANES>(sx) * inv_d;
+  swg = WIDTH == 4 ? kiln_lanes_sum<LANES>(sg) : 0.0f;
   float q = 0.0f, c = 0.0f;
 #pragma unroll
-  for (int p = lane; p < (S::PAIRS + 31) / 32 * 32; p += 32) {
+  for (int p = lane; p < PADDED; p += LANES) {
     if (p < S::PAIRS) {
       const float dev = pushed[p].v[0] - mean;
       q += pushed[p].v[1] + elements[p] * dev * dev;
       if constexpr (WIDTH == 4) c += pushed[p].v[3] + dev * pushed[p].v[2];
     }
   }
-  m2 = kiln_warp_sum(q);
-  t = WIDTH == 4 ? kiln_warp_sum(c) : 0.0f;
+  m2 = kiln_lanes_sum<LANES>(q);
+  t = WIDTH == 4 ? kiln_lanes_sum<LANES>(c) : 0.0f;
 }
 
 // The forward's LayerNorm exchange pushed and awaited at once: this warp's mean m_w and sum q of

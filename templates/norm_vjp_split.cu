@@ -239,6 +239,8 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(BLO
   // 1 / the elements this warp holds of a row, for LayerNorm's warp means.
   const float inv_warp_elements =
       RMS ? 0.0f : kiln_split_own_inv_elements<BLOCK_DIM>(pair_elements);
+  const float own_block_elements = BY_BLOCK && !RMS ? block_elements[kiln_cluster_rank()] : 0.0f;
+  const float inv_block_elements = own_block_elements > 0.0f ? 1.0f / own_block_elements : 0.0f;
   // Pushes a row's one exchange. RMSNorm: the sums of x * x and w * g * x. LayerNorm: the warp's
   // mean m_w of x, then its sums of (x - m_w)^2, w * g and w * g * (x - m_w), which
   // kiln_cluster_wait_moments (and with BY_BLOCK the block's push first) turn into exact
@@ -274,9 +276,10 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(BLO
     }
     const float s_q = kiln_warp_sum(q), s_t = kiln_warp_sum(t);
     const float rms[2] = {s_q, s_t}, layer[4] = {m_w, s_q, kiln_warp_sum(swg), s_t};
-    // This block's warps' n_w, for BY_BLOCK's combine of LayerNorm's moments.
+    // This block's warps' n_w and 1 / n_b, for BY_BLOCK's combine of LayerNorm's moments.
     const float* own_warps = pair_elements + kiln_cluster_rank() * (BLOCK_DIM / 32);
-    return kiln_cluster_push(RMS ? rms : layer, sums, exchange, 0, RMS ? nullptr : own_warps);
+    return kiln_cluster_push(RMS ? rms : layer, sums, exchange, 0, RMS ? nullptr : own_warps,
+                             inv_block_elements);
   };
 
   // With PIPELINE, rows overlap: a row's exchange is pushed, then the next row's (summed from
@@ -284,17 +287,28 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(BLO
   // the other's work. Every warp still waits on an exchange before it pushes the one two after
   // it (kiln_cluster_push's rule).
   // PIPELINE 2 holds a row in registers a turn before its outputs: the row of `turn` is loaded
-  // from its stage (which then takes the row STAGES turns ahead) and its exchange pushed.
+  // from its stage, which then takes the row STAGES turns ahead, and its exchange pushed.
+  // LayerNorm's copies are issued by the block's last warp after its push, off warp 0's path
+  // (warp 0 pushes, with block pushes after it has combined the block's sums, then waits on the
+  // exchange). On an H100, 16-bit rows, against thread 0 issuing them before its push: 18,432
+  // elements (clusters of 3) 1.05-1.08x; at 100,000 and 131,072 (clusters of 16), with the block
+  // pushes' one round of sums (cluster.cuh), 1.20-1.28x. RMSNorm, whose push is shorter, issues
+  // them first (thread 0): after its push (warp 0) it ran 0.94-0.99x at 100,000 and 131,072.
   auto hold_next = [&](long long r, int turn) {
     const Staged st = staged(r, turn);
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) hold(st, k, xn[k], gn[k]);
     __syncthreads();
-    if (threadIdx.x == 0 && r + STAGES * clusters < rows) {
-      kiln_bulk_fence();
-      fetch(r + STAGES * clusters, turn % STAGES);
-    }
-    return push_row(nullptr, true);
+    auto refill = [&](unsigned by) {
+      if (threadIdx.x == by && r + STAGES * clusters < rows) {
+        kiln_bulk_fence();
+        fetch(r + STAGES * clusters, turn % STAGES);
+      }
+    };
+    if constexpr (RMS) refill(0);
+    const int n = push_row(nullptr, true);
+    if constexpr (!RMS) refill(BLOCK_DIM - 32);
+    return n;
   };
   int pushed = 0;
   if (PIPELINE == 1 && cluster < rows) {
