@@ -31,23 +31,6 @@ __device__ __forceinline__ unsigned kiln_cluster_map(const void* local, unsigned
   return remote;
 }
 
-// The lanes that sum N values held one a lane: the fewest, a power of two, up to a warp. Lanes
-// past them hold copies of the first LANES, so every lane sums the same values in the same order
-// (the same bits) in fewer shuffle levels than a whole warp's five.
-template <int N>
-__host__ __device__ constexpr int kiln_lanes_for() {
-  return N <= 2 ? 2 : N <= 4 ? 4 : N <= 8 ? 8 : N <= 16 ? 16 : 32;
-}
-
-// Sum over each aligned group of LANES lanes, returned to each lane of the group.
-template <int LANES>
-__device__ __forceinline__ float kiln_lanes_sum(float v) {
-#pragma unroll
-  for (int offset = LANES / 2; offset > 0; offset >>= 1)
-    v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
-}
-
 // Sums over a whole cluster without cluster barriers. A cluster barrier's arrive has release
 // semantics: it waits for every earlier load and store of the thread, so a row's barrier also
 // waited for the next row's loads issued before it. Instead each warp pushes WIDTH values (its
@@ -166,7 +149,7 @@ __device__ __forceinline__ void kiln_cluster_push_block(const float* v, S& s, in
   static_assert(S::BLOCK_PUSHES && S::WARPS <= 32, "warp 0 combines a lane a warp");
   // Lanes [0, LANES) each hold a warp's values (zeros past the warps), the rest copies; LANES
   // covers the cluster's blocks too, the lanes that send.
-  constexpr int LANES = kiln_lanes_for<(S::WARPS > S::BLOCKS ? S::WARPS : S::BLOCKS)>();
+  constexpr int LANES = kiln_span_for<(S::WARPS > S::BLOCKS ? S::WARPS : S::BLOCKS)>();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, from = lane % LANES;
   const int half = n % 2;
   if (lane == 0) {
@@ -204,19 +187,19 @@ __device__ __forceinline__ void kiln_cluster_push_block(const float* v, S& s, in
     const float n_w = from < S::WARPS ? warp_elements[from] : 0.0f;
     const float m_0 = s.own[half][0].v[0];
     const float d_w = e[0] - m_0;
-    const float s_d = kiln_lanes_sum<LANES>(n_w * d_w);
-    const float s_q = kiln_lanes_sum<LANES>(e[1] + n_w * d_w * d_w);
+    const float s_d = kiln_span_sum<LANES>(n_w * d_w);
+    const float s_q = kiln_span_sum<LANES>(e[1] + n_w * d_w * d_w);
     const float delta = s_d * inv_block_elements;
     u[0] = m_0 + delta;
     u[1] = s_q - delta * s_d;
     if constexpr (WIDTH == 4) {
-      const float s_g = kiln_lanes_sum<LANES>(e[2]);
+      const float s_g = kiln_span_sum<LANES>(e[2]);
       u[2] = s_g;
-      u[3] = kiln_lanes_sum<LANES>(e[3] + d_w * e[2]) - delta * s_g;
+      u[3] = kiln_span_sum<LANES>(e[3] + d_w * e[2]) - delta * s_g;
     }
   } else {
 #pragma unroll
-    for (int i = 0; i < WIDTH; ++i) u[i] = kiln_lanes_sum<LANES>(e[i]);
+    for (int i = 0; i < WIDTH; ++i) u[i] = kiln_span_sum<LANES>(e[i]);
   }
   kiln_cluster_send(u, s, n, 0, extra_bytes);
 }
@@ -276,7 +259,7 @@ __device__ __forceinline__ void kiln_cluster_wait2(S& s, int n, float& a, float&
   const typename S::Slot* pushed = kiln_cluster_wait(s, n);
   // Lane l adds pushes l, l + LANES, ...; then an xor butterfly, whose additions commute, gives
   // every lane the same total.
-  constexpr int LANES = kiln_lanes_for<S::PAIRS>();
+  constexpr int LANES = kiln_span_for<S::PAIRS>();
   const int lane = threadIdx.x % LANES;
   float sa = 0.0f, sb = 0.0f;
 #pragma unroll
@@ -286,8 +269,8 @@ __device__ __forceinline__ void kiln_cluster_wait2(S& s, int n, float& a, float&
       sb += pushed[p].v[1];
     }
   }
-  a = kiln_lanes_sum<LANES>(sa);
-  b = kiln_lanes_sum<LANES>(sb);
+  a = kiln_span_sum<LANES>(sa);
+  b = kiln_span_sum<LANES>(sb);
 }
 
 // An exchange pushed and awaited at once: a and b summed over every thread of the cluster.
@@ -356,7 +339,7 @@ __device__ __forceinline__ void kiln_cluster_wait_moments(S& s, int n, const flo
   constexpr int WIDTH = S::VALUES;
   const typename S::Slot* pushed = kiln_cluster_wait(s, n);
   // As kiln_cluster_wait2 sums: lane l takes pushes l, l + LANES, ...
-  constexpr int LANES = kiln_lanes_for<S::PAIRS>();
+  constexpr int LANES = kiln_span_for<S::PAIRS>();
   constexpr int PADDED = (S::PAIRS + LANES - 1) / LANES * LANES;
   const int lane = threadIdx.x % LANES;
   float sx = 0.0f, sg = 0.0f;
@@ -367,8 +350,8 @@ __device__ __forceinline__ void kiln_cluster_wait_moments(S& s, int n, const flo
       if constexpr (WIDTH == 4) sg += pushed[p].v[2];
     }
   }
-  mean = kiln_lanes_sum<LANES>(sx) * inv_d;
-  swg = WIDTH == 4 ? kiln_lanes_sum<LANES>(sg) : 0.0f;
+  mean = kiln_span_sum<LANES>(sx) * inv_d;
+  swg = WIDTH == 4 ? kiln_span_sum<LANES>(sg) : 0.0f;
   float q = 0.0f, c = 0.0f;
 #pragma unroll
   for (int p = lane; p < PADDED; p += LANES) {
@@ -378,8 +361,8 @@ __device__ __forceinline__ void kiln_cluster_wait_moments(S& s, int n, const flo
       if constexpr (WIDTH == 4) c += pushed[p].v[3] + dev * pushed[p].v[2];
     }
   }
-  m2 = kiln_lanes_sum<LANES>(q);
-  t = WIDTH == 4 ? kiln_lanes_sum<LANES>(c) : 0.0f;
+  m2 = kiln_span_sum<LANES>(q);
+  t = WIDTH == 4 ? kiln_span_sum<LANES>(c) : 0.0f;
 }
 
 // The forward's LayerNorm exchange pushed and awaited at once: this warp's mean m_w and sum q of

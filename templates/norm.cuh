@@ -80,9 +80,7 @@ __device__ __forceinline__ int kiln_warp_elements(int d, int warp) {
 // log2(SPAN) steps each, not five.
 template <int GROUP>
 __host__ __device__ constexpr int kiln_moment_span() {
-  int span = 1;
-  while (span < GROUP / 32) span *= 2;
-  return span;
+  return kiln_span_for<GROUP / 32>();
 }
 template <int GROUP, int N_READS>
 __device__ __forceinline__ kiln_warp_shares kiln_warp_shares_of(int d) {
@@ -90,16 +88,6 @@ __device__ __forceinline__ kiln_warp_shares kiln_warp_shares_of(int d) {
   const int own = kiln_warp_elements<GROUP, N_READS>(d, (int)(threadIdx.x % GROUP) / 32);
   const int lane = kiln_warp_elements<GROUP, N_READS>(d, (int)(threadIdx.x % SPAN));
   return {own > 0 ? 1.0f / own : 0.0f, (float)lane, lane > 0 ? 1.0f / lane : 0.0f};
-}
-
-// Sum over each SPAN consecutive lanes (a power of two), returned to each of them: the same bits
-// in every lane, as kiln_warp_sum's.
-template <int SPAN>
-__device__ __forceinline__ float kiln_span_sum(float v) {
-#pragma unroll
-  for (int offset = SPAN / 2; offset > 0; offset >>= 1)
-    v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
 }
 
 // Per warp of a group, LayerNorm's partial sums for kiln_group_moments. Two halves of

@@ -134,6 +134,24 @@ __device__ __forceinline__ float kiln_warp_sum(float v) {
   return v;
 }
 
+// The fewest lanes, a power of two, that hold N values one a lane (at most a warp's 32).
+template <int N>
+__host__ __device__ constexpr int kiln_span_for() {
+  int span = 1;
+  while (span < N && span < 32) span *= 2;
+  return span;
+}
+
+// Sum over each aligned group of SPAN lanes (a power of two), returned to each lane of the
+// group: the same bits in every lane, as kiln_warp_sum's, in log2(SPAN) steps instead of five.
+template <int SPAN>
+__device__ __forceinline__ float kiln_span_sum(float v) {
+#pragma unroll
+  for (int offset = SPAN / 2; offset > 0; offset >>= 1)
+    v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
 // Sum over the block, returned to every thread. `scratch` holds one float per warp; the
 // trailing barrier lets the caller reuse it at once.
 template <int BLOCK_DIM>
