@@ -31,13 +31,15 @@ use kiln::DType;
 /// Stamps a block may write a call; the last slot is the kernel's end.
 const SLOTS: usize = 256;
 
-const STAMP_MACRO: &str = r#"
+/// The stamp macros, writing through the pointer named STAMPS: thread 0's `%globaltimer` into
+/// its block's slot i (KILN_STAMP) or its last slot (KILN_STAMP_END).
+const STAMP_MACROS: &str = r#"
 #define KILN_STAMP(i)                                                              \
   do {                                                                             \
     if (threadIdx.x == 0 && (i) < 255) {                                           \
       unsigned long long t_;                                                       \
       asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));                       \
-      kiln_stamps[blockIdx.x * 256ull + (i)] = t_;                                 \
+      STAMPS[blockIdx.x * 256ull + (i)] = t_;                                      \
     }                                                                              \
   } while (0)
 #define KILN_STAMP_END()                                                           \
@@ -45,10 +47,15 @@ const STAMP_MACRO: &str = r#"
     if (threadIdx.x == 0) {                                                        \
       unsigned long long t_;                                                       \
       asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));                       \
-      kiln_stamps[blockIdx.x * 256ull + 255] = t_;                                 \
+      STAMPS[blockIdx.x * 256ull + 255] = t_;                                      \
     }                                                                              \
   } while (0)
 "#;
+
+/// The stamp macros writing through `pointer`.
+fn stamp_macros(pointer: &str) -> String {
+    STAMP_MACROS.replace("STAMPS", pointer)
+}
 
 /// Replaces each edit point, which must occur exactly once.
 fn edited(source: &str, edits: &[(&str, String)]) -> String {
@@ -60,28 +67,15 @@ fn edited(source: &str, edits: &[(&str, String)]) -> String {
     text
 }
 
-/// The VJP's stamps: a pointer to this call's region in shared memory (a load far cheaper than
-/// from global memory), so that cluster.cuh's functions (inlined below, edited) stamp too; each
-/// block's thread 0, the one that stamps, sets it first.
-const VJP_STAMP_MACRO: &str = r#"
-__shared__ unsigned long long* kiln_stamps_at;
-#define KILN_STAMP(i)                                                              \
-  do {                                                                             \
-    if (threadIdx.x == 0 && (i) < 255) {                                           \
-      unsigned long long t_;                                                       \
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));                       \
-      kiln_stamps_at[blockIdx.x * 256ull + (i)] = t_;                              \
-    }                                                                              \
-  } while (0)
-#define KILN_STAMP_END()                                                           \
-  do {                                                                             \
-    if (threadIdx.x == 0) {                                                        \
-      unsigned long long t_;                                                       \
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));                       \
-      kiln_stamps_at[blockIdx.x * 256ull + 255] = t_;                              \
-    }                                                                              \
-  } while (0)
-"#;
+/// The VJP's stamps write through a pointer to this call's region in shared memory (a load far
+/// cheaper than from global memory), so that cluster.cuh's functions (inlined below, edited)
+/// stamp too; each block's thread 0, the one that stamps, sets it first.
+fn vjp_stamp_macros() -> String {
+    format!(
+        "\n__shared__ unsigned long long* kiln_stamps_at;{}",
+        stamp_macros("kiln_stamps_at")
+    )
+}
 
 /// cluster.cuh with stamps in the block push (exchange n): 9 + 11n warp 0 at the named barrier,
 /// 10 + 11n past it, 11 + 11n the block's values combined.
@@ -174,7 +168,7 @@ fn stamped_vjp(source: &str) -> String {
         // Last: the inlined header has its own kiln_cluster_sync.
         (
             "{{> cluster}}\n",
-            format!("{VJP_STAMP_MACRO}\n{}\n", stamped_cluster()),
+            format!("{}\n{}\n", vjp_stamp_macros(), stamped_cluster()),
         ),
     ];
     edited(source, &edits)
@@ -183,7 +177,7 @@ fn stamped_vjp(source: &str) -> String {
 /// The staged forward's text with stamps: each edit replaces a line that occurs once.
 fn stamped(source: &str) -> String {
     let edits: [(&str, String); 9] = [
-        ("{{> bulk}}\n", format!("{{{{> bulk}}}}\n{STAMP_MACRO}")),
+        ("{{> bulk}}\n", format!("{{{{> bulk}}}}\n{}", stamp_macros("kiln_stamps"))),
         (
             "float eps,\n",
             "float eps, unsigned long long* __restrict__ kiln_stamps,\n".into(),
