@@ -55,7 +55,7 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(BLO
                long long w_stride, int w_vec, float eps, int /* smem_partials: unused */) {
   __shared__ kiln_cluster_sums<CLUSTER, BLOCK_DIM, RMS ? 2 : 4, BY_BLOCK> sums;
   __shared__ float pair_elements[CLUSTER * BLOCK_DIM / 32];  // LayerNorm's warps' n_w
-  __shared__ float block_elements[CLUSTER];                  // and its blocks' n_b
+  __shared__ float block_elements[BY_BLOCK ? CLUSTER : 1];   // and its blocks' n_b (BY_BLOCK)
   __shared__ unsigned long long full[STAGES];
   if (threadIdx.x == 0) {
 #pragma unroll
