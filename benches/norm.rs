@@ -15,7 +15,9 @@
 //! header: in graph mode independent calls may overlap, which stream order (direct mode, as
 //! PyTorch runs) never does.
 //! `--only TEXT` keeps the rows whose "ROWSxD dtype op" contains TEXT (e.g. `--only "bf16 layer_norm"`),
-//! `--no-anchor` skips PyTorch: both for comparing kernel variants quickly, not for the targets.
+//! `--ops layer_norm,rms_norm` times those ops alone (of layer_norm, rms_norm, layer_norm_vjp and
+//! rms_norm_vjp), `--no-anchor` skips PyTorch: all for comparing kernel variants quickly, not
+//! for the targets.
 //! `--twice` times every op twice and prints both, with the driver allocations each made.
 //! `--long --ds 5001,50257` measures other row lengths the same way (held-out checks), and
 //! `--rows 66,132` those counts of rows of each length instead of 2^25 elements and 16.
@@ -60,6 +62,23 @@ fn list_arg(flag: &str) -> Option<Vec<usize>> {
             })
             .collect(),
     )
+}
+
+/// The ops to time: all four, or those `--ops OP,OP` names.
+fn ops_arg() -> Vec<&'static str> {
+    const OPS: [&str; 4] = ["layer_norm", "rms_norm", "layer_norm_vjp", "rms_norm_vjp"];
+    let args: Vec<String> = std::env::args().collect();
+    let Some(i) = args.iter().position(|a| a == "--ops") else {
+        return OPS.to_vec();
+    };
+    let list = args.get(i + 1).map_or("", String::as_str);
+    list.split(',')
+        .map(|name| {
+            OPS.into_iter()
+                .find(|op| *op == name)
+                .unwrap_or_else(|| panic!("--ops takes names of {OPS:?}, not {name:?}"))
+        })
+        .collect()
 }
 
 /// The `--long` shapes; `--ds D,D,...` measures those row lengths instead of `LONG_DS`, and
@@ -470,9 +489,11 @@ fn main() {
         "shape", "dtype", "op", "kiln GB/s", "% copy", "torch", "ratio"
     );
     let mut misses = 0;
+    let ops = ops_arg();
     for &(rows, d) in &shapes {
-        let ops = ["layer_norm", "rms_norm", "layer_norm_vjp", "rms_norm_vjp"];
-        let wanted_in = |dtype: DType, op: &str| format!("{rows}x{d} {dtype} {op}").contains(&only);
+        let wanted_in = |dtype: DType, op: &str| {
+            ops.contains(&op) && format!("{rows}x{d} {dtype} {op}").contains(&only)
+        };
         if !DType::ALL
             .into_iter()
             .any(|t| ops.iter().any(|op| wanted_in(t, op)))
