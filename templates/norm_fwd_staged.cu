@@ -154,12 +154,17 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1)
         for (int j = 0; j < N_READS; ++j) v[k][j] = 0.0f;
       }
     }
-    // Every thread has its values: the stage takes the row STAGES turns ahead.
+    // Every thread has its values: the stage takes the row STAGES turns ahead. RMSNorm's thread 0
+    // issues the copies now; LayerNorm's last warp after its push (below), off warp 0's path to
+    // the exchange, as the split VJP does.
     __syncthreads();
-    if (threadIdx.x == 0 && row_at(turn + STAGES) < rows) {
-      kiln_bulk_fence();
-      fetch(row_at(turn + STAGES), stage);
-    }
+    auto refill = [&](unsigned by) {
+      if (threadIdx.x == by && row_at(turn + STAGES) < rows) {
+        kiln_bulk_fence();
+        fetch(row_at(turn + STAGES), stage);
+      }
+    };
+    if constexpr (RMS) refill(0);
 
     // The row's statistics in one exchange. RMSNorm: the sum of x * x. LayerNorm: each warp's
     // mean m_w and its sum of (x - m_w)^2, which kiln_cluster_wait_moments turns into the exact
@@ -193,7 +198,10 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1)
     if constexpr (RMS) {
       kiln_cluster_sum2(q, unused, sums, exchange, sent);
     } else {
-      kiln_cluster_sum_moments(m_w, q, sums, exchange, pair_elements, inv_d, mean, sent);
+      const float pushed[2] = {m_w, kiln_warp_sum(q)};
+      const int n = kiln_cluster_push(pushed, sums, exchange, sent);
+      refill(BLOCK_DIM - 32);
+      kiln_cluster_wait_moments(sums, n, pair_elements, inv_d, mean, q, unused, unused);
     }
     const float rstd = rsqrtf(q * inv_d + eps);
 
