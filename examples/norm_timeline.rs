@@ -21,7 +21,9 @@
 //! store each. Without a GPU it only compiles the stamped spec (sm_90, many rows).
 //!
 //! Usage: cargo run --release --example norm_timeline -- DTYPE OP ROWS D [CALLS]
-//! with OP layer_norm or rms_norm and a 16-bit DTYPE, or layer_norm_vjp or rms_norm_vjp.
+//! with OP layer_norm or rms_norm and a 16-bit DTYPE, or layer_norm_vjp or rms_norm_vjp; rows
+//! that do not start on a 16-byte granule (odd D) run as the op runs them (shifted columns, or
+//! one element a vector).
 use kiln::jit::{register_family, FamilyExtras, KernelSpec, TemplateDef};
 use kiln::ops::norm::{self, tuning, Count, Gpu, Kind, Pass};
 use kiln::runtime::{Array, CommandEncoder, Device, KernelArgs};
@@ -234,11 +236,6 @@ fn main() -> kiln::Result<()> {
     };
     let vjp = pass == Pass::Vjp;
     let (rows, d): (usize, usize) = (rows.parse().expect("ROWS"), d.parse().expect("D"));
-    assert_eq!(
-        d * dtype.size() % 16,
-        0,
-        "rows of whole 16-byte vectors only"
-    );
     let calls: usize = rest.first().map_or(5, |c| c.parse().expect("CALLS"));
 
     // Without a GPU: compile the stamped spec for sm_90 (many rows) and stop.
@@ -288,25 +285,33 @@ fn main() -> kiln::Result<()> {
     let block = chosen.block_dim as usize;
     let width = chosen.constant("CLUSTER").unwrap() as usize;
     let slots = kernel.max_active_clusters(block as u32, shared)?;
-    // As the op launches it: with rows claimed (the RMSNorm spec with more rows than four a
+    // As the op launches it: with rows claimed (unshifted columns, more rows than four a
     // cluster slot) every cluster slot, else the fewest clusters that take as few turns.
-    let claims = !vjp
-        && chosen.constant("RMS") == Some(1)
-        && chosen.constant("SHIFTED") == Some(0)
-        && rows > 4 * slots;
+    let claims = !vjp && chosen.constant("SHIFTED") == Some(0) && rows > 4 * slots;
+    // Shifted columns (16-bit rows that do not start on a granule): the rows after which they
+    // start alike again; the op's grid is a multiple of them where clusters take several rows.
+    let period = if chosen.constant("SHIFTED") == Some(1) {
+        (1..=16).find(|p| p * d * dtype.size() % 16 == 0).unwrap()
+    } else {
+        1
+    };
     let clusters = if claims {
         slots
-    } else {
+    } else if rows <= slots || period == 1 {
         rows.div_ceil(rows.div_ceil(slots))
+    } else {
+        let kept = (slots / period).max(1) * period;
+        rows.div_ceil(rows.div_ceil(kept)).next_multiple_of(period)
     };
     let turns = rows.div_ceil(clusters);
     let blocks = clusters * width;
     eprintln!(
-        "spec {} ITEMS={:?} PIPELINE={:?} CLUSTER={width} block {block} n_reads {} shared {shared}: \
-         slots {slots}, clusters {clusters}, turns {turns}, rows claimed: {claims}",
+        "spec {} ITEMS={:?} PIPELINE={:?} SHIFTED={:?} CLUSTER={width} block {block} n_reads {} \
+         shared {shared}: slots {slots}, clusters {clusters}, turns {turns}, rows claimed: {claims}",
         chosen.template.name,
         chosen.constant("ITEMS"),
         chosen.constant("PIPELINE"),
+        chosen.constant("SHIFTED"),
         chosen.n_reads
     );
 
