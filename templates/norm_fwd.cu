@@ -117,7 +117,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_DIM) {{kernel}}(
       // copies into and reads only its own vectors, so the row STAGES ahead may go to the stage
       // just read once a __syncwarp has ordered the reads before the copy. Rows of several warps
       // send the row STAGES - 1 ahead to the stage read one turn ago, before their statistics:
-      // measured on an H100, one-warp rows of 256 to 1,024 elements ran 1.02-1.09x with every
+      // measured on an H100, one-warp rows of 256 to 1,024 elements ran 1.01-1.10x with every
       // stage in flight (bf16 RMSNorm of 1,024: 0.97x, above the copy rate either way), rows of
       // 12,288 to 18,432 on 512 or 1,024 threads 0.96-0.98x (their copy waits for the barrier).
       constexpr bool EVERY_STAGE = GROUP == 32;
