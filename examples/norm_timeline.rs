@@ -283,28 +283,15 @@ fn main() -> kiln::Result<()> {
     let shared = tuning::ring_shared_bytes(&chosen);
     kernel.allow_shared(shared)?;
     let block = chosen.block_dim as usize;
-    let width = chosen.constant("CLUSTER").unwrap() as usize;
+    // As the op launches it: claimed rows or a balanced grid, shifted columns' period.
     let slots = kernel.max_active_clusters(block as u32, shared)?;
-    // As the op launches it: with rows claimed (unshifted columns, more rows than four a
-    // cluster slot) every cluster slot, else the fewest clusters that take as few turns.
-    let claims = !vjp && chosen.constant("SHIFTED") == Some(0) && rows > 4 * slots;
-    // Shifted columns (16-bit rows that do not start on a granule): the rows after which they
-    // start alike again; the op's grid is a multiple of them where clusters take several rows.
-    let period = if chosen.constant("SHIFTED") == Some(1) {
-        (1..=16).find(|p| p * d * dtype.size() % 16 == 0).unwrap()
-    } else {
-        1
-    };
-    let clusters = if claims {
-        slots
-    } else if rows <= slots || period == 1 {
-        rows.div_ceil(rows.div_ceil(slots))
-    } else {
-        let kept = (slots / period).max(1) * period;
-        rows.div_ceil(rows.div_ceil(kept)).next_multiple_of(period)
-    };
+    let tuning::SplitGrid {
+        blocks,
+        clusters,
+        claims,
+    } = tuning::split_grid(&kernel, &chosen, rows, d)?;
     let turns = rows.div_ceil(clusters);
-    let blocks = clusters * width;
+    let width = blocks / clusters;
     eprintln!(
         "spec {} ITEMS={:?} PIPELINE={:?} SHIFTED={:?} CLUSTER={width} block {block} n_reads {} \
          shared {shared}: slots {slots}, clusters {clusters}, turns {turns}, rows claimed: {claims}",

@@ -9,15 +9,15 @@ use crate::ops::col_sums::{self, ColumnSum};
 /// at run time (`claims_rows`) every one of them; otherwise balanced over the rows, and a
 /// multiple of `period` (`granule_period`) where clusters take several rows each, so that every
 /// row a cluster takes lies in its granules as the first does (the kernels' shifted columns then
-/// move whole vectors). Returns (blocks, clusters, whether the rows are claimed).
-fn cluster_grid(
+/// move whole vectors).
+pub(super) fn cluster_grid(
     kernel: &LoadedKernel,
     spec: &KernelSpec,
     block: usize,
     shared: usize,
     rows: usize,
     period: usize,
-) -> Result<(usize, usize, bool)> {
+) -> Result<SplitGrid> {
     let slots = kernel.max_active_clusters(block as u32, shared)?;
     let claims = claims_rows(spec, rows, slots);
     let clusters = if claims {
@@ -31,12 +31,27 @@ fn cluster_grid(
         let turns = rows.div_ceil(slots);
         rows.div_ceil(turns).next_multiple_of(period)
     };
-    Ok((clusters * constant(spec, "CLUSTER"), clusters, claims))
+    Ok(SplitGrid {
+        blocks: clusters * constant(spec, "CLUSTER"),
+        clusters,
+        claims,
+    })
+}
+
+/// A split-row launch's grid (`cluster_grid`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SplitGrid {
+    /// Blocks launched: `clusters` times the spec's cluster width.
+    pub blocks: usize,
+    /// Clusters, each looping over rows.
+    pub clusters: usize,
+    /// Whether the clusters claim their rows at run time (`claims_rows`).
+    pub claims: bool,
 }
 
 /// The rows after which a split spec's rows start as the first did again, where its columns are
 /// shifted (vectors on rows that are alike but not aligned); 1 elsewhere.
-fn shift_period(spec: &KernelSpec, layout: Rows, strides: &[i64]) -> usize {
+pub(super) fn shift_period(spec: &KernelSpec, layout: Rows, strides: &[i64]) -> usize {
     if layout == Rows::Alike && spec.n_reads > 1 && shifts_columns(spec.template) {
         granule_period(strides, spec.dtype.size())
     } else {
@@ -304,7 +319,8 @@ pub(super) fn forward(
     let grid = if is_split(&spec) {
         // Clusters of consecutive blocks loop over rows: as many as the GPU holds at once.
         kernel.allow_shared(shared)?;
-        let (blocks, _, claims) = cluster_grid(&kernel, &spec, block, shared, rows, period)?;
+        let SplitGrid { blocks, claims, .. } =
+            cluster_grid(&kernel, &spec, block, shared, rows, period)?;
         if *spec.template == FORWARD_STAGED {
             // The rows' counter: scratch the kernel leaves zero, no dependency
             // (CommandEncoder::claim_counter). None (null) where the rows are fixed, or where
@@ -438,8 +454,8 @@ pub(super) fn vjp(
     // and dbias, so fewer blocks means fewer partial rows to reduce.
     let (grid, partial_rows) = if is_vjp_split(&spec) {
         let period = shift_period(&spec, layout, &[xs, gs, d as i64]);
-        let (blocks, clusters, _) = cluster_grid(&kernel, &spec, block, shared, rows, period)?;
-        (blocks, clusters)
+        let grid = cluster_grid(&kernel, &spec, block, shared, rows, period)?;
+        (grid.blocks, grid.clusters)
     } else {
         let grid = resident_grid(enc, &kernel, block, shared, rows.div_ceil(groups))?;
         (grid, grid)

@@ -62,6 +62,26 @@ pub fn ring_shared_bytes(spec: &KernelSpec) -> usize {
     ring_bytes(spec)
 }
 
+pub use super::launch::SplitGrid;
+
+/// The grid the ops launch a split-row spec (`spec`, loaded as `kernel`) on, for `rows`
+/// contiguous rows of `d` elements (each operand's rows `d` apart), with the dynamic shared memory
+/// of `ring_shared_bytes`: for tools that launch a copy of the spec as the ops would
+/// (examples/norm_timeline.rs). An error for a spec without clusters.
+pub fn split_grid(
+    kernel: &LoadedKernel,
+    spec: &KernelSpec,
+    rows: usize,
+    d: usize,
+) -> Result<SplitGrid> {
+    if !is_split(spec) {
+        return Err(bad("spec", format!("{spec} is not a split-row spec")));
+    }
+    let period = shift_period(spec, contiguous_rows(spec.dtype, d), &[d as i64]);
+    let (block, shared) = (spec.block_dim as usize, ring_bytes(spec));
+    cluster_grid(kernel, spec, block, shared, rows, period)
+}
+
 #[allow(clippy::too_many_arguments)]
 pub fn forward_with(
     enc: &mut CommandEncoder,
