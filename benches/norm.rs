@@ -364,12 +364,12 @@ fn split_cases(enc: &CommandEncoder, dtype: DType) -> Vec<SweepCase> {
     cases
 }
 
-/// How many clusters of a split spec the GPU holds at once (the grid its launches loop over);
-/// None for a spec without clusters.
-fn cluster_slots(enc: &CommandEncoder, spec: &kiln::jit::KernelSpec) -> Option<usize> {
+/// How many clusters of a split spec the GPU holds at once on rows of `d` (the grid its launches
+/// loop over); None for a spec without clusters.
+fn cluster_slots(enc: &CommandEncoder, spec: &kiln::jit::KernelSpec, d: usize) -> Option<usize> {
     spec.constant("CLUSTER")?;
     let kernel = enc.device().kernel(spec).ok()?;
-    let shared = kiln::ops::norm::tuning::ring_shared_bytes(spec);
+    let shared = kiln::ops::norm::tuning::ring_shared_bytes(spec, d);
     kernel.allow_shared(shared).ok()?;
     kernel
         .max_active_clusters(spec.block_dim as u32, shared)
@@ -433,7 +433,8 @@ fn sweep(enc: &mut CommandEncoder, only: &str) {
                 .skip(1)
                 .map(|(name, value)| format!("{name}={value}"))
                 .collect();
-            let slots = cluster_slots(enc, &spec).map_or(String::new(), |n| format!(" slots={n}"));
+            let slots =
+                cluster_slots(enc, &spec, d).map_or(String::new(), |n| format!(" slots={n}"));
             println!(
                 "sweep {rows}x{d} {dtype} {kind:?} {pass:?} {} {}: {:.0} GB/s{slots}{}",
                 spec.template.name,

@@ -280,7 +280,7 @@ fn main() -> kiln::Result<()> {
     };
     let mut enc = CommandEncoder::new(&dev)?;
     let kernel = dev.kernel(&spec)?;
-    let shared = tuning::ring_shared_bytes(&chosen);
+    let shared = tuning::ring_shared_bytes(&chosen, d);
     kernel.allow_shared(shared)?;
     let block = chosen.block_dim as usize;
     // As the op launches it: claimed rows or a balanced grid, shifted columns' period.

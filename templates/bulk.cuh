@@ -16,6 +16,12 @@ __host__ __device__ constexpr int kiln_chunk_bytes() {
   return (CAPACITY * (int)sizeof(T) + 32 + 127) / 128 * 128;
 }
 
+// The same for a chunk of `elements` known at run time.
+template <typename T>
+__device__ __forceinline__ int kiln_chunk_bytes_of(int elements) {
+  return (elements * (int)sizeof(T) + 32 + 127) / 128 * 128;
+}
+
 // Elements between the granule holding p and p itself.
 template <typename T>
 __device__ __forceinline__ int kiln_granule_offset(const T* p) {

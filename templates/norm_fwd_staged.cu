@@ -27,6 +27,11 @@ constexpr bool RMS = {{RMS}};
 constexpr int ITEMS = {{ITEMS}};
 constexpr int CLUSTER = {{CLUSTER}};
 constexpr bool SHIFTED = {{SHIFTED}};
+// Two blocks an SM for blocks of 24 elements a thread (the host's `paired`): 64 registers a
+// thread, and stages sized by the row's chunk, not the block's capacity (which the host passes
+// as the launch's shared memory). Blocks of up to 16 elements hold two an SM anyway.
+constexpr bool PAIRED = {{PAIRED}};
+static_assert(!PAIRED || (ITEMS * N_READS > 16 && ITEMS * N_READS <= 24), "paired: 24 elements");
 // Rows claimed at run time where the host passes a counter (row_claims), never with shifted
 // columns: the host makes every row a cluster takes there start in its granules as the first
 // does, which fixed rows keep.
@@ -42,9 +47,9 @@ constexpr int STAGES = 3;
 constexpr int LEAD = STAGES + 1;
 static_assert(LEAD <= 4, "kiln_claimed_rows' ring holds rows four turns ahead");
 constexpr int CHUNK_BYTES = kiln_chunk_bytes<T, CAPACITY>();
-// Chunks of 16 KiB leave room for two blocks an SM; 32 KiB ones (a 164 KiB ring and weights)
-// for one, which may then take all of its registers.
-constexpr int BLOCKS_PER_SM = ITEMS * N_READS > 16 ? 1 : 2;
+// Chunks of 16 KiB leave room for two blocks an SM; longer ones (up to a 164 KiB ring and
+// weights) for one, which may then take all of its registers, unless PAIRED.
+constexpr int BLOCKS_PER_SM = ITEMS * N_READS <= 16 || PAIRED ? 2 : 1;
 
 extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1)
     __launch_bounds__(BLOCK_DIM, BLOCKS_PER_SM) {{kernel}}(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b,
@@ -88,17 +93,21 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1)
   auto at = [&](int k) { return (k * BLOCK_DIM + (int)threadIdx.x) * N_READS; };
 
   // Dynamic shared memory: the stages, then this block's columns of the weight and bias (as T,
-  // each thread writing and reading only its own vectors).
+  // each thread writing and reading only its own vectors). PAIRED: each stage sized by the chunk
+  // and only the vectors the stores read (the chunk, shifted by less than a vector), so that
+  // two blocks fit an SM; the host's launch_bytes counts the same.
   typedef kiln_vec<T, N_READS> V;
   extern __shared__ __align__(128) unsigned char smem[];
-  V* w_own = reinterpret_cast<V*>(smem + STAGES * CHUNK_BYTES);
-  V* b_own = w_own + ITEMS * BLOCK_DIM;
+  const int chunk_bytes = PAIRED ? kiln_chunk_bytes_of<T>(chunk) : CHUNK_BYTES;
+  const int own_vectors = PAIRED ? min(ITEMS * BLOCK_DIM, chunk / N_READS + 1) : ITEMS * BLOCK_DIM;
+  V* w_own = reinterpret_cast<V*>(smem + STAGES * chunk_bytes);
+  V* b_own = w_own + own_vectors;
 
   // Thread 0: row r's chunk into `stage`.
   auto fetch = [&](long long r, int stage) {
     const kiln_span span = kiln_granules(x + r * x_row_stride + base, len);
     kiln_bulk_arrive(&full[stage], span.bytes);
-    kiln_bulk_copy(smem + stage * CHUNK_BYTES, span, &full[stage]);
+    kiln_bulk_copy(smem + stage * chunk_bytes, span, &full[stage]);
   };
   // The first rows' copies go out before the weights load, so that the weights' latency is
   // spent with rows in flight.
@@ -116,6 +125,7 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1)
                                              step, len, shift, 0.0f, bk);
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
+      if (PAIRED && k * BLOCK_DIM + (int)threadIdx.x >= own_vectors) break;
       V vw, vb;
 #pragma unroll
       for (int j = 0; j < N_READS; ++j) {
@@ -136,7 +146,7 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1)
     // shifted ones as far into it as the shift.
     const int offset = N_READS > 1 ? 0 : kiln_granule_offset(x + row * x_row_stride + base);
     if constexpr (SHIFTED) kiln_check_shift(kiln_granule_offset(x + row * x_row_stride + base), shift);
-    const T* staged = reinterpret_cast<const T*>(smem + stage * CHUNK_BYTES) + offset;
+    const T* staged = reinterpret_cast<const T*>(smem + stage * chunk_bytes) + offset;
     float v[ITEMS][N_READS];
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {

@@ -98,7 +98,7 @@ fn run(cxx: &str, c: &Case, seed: u64) -> f64 {
                 (0, 0)
             }
         } else {
-            (tuning::ring_shared_bytes(&c.spec), 0)
+            (tuning::ring_shared_bytes(&c.spec, d), 0)
         };
 
     let mut input = Vec::new();

@@ -359,6 +359,23 @@ pub(super) fn balanced_grid(blocks: usize, slots: usize) -> usize {
     blocks.div_ceil(turns).max(1)
 }
 
+/// Dynamic shared memory a launch of `spec` on rows of `d` elements takes: `ring_bytes`, except
+/// for the staged forward with PAIRED (`paired`), whose stages hold the chunk of a row each block
+/// takes, not its capacity, and whose weights (and bias) only the vectors its stores read, so
+/// that two blocks fit an SM (`ring_bytes` is the most any row takes, which `fits` checks).
+pub(super) fn launch_bytes(spec: &KernelSpec, d: usize) -> usize {
+    if *spec.template != FORWARD_STAGED || constant(spec, "PAIRED") == 0 {
+        return ring_bytes(spec);
+    }
+    let chunk = split_chunk(d, constant(spec, "CLUSTER"));
+    let n_reads = spec.n_reads as usize;
+    // The vectors a block's stores read: its chunk, shifted by less than a vector
+    // (norm_fwd_staged.cu's own_vectors).
+    let vectors = (chunk / n_reads + 1).min(split_capacity(spec) / n_reads);
+    let params = if is_rms(spec) { 1 } else { 2 };
+    SPLIT_STAGES * chunk_bytes(spec.dtype, chunk) + params * vectors * n_reads * spec.dtype.size()
+}
+
 /// Whether a block of `spec` fits in `shared_limit` bytes of shared memory: its ring (or
 /// shared sums) and 1 KiB for the kernel's static scratch.
 pub(super) fn fits(spec: &KernelSpec, shared_limit: usize) -> bool {
@@ -410,6 +427,20 @@ pub(super) fn split_layouts(kind: Kind, dtype: DType) -> &'static [SplitLayout] 
         _ => &F32,
     }
 }
+/// Whether the staged forward takes two blocks an SM (PAIRED in norm_fwd_staged.cu: 64 registers
+/// a thread, stages sized by the chunk) for a row's `chunk` of elements in blocks of `elements`
+/// a thread and `capacity` elements: blocks of 24 elements with `shifted` columns whose chunk is
+/// at most three quarters of the capacity (16-bit LayerNorm rows of odd length up to 18,432, in
+/// clusters of two). Blocks of up to 16 elements hold two an SM anyway; of 32, their chunks do
+/// not fit twice; unshifted blocks of 24 spill in 64 registers. Measured on an H100 with every
+/// staged spec paired against none (f16 and bf16 LayerNorm, about 2^25 elements, direct mode):
+/// 1.13-1.15x at 16,385 (68% -> 77-78% of copy), 1.06-1.07x at 17,001, 1.03-1.04x at 18,001,
+/// 0.99-1.00x at 19,001 (a chunk of 9,504 of 12,288), 0.94-0.97x from 20,001 to 23,001, where
+/// the registers cost and the chunks leave no room for a second block.
+pub(super) fn paired(shifted: bool, elements: usize, chunk: usize, capacity: usize) -> bool {
+    shifted && elements == 24 && 4 * chunk <= 3 * capacity
+}
+
 /// A split-row forward layout: (kernel, most blocks per cluster, most elements per thread).
 pub(super) type SplitLayout = (&'static TemplateDef, usize, usize);
 /// The longest rows a split-row forward takes: 16 blocks of 16 elements a thread (f32), or 8 of
@@ -508,7 +539,10 @@ pub(super) fn split_spec(kind: Kind, dtype: DType, d: usize, rows: Rows) -> Opti
             let (cluster, items) = fit_cluster(SPLIT_BLOCK, (2, most), elements, n_reads, d, pad)?;
             let mut consts = vec![(kind == Kind::RmsNorm) as i32, items as i32, cluster as i32];
             if *family == FORWARD_STAGED {
-                consts.push((pad > 0) as i32);
+                let capacity = SPLIT_BLOCK * items * n_reads;
+                let chunk = split_chunk(d, cluster);
+                let paired = paired(pad > 0, items * n_reads, chunk, capacity);
+                consts.extend([(pad > 0) as i32, paired as i32]);
             }
             Some(KernelSpec::new(
                 family,
@@ -1030,7 +1064,12 @@ pub(super) fn check_chosen(
             // Shifted columns exactly where the rows need them, and on blocks that each hold
             // part of the row (their masks take a chunk of at least one element).
             && (*spec.template != FORWARD_STAGED
-                || spec.constant("SHIFTED") == Some((pad > 0) as i32))
+                || spec.constant("SHIFTED") == Some((pad > 0) as i32)
+                    && match constant(&spec, "PAIRED") {
+                        0 => true,
+                        1 => items * n_reads > 16 && items * n_reads <= 24,
+                        _ => false,
+                    })
             && (pad == 0 || (cluster - 1) * split_chunk(d, cluster) < d)
             && constant(&spec, "RMS") == (kind == Kind::RmsNorm) as usize;
         if !ok {

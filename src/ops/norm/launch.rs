@@ -69,12 +69,13 @@ fn shifted_grid_idles(
     kernel: &LoadedKernel,
     spec: &KernelSpec,
     rows: usize,
+    d: usize,
     period: usize,
 ) -> Result<bool> {
     if period == 1 {
         return Ok(false);
     }
-    let shared = ring_bytes(spec);
+    let shared = launch_bytes(spec, d);
     kernel.allow_shared(shared)?;
     let slots = kernel.max_active_clusters(spec.block_dim as u32, shared)?;
     if rows <= slots {
@@ -284,7 +285,7 @@ pub(super) fn forward(
     // Shifted columns on a grid cut too short for them: one element a vector instead.
     let period = shift_period(&spec, layout, &[x_stride, d as i64]);
     let (spec, kernel, period) =
-        if chosen.is_none() && shifted_grid_idles(&kernel, &spec, rows, period)? {
+        if chosen.is_none() && shifted_grid_idles(&kernel, &spec, rows, d, period)? {
             let spec = choose_spec(
                 Pass::Forward,
                 kind,
@@ -315,7 +316,7 @@ pub(super) fn forward(
         .push(bv)
         .push(eps);
     let (block, groups) = geometry(&spec);
-    let shared = ring_bytes(&spec);
+    let shared = launch_bytes(&spec, d);
     let grid = if is_split(&spec) {
         // Clusters of consecutive blocks loop over rows: as many as the GPU holds at once.
         kernel.allow_shared(shared)?;

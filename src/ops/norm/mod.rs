@@ -64,7 +64,7 @@ pub static FORWARD_STAGED: TemplateDef = TemplateDef {
     name: "norm_fwd_staged",
     source: include_str!("../../../templates/norm_fwd_staged.cu"),
     kernel: "kiln_norm_fwd_staged",
-    const_names: &["RMS", "ITEMS", "CLUSTER", "SHIFTED"],
+    const_names: &["RMS", "ITEMS", "CLUSTER", "SHIFTED", "PAIRED"],
     arch_specific: false,
     only_arch: Some(SPLIT_ARCH),
 };

@@ -54,7 +54,7 @@ fn constants_are_declared() {
         (&FORWARD, &["RMS", "GROUP", "ITEMS", "STAGES"][..]),
         (&VJP, &["RMS", "GROUP", "ITEMS", "STAGES", "RESIDENT"][..]),
         (&FORWARD_SPLIT, &["RMS", "ITEMS", "CLUSTER"][..]),
-        (&FORWARD_STAGED, &["RMS", "ITEMS", "CLUSTER"][..]),
+        (&FORWARD_STAGED, &["RMS", "ITEMS", "CLUSTER", "PAIRED"][..]),
         (
             &VJP_SPLIT,
             &["RMS", "ITEMS", "CLUSTER", "SMEM_SUMS", "PIPELINE"][..],
@@ -710,4 +710,69 @@ fn packed_rows_are_a_16_bit_ring_layout_chosen_for_three_vectors_a_thread() {
         let three = s.template.name == VJP.name && constant(&s, "ITEMS") == 3;
         assert_eq!(packed, three && constant(&s, "STAGES") > 0, "{d}: {s}");
     }
+}
+
+#[test]
+fn the_staged_forward_pairs_blocks_where_its_chunk_leaves_room() {
+    let gpu = Gpu::for_arch(90);
+    let spec = |d, rows| {
+        choose_spec(
+            Pass::Forward,
+            Kind::LayerNorm,
+            DType::BF16,
+            d,
+            rows,
+            Count::Many,
+            gpu,
+        )
+    };
+    // Unaligned rows of 16,385 in clusters of two, 24 elements a thread: a block's chunk of
+    // 8,200 takes two thirds of its capacity, which leaves room for two blocks an SM (Hopper:
+    // 228 KiB, a block's static scratch besides).
+    let short = spec(16385, Rows::Alike);
+    assert_eq!(short.template.name, FORWARD_STAGED.name);
+    assert_eq!(constant(&short, "CLUSTER"), 2);
+    assert_eq!(constant(&short, "PAIRED"), 1);
+    assert_eq!(split_capacity(&short), 12288);
+    assert!(launch_bytes(&short, 16385) < ring_bytes(&short));
+    assert!(2 * (launch_bytes(&short, 16385) + 4096) <= 228 * 1024);
+    // Up to three quarters of the capacity, and every paired launch within what `fits` checked.
+    for d in (16385..=24559).step_by(2) {
+        let s = spec(d, Rows::Alike);
+        let paired = constant(&s, "PAIRED") == 1;
+        assert_eq!(paired, d <= 18431, "{d}: {s}");
+        assert!(launch_bytes(&s, d) <= ring_bytes(&s), "{d}");
+        if !paired {
+            assert_eq!(launch_bytes(&s, d), ring_bytes(&s), "{d}");
+        }
+    }
+    // Aligned rows (where few) and other kernels take their ring whatever the row.
+    let few = choose_spec(
+        Pass::Forward,
+        Kind::LayerNorm,
+        DType::BF16,
+        16392,
+        Rows::Aligned,
+        Count::Few,
+        gpu,
+    );
+    assert_eq!(constant(&few, "PAIRED"), 0, "{few}");
+    let block = spec(1001, Rows::Alike);
+    assert_eq!(launch_bytes(&block, 1001), ring_bytes(&block));
+    // A caller's PAIRED spec must hold 24 elements a thread.
+    let mut consts = short.consts;
+    consts[1] = 4; // ITEMS: 32 elements
+    let wide = KernelSpec::new(&FORWARD_STAGED, DType::BF16, 512, 8, &consts[..5]);
+    let check = |s| {
+        check_chosen(
+            s,
+            Pass::Forward,
+            Kind::LayerNorm,
+            DType::BF16,
+            16385,
+            Rows::Alike,
+        )
+    };
+    assert!(check(short).is_ok());
+    assert!(check(wide).is_err());
 }

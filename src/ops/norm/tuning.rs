@@ -55,11 +55,11 @@ pub fn candidates(pass: Pass, kind: Kind, dtype: DType, d: usize) -> Vec<KernelS
     out
 }
 
-/// Dynamic shared memory the ops give a launch of `spec` (`norm_fwd` or `norm_vjp`): its ring of
+/// Dynamic shared memory the ops give a launch of `spec` on rows of `d` elements: its ring of
 /// row stages and staged weights, 0 for a kernel without a ring. (The VJP's one-row-a-block
 /// kernel takes `2 * d` floats of partial sums instead when they fit.)
-pub fn ring_shared_bytes(spec: &KernelSpec) -> usize {
-    ring_bytes(spec)
+pub fn ring_shared_bytes(spec: &KernelSpec, d: usize) -> usize {
+    launch_bytes(spec, d)
 }
 
 pub use super::launch::SplitGrid;
@@ -78,7 +78,7 @@ pub fn split_grid(
         return Err(bad("spec", format!("{spec} is not a split-row spec")));
     }
     let period = shift_period(spec, contiguous_rows(spec.dtype, d), &[d as i64]);
-    let (block, shared) = (spec.block_dim as usize, ring_bytes(spec));
+    let (block, shared) = (spec.block_dim as usize, launch_bytes(spec, d));
     cluster_grid(kernel, spec, block, shared, rows, period)
 }
 
@@ -138,12 +138,14 @@ pub fn split_candidates(pass: Pass, kind: Kind, dtype: DType, d: usize) -> Vec<K
     for n_reads in split_widths(dtype, rows).filter(|&n| split_takes(family, dtype, rows, n)) {
         let pad = split_pad(n_reads, rows);
         // The constants after ITEMS and CLUSTER: the VJP's SMEM_SUMS and PIPELINE, the staged
-        // forward's SHIFTED.
+        // forward's SHIFTED and PAIRED (check_chosen refuses PAIRED where it cannot apply).
         let tails: Vec<Vec<i32>> = match pass {
             Pass::Vjp => (0..2)
                 .flat_map(|smem_sums| (0..3).map(move |pipeline| vec![smem_sums, pipeline]))
                 .collect(),
-            Pass::Forward if *family == FORWARD_STAGED => vec![vec![(pad > 0) as i32]],
+            Pass::Forward if *family == FORWARD_STAGED => (0..2)
+                .map(|paired| vec![(pad > 0) as i32, paired])
+                .collect(),
             Pass::Forward => vec![vec![]],
         };
         let layouts = VJP_SPLIT_CLUSTERS.iter().flat_map(|&cluster| {
