@@ -284,10 +284,10 @@ fn main() -> kiln::Result<()> {
     kernel.allow_shared(shared)?;
     let block = chosen.block_dim as usize;
     // As the op launches it: claimed rows or a balanced grid, shifted columns' period.
-    let slots = kernel.max_active_clusters(block as u32, shared)?;
     let tuning::SplitGrid {
         blocks,
         clusters,
+        slots,
         claims,
     } = tuning::split_grid(&kernel, &chosen, rows, d)?;
     let turns = rows.div_ceil(clusters);

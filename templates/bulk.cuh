@@ -9,17 +9,17 @@
 // the same allocation: kiln's allocator hands out blocks of whole 256-byte units at 256-byte
 // aligned addresses, so every granule holding a byte of an array lies inside its block.
 
-// Bytes a stage gives one chunk of up to CAPACITY elements: the chunk, a granule on either side,
-// rounded to 128 so that every chunk of a stage starts 128-byte aligned.
-template <typename T, int CAPACITY>
-__host__ __device__ constexpr int kiln_chunk_bytes() {
-  return (CAPACITY * (int)sizeof(T) + 32 + 127) / 128 * 128;
+// Bytes a stage gives a chunk of `elements`: the chunk, a granule on either side, rounded to 128
+// so that every chunk of a stage starts 128-byte aligned.
+template <typename T>
+__host__ __device__ constexpr int kiln_chunk_bytes_of(int elements) {
+  return (elements * (int)sizeof(T) + 32 + 127) / 128 * 128;
 }
 
-// The same for a chunk of `elements` known at run time.
-template <typename T>
-__device__ __forceinline__ int kiln_chunk_bytes_of(int elements) {
-  return (elements * (int)sizeof(T) + 32 + 127) / 128 * 128;
+// The same for a chunk of up to CAPACITY elements, known when the kernel is compiled.
+template <typename T, int CAPACITY>
+__host__ __device__ constexpr int kiln_chunk_bytes() {
+  return kiln_chunk_bytes_of<T>(CAPACITY);
 }
 
 // Elements between the granule holding p and p itself.

@@ -34,6 +34,7 @@ pub(super) fn cluster_grid(
     Ok(SplitGrid {
         blocks: clusters * constant(spec, "CLUSTER"),
         clusters,
+        slots,
         claims,
     })
 }
@@ -45,6 +46,8 @@ pub struct SplitGrid {
     pub blocks: usize,
     /// Clusters, each looping over rows.
     pub clusters: usize,
+    /// Clusters the GPU holds at once (`max_active_clusters`).
+    pub slots: usize,
     /// Whether the clusters claim their rows at run time (`claims_rows`).
     pub claims: bool,
 }
