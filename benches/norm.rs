@@ -18,6 +18,8 @@
 //! `--ops layer_norm,rms_norm` times those ops alone (of layer_norm, rms_norm, layer_norm_vjp and
 //! rms_norm_vjp), `--no-anchor` skips PyTorch: all for comparing kernel variants quickly, not
 //! for the targets.
+//! `% sized` sets each row against a copy of its own traffic (half each way), not for a target:
+//! it tells how much of a row's gap to the copy bandwidth is its size's alone.
 //! `--twice` times every op twice and prints both, with the driver allocations each made.
 //! `--long --ds 5001,50257` measures other row lengths the same way (held-out checks), and
 //! `--rows 66,132` those counts of rows of each length instead of 2^25 elements and 16.
@@ -94,6 +96,8 @@ fn long_shapes() -> Vec<(usize, usize)> {
         .collect()
 }
 
+/// Bytes of the copy every row is held to (each way).
+const COPY_BYTES: usize = 1 << 28;
 const SETS: usize = 4;
 const ITERS: usize = 40;
 
@@ -150,8 +154,9 @@ fn seconds_per_call_once(
     batches[batches.len() / 2]
 }
 
-fn copy_gbs(dev: &Arc<Device>, enc: &mut CommandEncoder) -> f64 {
-    let n = 1usize << 28;
+/// GB/s (read and written) of kiln's memcpy node copying `bytes` (rounded down to whole words).
+fn copy_gbs(dev: &Arc<Device>, enc: &mut CommandEncoder, bytes: usize) -> f64 {
+    let n = bytes / 4 * 4;
     let src = Array::empty(dev, DType::F32, &[n / 4]).unwrap();
     let dst = Array::empty(dev, DType::F32, &[n / 4]).unwrap();
     let t = seconds_per_call(enc, |e, _| e.copy_into(&src, &dst).unwrap());
@@ -467,7 +472,7 @@ fn main() {
     }
     let long = std::env::args().any(|a| a == "--long");
     let shapes = if long { long_shapes() } else { SHAPES.to_vec() };
-    let copy = copy_gbs(&dev, &mut enc);
+    let copy = copy_gbs(&dev, &mut enc, COPY_BYTES);
     let mode = if enc.uses_graphs() {
         "graph mode"
     } else {
@@ -486,8 +491,8 @@ fn main() {
         torch_copy.map_or(String::new(), |c| format!(", {c:.0} GB/s (PyTorch copy_)"))
     );
     println!(
-        "{:<12} {:<5} {:<15} {:>9} {:>7} {:>9} {:>7}  verdict",
-        "shape", "dtype", "op", "kiln GB/s", "% copy", "torch", "ratio"
+        "{:<12} {:<5} {:<15} {:>9} {:>7} {:>7} {:>9} {:>7}  verdict",
+        "shape", "dtype", "op", "kiln GB/s", "% copy", "% sized", "torch", "ratio"
     );
     let mut misses = 0;
     let ops = ops_arg();
@@ -541,6 +546,9 @@ fn main() {
             }
             for (op, passes, secs) in runs {
                 let gbs = passes * bytes / secs / 1e9;
+                // A copy of the op's own traffic (half of it each way): at small sizes the copy
+                // itself runs below the 256 MiB figure, so this tells how much of the gap is size.
+                let sized = copy_gbs(&dev, &mut enc, (passes / 2.0 * bytes) as usize);
                 let torch_gbs = torch
                     .as_ref()
                     .and_then(|t| t[format!("{rows}x{d} {dtype} {op}")].as_f64())
@@ -569,12 +577,13 @@ fn main() {
                     misses += 1;
                 }
                 println!(
-                    "{:<12} {:<5} {:<15} {:>9.0} {:>6.0}% {:>9} {:>7}  {}",
+                    "{:<12} {:<5} {:<15} {:>9.0} {:>6.0}% {:>6.0}% {:>9} {:>7}  {}",
                     format!("{rows}x{d}"),
                     dtype.name(),
                     op,
                     gbs,
                     100.0 * gbs / copy,
+                    100.0 * gbs / sized,
                     torch_gbs.map_or("-".into(), |t| format!("{t:.0}")),
                     torch_gbs.map_or("-".into(), |t| format!("{:.2}x", gbs / t)),
                     if verdict.is_empty() {
