@@ -546,8 +546,8 @@ fn main() {
             }
             for (op, passes, secs) in runs {
                 let gbs = passes * bytes / secs / 1e9;
-                // A copy of the op's own traffic (half of it each way): at small sizes the copy
-                // itself runs below the 256 MiB figure, so this tells how much of the gap is size.
+                // A copy of the op's own traffic (half of it each way): a smaller copy may itself
+                // run below the 256 MiB figure, so this tells how much of the gap is the size's.
                 let sized = copy_gbs(&dev, &mut enc, (passes / 2.0 * bytes) as usize);
                 let torch_gbs = torch
                     .as_ref()
