@@ -495,6 +495,8 @@ fn main() {
         "shape", "dtype", "op", "kiln GB/s", "% copy", "% sized", "torch", "ratio"
     );
     let mut misses = 0;
+    // Sized copies by bytes each way: ops and dtypes of the same traffic share one timing.
+    let mut sized_copies: std::collections::HashMap<usize, f64> = Default::default();
     let ops = ops_arg();
     for &(rows, d) in &shapes {
         let wanted_in = |dtype: DType, op: &str| {
@@ -548,7 +550,9 @@ fn main() {
                 let gbs = passes * bytes / secs / 1e9;
                 // A copy of the op's own traffic (half of it each way): a smaller copy may itself
                 // run below the 256 MiB figure, so this tells how much of the gap is the size's.
-                let sized = copy_gbs(&dev, &mut enc, (passes / 2.0 * bytes) as usize);
+                let sized = *sized_copies
+                    .entry((passes / 2.0 * bytes) as usize)
+                    .or_insert_with_key(|&n| copy_gbs(&dev, &mut enc, n));
                 let torch_gbs = torch
                     .as_ref()
                     .and_then(|t| t[format!("{rows}x{d} {dtype} {op}")].as_f64())
