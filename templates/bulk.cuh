@@ -45,27 +45,37 @@ __device__ __forceinline__ kiln_span kiln_granules(const T* src, int len) {
 // Copies `span` into `stage`, completing on `bar`, whose phase must already expect its bytes.
 __device__ __forceinline__ void kiln_bulk_copy(void* stage, kiln_span span, unsigned long long* bar) {
   if (span.bytes == 0) return;
+#ifdef KILN_HOST
+  kiln_host_bulk_copy(stage, span.first, span.bytes, bar);
+#else
   asm volatile(
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
           kiln_smem_addr(stage)),
       "l"(span.first), "r"(span.bytes), "r"(kiln_smem_addr(bar))
       : "memory");
+#endif
 }
 
 // Arrives (once per phase, one thread, before the copies) on `bar` expecting `bytes` from the
 // copies into its stage; with 0 the phase completes on the arrival alone. Relaxed: a release would first
 // wait for the thread's own loads and stores in flight.
 __device__ __forceinline__ void kiln_bulk_arrive(unsigned long long* bar, unsigned bytes) {
+#ifdef KILN_HOST
+  kiln_host_mbarrier_arrive(bar, bytes);
+#else
   asm volatile("mbarrier.arrive.expect_tx.relaxed.cta.shared::cta.b64 _, [%0], %1;" ::"r"(
                    kiln_smem_addr(bar)),
                "r"(bytes)
                : "memory");
+#endif
 }
 
 // After a barrier that saw every thread's reads of a stage, before a bulk copy overwrites it:
 // orders those (generic proxy) reads before the copy's (async proxy) writes.
 __device__ __forceinline__ void kiln_bulk_fence() {
+#ifndef KILN_HOST  // the host's copies are made at once
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
 }
 
 // Columns shifted onto the granules, so that rows which do not start on one (odd lengths) still

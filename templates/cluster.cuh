@@ -1,11 +1,15 @@
 // Thread-block cluster helpers (sm_90): a cluster's blocks sum values through distributed
-// shared memory.
+// shared memory. KILN_HOST: the tests' host emulation (tests/host/cuda_host_cluster.h).
 
 // This block's rank in its cluster.
 __device__ __forceinline__ unsigned kiln_cluster_rank() {
+#ifdef KILN_HOST
+  return kiln_host_rank;
+#else
   unsigned rank;
   asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
   return rank;
+#endif
 }
 
 // Elements of a row of d that each of a cluster's `blocks` takes (the last block may take fewer,
@@ -18,17 +22,25 @@ __device__ __forceinline__ int kiln_split_chunk(int d, int blocks) {
 // Every thread of every block of the cluster arrives: shared memory written before is visible
 // to the cluster after.
 __device__ __forceinline__ void kiln_cluster_sync() {
+#ifdef KILN_HOST
+  kiln_host_cluster_barrier->arrive_and_wait();
+#else
   asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;"
                ::: "memory");
+#endif
 }
 
 // `local` (a shared memory address in this block) as block `rank` of the cluster maps it.
 __device__ __forceinline__ unsigned kiln_cluster_map(const void* local, unsigned rank) {
+#ifdef KILN_HOST
+  return kiln_host_map(local, rank);
+#else
   unsigned remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
                : "=r"(remote)
                : "r"((unsigned)__cvta_generic_to_shared(local)), "r"(rank));
   return remote;
+#endif
 }
 
 // Sums over a whole cluster without cluster barriers. A cluster barrier's arrive has release
@@ -81,12 +93,16 @@ struct kiln_cluster_sums : kiln_cluster_own<WIDTH, BLOCK_DIM / 32, BY_BLOCK> {
 template <class S>
 __device__ __forceinline__ void kiln_cluster_sums_init(S& s) {
   if (threadIdx.x == 0) {
+#ifdef KILN_HOST
+    for (int set = 0; set < S::SETS; ++set) kiln_host_mbarrier_init(&s.bar[set], 1);
+#else
 #pragma unroll
     for (int set = 0; set < S::SETS; ++set)
       asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(
                        (unsigned)__cvta_generic_to_shared(&s.bar[set]))
                    : "memory");
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
   }
   kiln_cluster_sync();
 }
@@ -104,15 +120,22 @@ __device__ __forceinline__ void kiln_cluster_send(const float* v, S& s, int n, i
     // This block's one arrival of the phase, expecting every pusher's bytes (pushes that came
     // first have already counted theirs down). Relaxed: a release would wait for this thread's
     // loads in flight, as the cluster barrier did.
+#ifdef KILN_HOST
+    kiln_host_mbarrier_arrive(&s.bar[set], S::PAIRS * S::VALUES * 4 + extra_bytes);
+#else
     asm volatile("mbarrier.arrive.expect_tx.relaxed.cta.shared::cta.b64 _, [%0], %1;" ::"r"(
                      (unsigned)__cvta_generic_to_shared(&s.bar[set])),
                  "r"(S::PAIRS * S::VALUES * 4 + extra_bytes)
                  : "memory");
+#endif
   }
   if (lane < S::BLOCKS) {
     const int pair = (int)kiln_cluster_rank() * S::PUSHERS + pusher;
     const unsigned slot = kiln_cluster_map(&s.recv[set][pair], lane);
     const unsigned remote_bar = kiln_cluster_map(&s.bar[set], lane);
+#ifdef KILN_HOST
+    kiln_host_st_async(slot, v, S::VALUES * 4, remote_bar);
+#else
     if constexpr (S::VALUES == 2) {
       asm volatile(
           "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];" ::
@@ -126,6 +149,7 @@ __device__ __forceinline__ void kiln_cluster_send(const float* v, S& s, int n, i
           "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3]), "r"(remote_bar)
           : "memory");
     }
+#endif
   }
 }
 
@@ -159,6 +183,13 @@ __device__ __forceinline__ void kiln_cluster_push_block(const float* v, S& s, in
     s.own[half][warp] = own;
   }
   // Barrier ids as immediates: a register id would make ptxas reserve all 16 of them.
+#ifdef KILN_HOST
+  if (warp != 0) {
+    kiln_host_named_barrier(1 + half, S::THREADS, false);
+    return;
+  }
+  kiln_host_named_barrier(1 + half, S::THREADS, true);
+#else
   if (warp != 0) {
     if (half)
       asm volatile("bar.arrive 2, %0;" ::"n"(S::THREADS) : "memory");
@@ -170,6 +201,7 @@ __device__ __forceinline__ void kiln_cluster_push_block(const float* v, S& s, in
     asm volatile("bar.sync 2, %0;" ::"n"(S::THREADS) : "memory");
   else
     asm volatile("bar.sync 1, %0;" ::"n"(S::THREADS) : "memory");
+#endif
   float e[WIDTH], u[WIDTH];
 #pragma unroll
   for (int i = 0; i < WIDTH; ++i) e[i] = from < S::WARPS ? s.own[half][from].v[i] : 0.0f;
@@ -229,6 +261,9 @@ template <class S>
 __device__ __forceinline__ const typename S::Slot* kiln_cluster_wait(S& s, int n) {
   const int set = n % S::SETS;
   const unsigned parity = (n / S::SETS) & 1;
+#ifdef KILN_HOST
+  kiln_host_mbarrier_wait(&s.bar[set], parity);
+#else
   const unsigned bar = (unsigned)__cvta_generic_to_shared(&s.bar[set]);
   for (unsigned done = 0; !done;) {
     asm volatile(
@@ -239,6 +274,7 @@ __device__ __forceinline__ const typename S::Slot* kiln_cluster_wait(S& s, int n
         : "r"(bar), "r"(parity)
         : "memory");
   }
+#endif
   return s.recv[set];
 }
 
@@ -444,10 +480,14 @@ __device__ __forceinline__ void kiln_cluster_send_row(
   if (lane < S::BLOCKS) {
     const unsigned slot = kiln_cluster_map(&claimed.row[turn % KILN_ROW_RING], lane);
     const unsigned remote_bar = kiln_cluster_map(&s.bar[n % S::SETS], lane);
+#ifdef KILN_HOST
+    kiln_host_st_async(slot, &row, 8, remote_bar);
+#else
     asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b64 [%0], %1, [%2];" ::
                      "r"(slot),
                  "l"(row), "r"(remote_bar)
                  : "memory");
+#endif
   }
   // Past the end, every later claim would be too.
   if (lane == 0) ticket = row < rows ? atomicAdd(counter, 1ull) : KILN_NO_TICKET;

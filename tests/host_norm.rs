@@ -5,8 +5,9 @@
 //! arithmetic, bounds (AddressSanitizer, shared memory past the launch's size poisoned),
 //! barriers, warp sums and row loops, every dtype and layout the ops choose, without a GPU.
 //! The rings' copies are made at once, so memory ordering and speed are the GPU tests' and
-//! benches' part; the split-row kernels (clusters) are not covered. Skipped when no C++20
-//! compiler is found (`CXX`, else `g++`, else `c++`); `KILN_REQUIRE_HOST_CXX=1` fails instead.
+//! benches' part; the split-row kernels (clusters) are `tests/host_norm_split.rs`'s. Skipped
+//! when no C++20 compiler is found (`CXX`, else `g++`, else `c++`); `KILN_REQUIRE_HOST_CXX=1`
+//! fails instead.
 
 mod common;
 

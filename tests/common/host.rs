@@ -49,9 +49,16 @@ pub fn executable(
     for d in defines {
         h.update(d);
     }
-    for f in ["cuda_host.h", "host_input.h", runner] {
-        h.update(std::fs::read(host_dir().join(f)).unwrap());
+    // Every file of the harness (headers and runners), so that an edit to any rebuilds.
+    let mut files: Vec<_> = std::fs::read_dir(host_dir())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    files.sort();
+    for f in files {
+        h.update(std::fs::read(f).unwrap());
     }
+    h.update(runner);
     let key: String = h.finalize()[..8]
         .iter()
         .map(|b| format!("{b:02x}"))
