@@ -1,7 +1,10 @@
 #!/bin/bash
 # The device call that measures the prepared norm patches against HEAD, then checks the two
 # most likely to land (p and k together) for correctness. Not yet run: no device machine was
-# lent in the sessions that wrote it.
+# lent in the sessions that wrote it. On the host, p + k pass tests/host_norm_split.rs and
+# host_norm.rs's chosen kernels, and g the latter (notes/performance.md, 2026-12-08).
+# The staged binaries below were built before the host branches of cluster.cuh, bulk.cuh and
+# tma.cuh (1e36301), which leave the GPU's code byte-identical: rebuilding is not needed.
 #
 # Build on the development machine, one binary set a variant, from a clean tree each time:
 #   l  = HEAD;  c = notes/norm-ring-copies-ca.patch;  g = notes/norm-forward-three-stages.patch
