@@ -333,3 +333,36 @@ fn chosen_split_kernels_match_the_reference_on_the_host() {
     let failures = run_all(&cxx, &cases, 1);
     assert!(failures.is_empty(), "{failures:#?}");
 }
+
+/// The split VJP's layouts the bench's sweep measures (`tuning::split_candidates`) for rows of
+/// 18,432: partial sums in registers or shared memory (SMEM_SUMS) and each way of overlapping
+/// rows (PIPELINE 0, 1 and 2), chosen or not, each in the narrowest cluster it comes in.
+#[test]
+fn split_vjp_candidates_match_the_reference_on_the_host() {
+    let Some(cxx) = compiler() else {
+        eprintln!("skipped: no C++ compiler");
+        return;
+    };
+    let mut cases = Vec::new();
+    for dtype in [DType::F32, DType::BF16] {
+        for kind in [Kind::LayerNorm, Kind::RmsNorm] {
+            let mut specs = tuning::split_candidates(Pass::Vjp, kind, dtype, 18_432);
+            specs.sort_by_key(|s| constant(s, "CLUSTER"));
+            let mut seen = HashSet::new();
+            for spec in specs {
+                let way = (constant(&spec, "SMEM_SUMS"), constant(&spec, "PIPELINE"));
+                if seen.insert(way) {
+                    cases.push(case(spec, kind, Pass::Vjp, 18_432, false));
+                }
+            }
+        }
+    }
+    for (name, values) in [("SMEM_SUMS", [0, 1].as_slice()), ("PIPELINE", &[0, 1, 2])] {
+        for &v in values {
+            let found = cases.iter().any(|c| constant(&c.spec, name) == v);
+            assert!(found, "no candidate with {name}={v}");
+        }
+    }
+    let failures = run_all(&cxx, &cases, 20_000);
+    assert!(failures.is_empty(), "{failures:#?}");
+}
