@@ -15,7 +15,6 @@ use common::host::{self, compiler, push_bytes};
 
 use std::collections::HashSet;
 use std::process::Command;
-use std::sync::Mutex;
 
 use kiln::jit::KernelSpec;
 use kiln::ops::norm::{
@@ -186,35 +185,21 @@ fn executable(cxx: &str, spec: &KernelSpec) -> std::path::PathBuf {
     host::executable(cxx, &source, "run_norm.cpp", &defines, spec)
 }
 
-/// Runs every case on `threads` threads (each host run is a process of its own); the failures.
+/// Runs every case (`host::run_cases`); the failures.
 fn run_all(cxx: &str, cases: &[Case], seed: u64) -> Vec<String> {
-    let next = Mutex::new(0usize);
-    let failures = Mutex::new(Vec::new());
-    let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
-    std::thread::scope(|s| {
-        for _ in 0..threads {
-            s.spawn(|| loop {
-                let i = {
-                    let mut n = next.lock().unwrap();
-                    *n += 1;
-                    *n - 1
-                };
-                let Some(c) = cases.get(i) else { break };
-                let err = run(cxx, c, seed + i as u64);
-                if err > tolerance(c.spec.dtype) {
-                    let what = format!(
-                        "{} ({:?}) {}x{} eps {} outlier {:?}: {err:.3e}",
-                        c.spec, c.pass, c.rows, c.d, c.eps, c.outlier
-                    );
-                    failures.lock().unwrap().push(what);
-                }
-            });
+    host::run_cases(cases, |i, c| {
+        let err = run(cxx, c, seed + i as u64);
+        if err <= tolerance(c.spec.dtype) {
+            return vec![];
         }
-    });
-    failures.into_inner().unwrap()
+        vec![format!(
+            "{} ({:?}) {}x{} eps {} outlier {:?}: {err:.3e}",
+            c.spec, c.pass, c.rows, c.d, c.eps, c.outlier
+        )]
+    })
 }
 
-/// Whether the host harness runs `spec` (the split-row kernels' clusters are not emulated).
+/// Whether this harness runs `spec` (the split-row kernels are `tests/host_norm_split.rs`'s).
 fn one_row_a_group(spec: &KernelSpec) -> bool {
     spec.template.name == norm::FORWARD.name || spec.template.name == norm::VJP.name
 }

@@ -16,7 +16,6 @@ use common::host::{self, compiler, push_bytes};
 
 use std::collections::HashSet;
 use std::process::Command;
-use std::sync::Mutex;
 
 use kiln::jit::KernelSpec;
 use kiln::ops::norm::{
@@ -244,44 +243,30 @@ fn executable(cxx: &str, spec: &KernelSpec) -> std::path::PathBuf {
     )
 }
 
-/// Runs every case on the machine's cores (each host run is a process of its own); the failures.
+/// Runs every case (`host::run_cases`); the failures.
 fn run_all(cxx: &str, cases: &[Case], seed: u64) -> Vec<String> {
-    let next = Mutex::new(0usize);
-    let failures = Mutex::new(Vec::new());
-    let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
-    std::thread::scope(|s| {
-        for _ in 0..threads {
-            s.spawn(|| loop {
-                let i = {
-                    let mut n = next.lock().unwrap();
-                    *n += 1;
-                    *n - 1
-                };
-                let Some(c) = cases.get(i) else { break };
-                let (err, counter) = run(cxx, c, seed + i as u64);
-                let what = format!(
-                    "{} ({:?}) {}x{} on {} clusters{}",
-                    c.spec,
-                    c.pass,
-                    c.rows,
-                    c.d,
-                    c.clusters,
-                    if c.counted { ", rows claimed" } else { "" }
-                );
-                if err > tolerance(c.spec.dtype) {
-                    failures
-                        .lock()
-                        .unwrap()
-                        .push(format!("{what}: error {err:.3e}"));
-                }
-                if counter != 0 {
-                    let left = format!("{what}: the rows' counter left at {counter}, not zero");
-                    failures.lock().unwrap().push(left);
-                }
-            });
+    host::run_cases(cases, |i, c| {
+        let (err, counter) = run(cxx, c, seed + i as u64);
+        let what = format!(
+            "{} ({:?}) {}x{} on {} clusters{}",
+            c.spec,
+            c.pass,
+            c.rows,
+            c.d,
+            c.clusters,
+            if c.counted { ", rows claimed" } else { "" }
+        );
+        let mut failures = Vec::new();
+        if err > tolerance(c.spec.dtype) {
+            failures.push(format!("{what}: error {err:.3e}"));
         }
-    });
-    failures.into_inner().unwrap()
+        if counter != 0 {
+            failures.push(format!(
+                "{what}: the rows' counter left at {counter}, not zero"
+            ));
+        }
+        failures
+    })
 }
 
 /// Every split spec the ops choose on Hopper for a few rows of these lengths, each once: both

@@ -115,3 +115,25 @@ pub fn push_bytes(buf: &mut Vec<u8>, bytes: &[u8]) {
     buf.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
     buf.extend_from_slice(bytes);
 }
+
+/// Runs `check` on every case, on as many threads as the machine has cores (each host run is a
+/// process of its own), in no fixed order; the failures `check` reports, each case's in order.
+pub fn run_cases<C: Sync>(
+    cases: &[C],
+    check: impl Fn(usize, &C) -> Vec<String> + Sync,
+) -> Vec<String> {
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let failures = std::sync::Mutex::new(Vec::new());
+    let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(c) = cases.get(i) else { break };
+                let found = check(i, c);
+                failures.lock().unwrap().extend(found);
+            });
+        }
+    });
+    failures.into_inner().unwrap()
+}
